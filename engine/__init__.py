@@ -1,0 +1,1 @@
+"""What is trained and how: config, model, optimizer, schedules, checkpoints, monitoring, train loop."""

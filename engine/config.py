@@ -1,0 +1,299 @@
+"""Typed run configuration: YAML file + dotted command-line overrides, validated before anything starts.
+
+    cfg = load_config("launch/configs/demo.yaml", ["optim.lr=3e-4", "parallel.tensor=2"])
+    validate(cfg, world_size=8)
+
+Unknown keys are rejected with the nearest valid name; impossible layouts and batch sizes are rejected
+with the numbers and the fix in the message.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the key, the numbers and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_attention_heads: int = 8
+    num_kv_heads: int = 0  # 0 means "same as num_attention_heads" (no grouped-query attention)
+    ffn_hidden_size: int = 688
+    vocab_size: int = 8192
+    seq_length: int = 256
+    rope_theta: float = 10000.0
+    position_embedding: str = "rope"  # rope | alibi
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    deepnorm_init: bool = False  # scale v/o/ffn init by (8 L)^-1/4 (DeepNet) for stability without clipping
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+@dataclass
+class ParallelConfig:
+    tensor: int = 1
+    pipeline: int = 1
+    sequence_parallel: bool = False
+    zero_stage: int = 0
+    virtual_stages: int = 1
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
+    rank_order: str = "tp-dp-pp"  # fastest-varying dimension first: TP ranks adjacent by default
+    backend: str = "auto"  # auto (nccl with CUDA, else gloo) | gloo | nccl
+    timeout_minutes: float = 10.0
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = 4
+    global_batch_size: int = 16
+    steps: int = 100
+    seed: int = 1234
+    precision: str = "fp32"  # fp32 | bf16 | fp16
+    log_interval: int = 1
+    device: str = "auto"  # auto | cpu | cuda
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    schedule: str = "cosine"  # cosine | linear | constant | wsd | two_phase
+    weight_decay: float = 0.1
+    clip_grad: float = 1.0  # 0 disables clipping
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    decay_fraction: float = 0.2  # wsd: last fraction of steps that decays; two_phase: the linear tail
+
+
+@dataclass
+class DataConfig:
+    paths: list = field(default_factory=list)  # dataset prefixes, optionally weighted: ["0.6", "a", "0.4", "b"]
+    tokenizer: str = ""  # tokenizer.json (or SentencePiece .model) used for samples and HF export
+    mock: bool = False  # deterministic random tokens instead of files (tests, benchmarks)
+    split: str = "98,2,0"
+    cache_dir: str = ""
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 0  # 0 disables periodic saving
+    keep: int = 3
+    load: str = ""  # a checkpoint directory to start from; empty = resume from run.dir if any
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/default"
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+CHOICES = {
+    ("model", "position_embedding"): ("rope", "alibi"),
+    ("parallel", "schedule"): ("gpipe", "1f1b", "interleaved"),
+    ("parallel", "backend"): ("auto", "gloo", "nccl"),
+    ("train", "precision"): ("fp32", "bf16", "fp16"),
+    ("train", "device"): ("auto", "cpu", "cuda"),
+    ("optim", "schedule"): ("cosine", "linear", "constant", "wsd", "two_phase"),
+}
+
+
+def _suggest(name: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
+    return f" Did you mean '{close[0]}'?" if close else f" Valid keys: {', '.join(sorted(valid))}."
+
+
+def _coerce(value, typ, where: str):
+    """Convert a YAML value to the dataclass field's type, refusing lossy conversions."""
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if typ is int:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return int(value)
+    if typ is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if typ is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return str(value)
+    if typ is list:
+        if isinstance(value, str):
+            return [value]
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return [str(v) for v in value]
+    raise TypeError(f"unsupported config type {typ} at {where}")
+
+
+def from_dict(raw: dict) -> Config:
+    cfg = Config()
+    if not isinstance(raw, dict):
+        raise ConfigError(f"the config must be a mapping of sections, got {type(raw).__name__}")
+    sections = {f.name: f for f in dataclasses.fields(Config)}
+    for section, values in raw.items():
+        if section not in sections:
+            raise ConfigError(f"unknown config section '{section}'.{_suggest(section, list(sections))}")
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            raise ConfigError(f"config section '{section}' must be a mapping, got {values!r}")
+        target = getattr(cfg, section)
+        hints = typing.get_type_hints(type(target))
+        valid = [f.name for f in dataclasses.fields(target)]
+        for key, value in values.items():
+            if key not in valid:
+                raise ConfigError(f"unknown config key '{section}.{key}'.{_suggest(key, valid)}")
+            value = _coerce(value, hints[key], f"{section}.{key}")
+            choices = CHOICES.get((section, key))
+            if choices and value not in choices:
+                raise ConfigError(f"{section}.{key}={value!r} is not one of {', '.join(choices)}")
+            setattr(target, key, value)
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Apply `section.key=value` overrides; values are parsed as YAML (so 3e-4, true, [a, b] work)."""
+    for item in overrides:
+        if "=" not in item or "." not in item.split("=", 1)[0]:
+            raise ConfigError(f"override '{item}' must look like section.key=value, e.g. optim.lr=3e-4")
+        dotted, text = item.split("=", 1)
+        section, key = dotted.split(".", 1)
+        value = yaml.safe_load(text) if text != "" else ""
+        if isinstance(value, str) and _looks_numeric(value):
+            value = float(value)
+        raw.setdefault(section, {})
+        if raw[section] is None:
+            raw[section] = {}
+        raw[section][key] = value
+    return raw
+
+
+def _looks_numeric(text: str) -> bool:
+    # PyYAML reads "3e-4" (no dot) as a string; accept it as the number the user meant.
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    raw: dict = {}
+    if path:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist; pass an existing YAML file with --config")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+    return from_dict(apply_overrides(raw, overrides or []))
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def data_parallel_size(cfg: Config, world_size: int) -> int:
+    model_parallel = cfg.parallel.tensor * cfg.parallel.pipeline
+    if world_size % model_parallel:
+        raise ConfigError(
+            f"world size {world_size} is not divisible by parallel.tensor × parallel.pipeline = "
+            f"{cfg.parallel.tensor}×{cfg.parallel.pipeline} = {model_parallel}; "
+            f"use a world size that is a multiple of {model_parallel} or change the layout")
+    return world_size // model_parallel
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Reject impossible combinations before any process group or tensor is made."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    for name, value in (("parallel.tensor", p.tensor), ("parallel.pipeline", p.pipeline),
+                        ("parallel.virtual_stages", p.virtual_stages), ("model.num_layers", m.num_layers),
+                        ("model.num_attention_heads", m.num_attention_heads), ("train.micro_batch_size",
+                        t.micro_batch_size), ("train.global_batch_size", t.global_batch_size)):
+        if value < 1:
+            raise ConfigError(f"{name}={value} must be at least 1")
+    if m.hidden_size % m.num_attention_heads:
+        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
+                          f"{m.num_attention_heads}; pick a head count that divides it")
+    if m.num_attention_heads % m.kv_heads:
+        raise ConfigError(f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
+                          f"model.num_kv_heads={m.kv_heads}; grouped-query attention needs whole groups")
+    if m.position_embedding == "rope" and m.head_dim % 2:
+        raise ConfigError(f"RoPE needs an even head dimension, got hidden_size/heads = {m.head_dim}")
+    if m.num_attention_heads % p.tensor:
+        raise ConfigError(f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
+                          f"parallel.tensor={p.tensor}; use a tensor-parallel size that divides the head count")
+    if m.kv_heads % p.tensor and p.tensor % m.kv_heads:
+        raise ConfigError(f"model.num_kv_heads={m.kv_heads} and parallel.tensor={p.tensor}: one must divide the "
+                          f"other (KV heads are split when there are at least TP of them, else replicated)")
+    if m.ffn_hidden_size % p.tensor:
+        raise ConfigError(f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by parallel.tensor={p.tensor}")
+    if p.sequence_parallel and m.seq_length % p.tensor:
+        raise ConfigError(f"sequence parallelism splits model.seq_length={m.seq_length} over parallel.tensor="
+                          f"{p.tensor} ranks; choose a sequence length divisible by {p.tensor}")
+    chunks = p.pipeline * p.virtual_stages
+    if m.num_layers < chunks:
+        raise ConfigError(f"model.num_layers={m.num_layers} is fewer than parallel.pipeline × virtual_stages = "
+                          f"{p.pipeline}×{p.virtual_stages} = {chunks} model chunks; each chunk needs a layer")
+    if p.virtual_stages > 1 and p.schedule != "interleaved":
+        raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} needs parallel.schedule=interleaved")
+    if p.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"parallel.zero_stage={p.zero_stage} must be 0, 1, 2 or 3")
+    dp = data_parallel_size(cfg, world_size)
+    per_step = t.micro_batch_size * dp
+    if t.global_batch_size % per_step:
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size × "
+            f"data-parallel size = {t.micro_batch_size}×{dp} = {per_step}; use a multiple of {per_step}")
+    micro_batches = t.global_batch_size // per_step
+    if p.schedule == "interleaved" and p.pipeline > 1 and micro_batches % p.pipeline:
+        raise ConfigError(f"the interleaved schedule needs the number of micro-batches ({micro_batches} = "
+                          f"global_batch_size / (micro_batch_size × dp)) to be a multiple of parallel.pipeline="
+                          f"{p.pipeline}")
+    if not cfg.data.mock and not cfg.data.paths:
+        raise ConfigError("data.paths is empty: give dataset prefixes made by tools/preprocess_data.py, "
+                          "or set data.mock=true for synthetic tokens")
+    if t.steps < 1:
+        raise ConfigError(f"train.steps={t.steps} must be at least 1")
+    if cfg.optim.warmup_steps < 0 or not 0.0 <= cfg.optim.min_lr_ratio <= 1.0:
+        raise ConfigError("optim.warmup_steps must be ≥ 0 and optim.min_lr_ratio within [0, 1]")

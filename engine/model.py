@@ -1,0 +1,209 @@
+"""Decoder-only Llama built from `parallel/` layers: RMSNorm, RoPE (or ALiBi), SwiGLU, grouped-query attention.
+
+Parameter names and layouts are those of Hugging Face `LlamaForCausalLM` (at TP=1, without vocabulary
+padding), so conversion is a rename-free copy. At TP>1 the same classes hold slices; at PP>1 a model
+chunk holds a subset of the layers under their global indices. The model issues no collective itself:
+only the `parallel.tensor` layers and the `TensorParallel` context do.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from engine.config import ModelConfig
+from kernels.attention import alibi_bias, alibi_slopes, causal_attention
+from kernels.norm import rms_norm
+from kernels.rope import apply_rope, rope_cos_sin
+from parallel import comm
+from parallel.random import TRACKER
+from parallel.tensor import (ColumnParallelLinear, ReplicatedRowsLinear, RowParallelLinear, TensorParallel,
+                             VocabParallelEmbedding, describe, divide, initialize_parameters,
+                             vocab_parallel_cross_entropy)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, tp: TensorParallel):
+        super().__init__()
+        self.eps = eps
+        # Under sequence parallelism each TP rank sees only its sequence shard: gradients are partial sums.
+        self.weight = describe(nn.Parameter(torch.empty(size)), (size,), None, None,
+                               tp_replicated_grad=tp.sequence_parallel)
+
+    def forward(self, x):
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Dropout(nn.Module):
+    """Hidden dropout; on sequence-parallel shards each TP rank must draw its own mask."""
+
+    def __init__(self, p: float, tp: TensorParallel):
+        super().__init__()
+        self.p, self.tp = p, tp
+
+    def forward(self, x):
+        if not self.training or self.p == 0.0:
+            return x
+        fork = TRACKER.fork() if self.tp.sequence_parallel else contextlib.nullcontext()
+        with fork:
+            return F.dropout(x, self.p, training=True)
+
+
+def _scaled_std(cfg: ModelConfig) -> float:
+    return cfg.init_std * (8 * cfg.num_layers) ** -0.25 if cfg.deepnorm_init else cfg.init_std
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
+        super().__init__()
+        self.cfg, self.tp = cfg, tp
+        d, heads, kv = cfg.head_dim, cfg.num_attention_heads, cfg.kv_heads
+        self.local_heads = divide(heads, tp.size, "model.num_attention_heads")
+        residual_std = _scaled_std(cfg)
+        self.q_proj = ColumnParallelLinear(cfg.hidden_size, heads * d, tp, cfg.init_std)
+        if kv >= tp.size:
+            self.local_kv_heads = divide(kv, tp.size, "model.num_kv_heads")
+            self.k_proj = ColumnParallelLinear(cfg.hidden_size, kv * d, tp, cfg.init_std)
+            self.v_proj = ColumnParallelLinear(cfg.hidden_size, kv * d, tp, residual_std)
+        else:  # fewer KV heads than TP ranks: every rank keeps all of them and uses the one its queries need
+            self.local_kv_heads = 1
+            head = tp.rank * kv // tp.size
+            rows = slice(head * d, (head + 1) * d)
+            self.k_proj = ReplicatedRowsLinear(cfg.hidden_size, kv * d, tp, cfg.init_std, rows)
+            self.v_proj = ReplicatedRowsLinear(cfg.hidden_size, kv * d, tp, residual_std, rows)
+        self.o_proj = RowParallelLinear(heads * d, cfg.hidden_size, tp, residual_std)
+        if cfg.position_embedding == "alibi":
+            first = tp.rank * self.local_heads
+            self.register_buffer("slopes", alibi_slopes(heads)[first:first + self.local_heads], persistent=False)
+
+    def forward(self, x, rope):
+        x = self.tp.enter(x)
+        b, s, _ = x.shape
+        d = self.cfg.head_dim
+        q = self.q_proj(x).view(b, s, self.local_heads, d).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, self.local_kv_heads, d).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.local_kv_heads, d).transpose(1, 2)
+        bias = slopes = None
+        if self.cfg.position_embedding == "rope":
+            cos, sin = rope
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:
+            slopes = self.slopes
+            bias = alibi_bias(slopes, s, device=x.device)
+        p = self.cfg.attention_dropout if self.training else 0.0
+        with TRACKER.fork() if p > 0 else contextlib.nullcontext():
+            out = causal_attention(q, k, v, bias=bias, dropout_p=p, slopes=slopes)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.local_heads * d))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate/up column-parallel, down row-parallel."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
+        super().__init__()
+        self.tp = tp
+        std = _scaled_std(cfg)
+        self.gate_proj = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, tp, std)
+        self.up_proj = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, tp, std)
+        self.down_proj = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, tp, std)
+
+    def forward(self, x):
+        x = self.tp.enter(x)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, tp)
+        self.self_attn = Attention(cfg, tp)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, tp)
+        self.mlp = MLP(cfg, tp)
+        self.dropout = Dropout(cfg.hidden_dropout, tp)
+
+    def forward(self, x, rope):
+        x = x + self.dropout(self.self_attn(self.input_layernorm(x), rope))
+        return x + self.dropout(self.mlp(self.post_attention_layernorm(x)))
+
+
+class Backbone(nn.Module):
+    """Hugging Face's `model.` prefix: embeddings, layers and final norm (each present only on its stage)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, layer_ids, pre_process: bool, post_process: bool):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, cfg.init_std) \
+            if pre_process else None
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, tp) for i in layer_ids})
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, tp) if post_process else None
+
+
+class CausalLM(nn.Module):
+    """One model chunk: the whole model by default, or the layers `layer_ids` of a pipeline stage."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None, layer_ids=None,
+                 pre_process: bool = True, post_process: bool = True):
+        super().__init__()
+        tp = tp or TensorParallel()
+        self.cfg, self.tp = cfg, tp
+        self.pre_process, self.post_process = pre_process, post_process
+        layer_ids = list(range(cfg.num_layers)) if layer_ids is None else list(layer_ids)
+        self.model = Backbone(cfg, tp, layer_ids, pre_process, post_process)
+        self.embed_dropout = Dropout(cfg.hidden_dropout, tp)
+        self.lm_head = None
+        if post_process and not (cfg.tie_embeddings and pre_process):
+            self.lm_head = ColumnParallelLinear(cfg.hidden_size, _padded_vocab(cfg, tp), tp, cfg.init_std,
+                                                valid_rows=cfg.vocab_size)
+            if cfg.tie_embeddings:  # a separate copy on the last stage that must start equal to the embedding
+                self.lm_head.weight.init_name = "model.embed_tokens.weight"
+        self._rope_cache: dict = {}
+
+    def init_weights(self, seed: int) -> None:
+        initialize_parameters(self, seed, self.tp)
+
+    def output_weight(self) -> torch.Tensor:
+        return self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
+
+    def _rope(self, seq_length: int, device, dtype):
+        key = (seq_length, device, dtype)
+        if key not in self._rope_cache:
+            self._rope_cache = {key: rope_cos_sin(seq_length, self.cfg.head_dim, self.cfg.rope_theta, device, dtype)}
+        return self._rope_cache[key]
+
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None):
+        """inputs: token ids [b, s] on the first stage, else hidden states [b, s(/tp), h].
+
+        Returns hidden states (not last stage), this rank's logits slice [b, s, V_padded/tp] (no labels), or
+        the mean token loss (labels given)."""
+        if self.pre_process:
+            x = self.embed_dropout(self.model.embed_tokens(inputs))
+        else:
+            x = inputs
+        full_seq = x.shape[1] * (self.tp.size if self.tp.sequence_parallel else 1)
+        dtype = x.dtype if x.is_floating_point() else torch.float32
+        rope = self._rope(full_seq, x.device, dtype) if self.cfg.position_embedding == "rope" else None
+        for layer in self.model.layers.values():
+            x = layer(x, rope)
+        if not self.post_process:
+            return x
+        logits = F.linear(self.tp.enter(self.model.norm(x)), self.output_weight())
+        if labels is None:
+            return logits
+        return vocab_parallel_cross_entropy(logits, labels, self.tp, self.cfg.vocab_size).mean()
+
+    def full_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
+        """Gather the vocabulary slices and drop the padding (generation, evaluation, tests)."""
+        return comm.gather_from_last_dim(local_logits, self.tp.group)[..., : self.cfg.vocab_size]
+
+
+def _padded_vocab(cfg: ModelConfig, tp: TensorParallel) -> int:
+    return math.ceil(cfg.vocab_size / tp.size) * tp.size
+
+
+def num_parameters(cfg: ModelConfig) -> int:
+    h, f, v, L = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size, cfg.num_layers
+    kv = cfg.kv_heads * cfg.head_dim
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h
+    return L * per_layer + v * h * (1 if cfg.tie_embeddings else 2) + h

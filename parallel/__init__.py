@@ -1,0 +1,1 @@
+"""How the model is split: topology and process groups, tensor/sequence, pipeline and data parallelism."""

@@ -1,0 +1,241 @@
+"""Every collective Trilith issues, recorded, and the autograd pairs of Megatron's f/g operators.
+
+The low-level functions (`all_reduce`, `all_gather`, `reduce_scatter`, ...) are thin wrappers over
+torch.distributed that append (op, group, bytes, dtype) to `RECORD` while recording is on. A group of
+None means "size 1": the call is a no-op and is not recorded. The autograd Functions below use them, so
+the record shows exactly what crosses the wire in forward and in backward.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+_GROUP_NAMES: dict = {}
+
+
+def register_group(group, name: str) -> None:
+    if group is not None:
+        _GROUP_NAMES[group] = name
+
+
+def group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+@dataclass
+class CommEvent:
+    op: str
+    group: str
+    bytes: int
+    dtype: str
+
+
+class CommRecord:
+    def __init__(self):
+        self.events: list[CommEvent] = []
+        self.enabled = False
+
+    @contextlib.contextmanager
+    def capture(self):
+        self.events, self.enabled = [], True
+        try:
+            yield self.events
+        finally:
+            self.enabled = False
+
+    def add(self, op: str, group, tensor: torch.Tensor) -> None:
+        if self.enabled:
+            self.events.append(CommEvent(op, _GROUP_NAMES.get(group, "?"), tensor.numel() * tensor.element_size(),
+                                         str(tensor.dtype).replace("torch.", "")))
+
+    def summary(self) -> dict:
+        out: dict = {}
+        for e in self.events:
+            key = f"{e.op}[{e.group},{e.dtype}]"
+            count, nbytes = out.get(key, (0, 0))
+            out[key] = (count + 1, nbytes + e.bytes)
+        return out
+
+
+RECORD = CommRecord()
+
+
+def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = False):
+    if group is None:
+        return None
+    RECORD.add("all_reduce", group, tensor)
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def all_gather(tensor: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+    """Concatenate every rank's `tensor` along `dim`."""
+    world = group_size(group)
+    if world == 1:
+        return tensor
+    moved = tensor.movedim(dim, 0).contiguous()
+    out = torch.empty((world * moved.shape[0],) + moved.shape[1:], dtype=tensor.dtype, device=tensor.device)
+    RECORD.add("all_gather", group, out)
+    dist.all_gather_into_tensor(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
+def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool = False):
+    """Flat all-gather into a preallocated buffer (FSDP parameter gathering)."""
+    if group is None:
+        output.copy_(shard)
+        return None
+    RECORD.add("all_gather", group, output)
+    return dist.all_gather_into_tensor(output, shard, group=group, async_op=async_op)
+
+
+def reduce_scatter(tensor: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+    """Sum over ranks, keep this rank's chunk of `dim`."""
+    world = group_size(group)
+    if world == 1:
+        return tensor
+    moved = tensor.movedim(dim, 0).contiguous()
+    if moved.shape[0] % world:
+        raise ValueError(f"reduce_scatter: dimension {dim} of size {moved.shape[0]} not divisible by {world}")
+    out = torch.empty((moved.shape[0] // world,) + moved.shape[1:], dtype=tensor.dtype, device=tensor.device)
+    RECORD.add("reduce_scatter", group, moved)
+    dist.reduce_scatter_tensor(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
+def reduce_scatter_into(output: torch.Tensor, flat: torch.Tensor, group, async_op: bool = False):
+    """Flat reduce-scatter into a preallocated shard (ZeRO gradient reduction)."""
+    if group is None:
+        output.copy_(flat)
+        return None
+    RECORD.add("reduce_scatter", group, flat)
+    return dist.reduce_scatter_tensor(output, flat, group=group, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group) -> None:
+    if group is None:
+        return
+    RECORD.add("broadcast", group, tensor)
+    dist.broadcast(tensor, src=src, group=group)
+
+
+def split_along(tensor: torch.Tensor, group, dim: int) -> torch.Tensor:
+    world = group_size(group)
+    if world == 1:
+        return tensor
+    if tensor.shape[dim] % world:
+        raise ValueError(f"cannot split dimension {dim} of size {tensor.shape[dim]} over {world} ranks")
+    return tensor.chunk(world, dim=dim)[group_rank(group)].contiguous()
+
+
+# -- autograd pairs (Megatron's f and g, and their sequence-parallel forms) ------------------------
+
+class _CopyToRegion(torch.autograd.Function):
+    """f: identity forward, all-reduce backward (entering a tensor-parallel region)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        all_reduce(grad, ctx.group)
+        return grad, None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    """g: all-reduce forward, identity backward (leaving a tensor-parallel region)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous()
+        all_reduce(x, group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    """Sequence parallel f: all-gather the sequence forward, reduce-scatter backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return all_gather(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter(grad, ctx.group, ctx.dim), None, None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    """Sequence parallel g: reduce-scatter forward, all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return reduce_scatter(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, ctx.group, ctx.dim), None, None
+
+
+class _ScatterToSequence(torch.autograd.Function):
+    """Keep this rank's sequence chunk forward, all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return split_along(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, ctx.group, ctx.dim), None, None
+
+
+class _GatherFromLastDim(torch.autograd.Function):
+    """All-gather the last (vocab/feature) dimension forward, keep own chunk backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather(x, group, x.dim() - 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return split_along(grad, ctx.group, grad.dim() - 1), None
+
+
+def copy_to_tensor_region(x, group):
+    return x if group is None else _CopyToRegion.apply(x, group)
+
+
+def reduce_from_tensor_region(x, group):
+    return x if group is None else _ReduceFromRegion.apply(x, group)
+
+
+def gather_from_sequence_region(x, group, dim: int = 1):
+    return x if group is None else _GatherFromSequence.apply(x, group, dim)
+
+
+def reduce_scatter_to_sequence_region(x, group, dim: int = 1):
+    return x if group is None else _ReduceScatterToSequence.apply(x, group, dim)
+
+
+def scatter_to_sequence_region(x, group, dim: int = 1):
+    return x if group is None else _ScatterToSequence.apply(x, group, dim)
+
+
+def gather_from_last_dim(x, group):
+    return x if group is None else _GatherFromLastDim.apply(x, group)

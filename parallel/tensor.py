@@ -1,0 +1,221 @@
+"""Tensor-parallel layers (Megatron's column/row split) with optional sequence parallelism.
+
+A `TensorParallel` context carries the TP group and whether sequence parallelism is on. Blocks call
+`tp.enter(x)` before their column-parallel projections and row-parallel layers leave the region
+themselves, so each block issues exactly one collective in and one out, forward and backward:
+
+    without SP:  enter = f (identity / all-reduce)    exit = g (all-reduce / identity)
+    with SP:     enter = all-gather / reduce-scatter    exit = reduce-scatter / all-gather
+
+Every parameter records how it maps onto the full (TP=1) tensor: `tp_dim` (split dimension or None),
+`full_shape`, and `valid_rows` for vocabulary padding. Initialisation and checkpoints use that.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from parallel import comm
+
+
+@dataclass
+class TensorParallel:
+    group: object = None
+    size: int = 1
+    rank: int = 0
+    sequence_parallel: bool = False
+
+    @classmethod
+    def from_topology(cls, topo, sequence_parallel: bool = False) -> "TensorParallel":
+        return cls(topo.tp_group, topo.tp_size, topo.tp_rank, sequence_parallel and topo.tp_size > 1)
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """Replicated (or sequence-sharded) activations → the input every TP rank needs in full."""
+        if self.sequence_parallel:
+            return comm.gather_from_sequence_region(x, self.group, dim=1)
+        return comm.copy_to_tensor_region(x, self.group)
+
+    def exit(self, partial: torch.Tensor) -> torch.Tensor:
+        """Per-rank partial sums → the summed (or summed and sequence-sharded) activations."""
+        if self.sequence_parallel:
+            return comm.reduce_scatter_to_sequence_region(partial, self.group, dim=1)
+        return comm.reduce_from_tensor_region(partial, self.group)
+
+
+def describe(param: nn.Parameter, full_shape, tp_dim, std: float | None, valid_rows: int | None = None,
+             tp_replicated_grad: bool = False) -> nn.Parameter:
+    """Attach the mapping onto the full tensor; `std=None` means initialise to ones (norm weights)."""
+    param.full_shape = tuple(full_shape)
+    param.tp_dim = tp_dim
+    param.init_std = std
+    param.valid_rows = valid_rows
+    param.tp_replicated_grad = tp_replicated_grad
+    return param
+
+
+def divide(a: int, b: int, what: str) -> int:
+    if a % b:
+        raise ValueError(f"{what}={a} is not divisible by the tensor-parallel size {b}")
+    return a // b
+
+
+def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
+    return math.ceil(vocab_size / tp_size) * tp_size
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x Wᵀ with W's output rows split across TP ranks; input must already be in the region."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TensorParallel, std: float,
+                 valid_rows: int | None = None):
+        super().__init__()
+        self.tp = tp
+        local_out = divide(out_features, tp.size, "output features")
+        self.weight = describe(nn.Parameter(torch.empty(local_out, in_features)), (out_features, in_features),
+                               0 if tp.size > 1 else None, std, valid_rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class RowParallelLinear(nn.Module):
+    """y = Σ_ranks x_r W_rᵀ with W's input columns split; leaves the region (all-reduce or reduce-scatter)."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TensorParallel, std: float):
+        super().__init__()
+        self.tp = tp
+        local_in = divide(in_features, tp.size, "input features")
+        self.weight = describe(nn.Parameter(torch.empty(out_features, local_in)), (out_features, in_features),
+                               1 if tp.size > 1 else None, std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.exit(F.linear(x, self.weight))
+
+
+class ReplicatedRowsLinear(nn.Module):
+    """A full weight on every TP rank of which each rank uses a block of rows (KV heads when there are
+    fewer KV heads than TP ranks). Each rank's gradient covers only its rows, so the gradients are summed
+    over the TP group after backward (`tp_replicated_grad`)."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TensorParallel, std: float, rows: slice):
+        super().__init__()
+        self.rows = rows
+        self.weight = describe(nn.Parameter(torch.empty(out_features, in_features)), (out_features, in_features),
+                               None, std, tp_replicated_grad=tp.size > 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight[self.rows])
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split across TP ranks; vocabulary padded to a multiple of the TP size."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel, std: float):
+        super().__init__()
+        self.tp, self.vocab_size = tp, vocab_size
+        padded = padded_vocab_size(vocab_size, tp.size)
+        self.rows_per_rank = padded // tp.size
+        self.vocab_start = tp.rank * self.rows_per_rank
+        self.weight = describe(nn.Parameter(torch.empty(self.rows_per_rank, hidden_size)), (padded, hidden_size),
+                               0 if tp.size > 1 else None, std, valid_rows=vocab_size)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.rows_per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return self.tp.exit(out)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy over logits split along the vocabulary, never gathering the full logits."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, group, vocab_start, vocab_size):
+        logits = logits.float()
+        local_vocab = logits.shape[-1]
+        padding = vocab_start + local_vocab - vocab_size
+        if padding > 0:  # padded rows must never take part in the softmax
+            logits = logits.clone()
+            logits[..., local_vocab - padding:] = float("-inf")
+        logits_max = logits.max(dim=-1).values
+        comm.all_reduce(logits_max, group, op=torch.distributed.ReduceOp.MAX)
+        shifted = logits - logits_max.unsqueeze(-1)
+        local_labels = labels - vocab_start
+        outside = (local_labels < 0) | (local_labels >= local_vocab)
+        local_labels = local_labels.masked_fill(outside, 0)
+        predicted = shifted.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        comm.all_reduce(predicted, group)
+        exp = shifted.exp_()
+        sum_exp = exp.sum(dim=-1)
+        comm.all_reduce(sum_exp, group)
+        loss = sum_exp.log() - predicted
+        exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(exp, local_labels, outside)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_labels, outside = ctx.saved_tensors
+        grad = softmax
+        grad.scatter_add_(-1, local_labels.unsqueeze(-1), -(~outside).unsqueeze(-1).to(grad.dtype))
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(local_logits: torch.Tensor, labels: torch.Tensor, tp: TensorParallel,
+                                 vocab_size: int) -> torch.Tensor:
+    """Per-token loss [..] from this rank's logits slice [.., V_padded / tp]."""
+    vocab_start = tp.rank * local_logits.shape[-1]
+    return _VocabParallelCrossEntropy.apply(local_logits, labels, tp.group, vocab_start, vocab_size)
+
+
+def allreduce_replicated_grads(module: nn.Module, tp: TensorParallel) -> None:
+    """Sum gradients of TP-replicated parameters whose per-rank gradients are partial (SP norms, shared KV)."""
+    if tp.size == 1:
+        return
+    grads = [p.grad for p in module.parameters() if getattr(p, "tp_replicated_grad", False) and p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    comm.all_reduce(flat, tp.group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def parameter_seed(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+def full_initial_value(param: nn.Parameter, name: str, seed: int) -> torch.Tensor:
+    """The TP=1 value of a parameter: depends only on (seed, name), never on the layout."""
+    if param.init_std is None:
+        return torch.ones(param.full_shape)
+    gen = torch.Generator().manual_seed(parameter_seed(seed, name))
+    rows = param.valid_rows or param.full_shape[0]
+    value = torch.zeros(param.full_shape)
+    value[:rows] = torch.randn((rows,) + tuple(param.full_shape[1:]), generator=gen) * param.init_std
+    return value
+
+
+def local_slice(full: torch.Tensor, param: nn.Parameter, tp: TensorParallel) -> torch.Tensor:
+    if param.tp_dim is None:
+        return full
+    return full.chunk(tp.size, dim=param.tp_dim)[tp.rank]
+
+
+@torch.no_grad()
+def initialize_parameters(module: nn.Module, seed: int, tp: TensorParallel) -> None:
+    for name, param in module.named_parameters():
+        # A tied output layer on the last pipeline stage starts from the embedding's values.
+        init_name = getattr(param, "init_name", name)
+        param.copy_(local_slice(full_initial_value(param, init_name, seed), param, tp))

@@ -1,0 +1,191 @@
+"""The parallel layout as one validated object, and every process group built from it.
+
+The world of N ranks is factored into tensor (TP) × data (DP) × pipeline (PP) coordinates. `order` lists
+the dimensions fastest-varying first: the default "tp-dp-pp" puts TP ranks on adjacent ranks (inside one
+node), then DP, then PP. All groups are created up front, by every rank, in the same order, because
+`torch.distributed.new_group` is collective over the whole world.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+DIMS = ("tp", "dp", "pp")
+
+
+class LayoutError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    order: str = "tp-dp-pp"
+
+    def __post_init__(self):
+        dims = self.order.split("-")
+        if sorted(dims) != sorted(DIMS):
+            raise LayoutError(f"rank order {self.order!r} must name each of tp, dp, pp once, e.g. 'tp-dp-pp'")
+        for name in DIMS:
+            if getattr(self, name) < 1:
+                raise LayoutError(f"{name} size {getattr(self, name)} must be at least 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @classmethod
+    def for_world(cls, world_size: int, tp: int = 1, pp: int = 1, order: str = "tp-dp-pp") -> "Layout":
+        if world_size % (tp * pp):
+            raise LayoutError(f"world size {world_size} is not divisible by TP×PP = {tp}×{pp} = {tp * pp}")
+        return cls(tp=tp, pp=pp, dp=world_size // (tp * pp), order=order)
+
+    def coords(self, rank: int) -> dict:
+        out = {}
+        for name in self.order.split("-"):
+            size = getattr(self, name)
+            out[name] = rank % size
+            rank //= size
+        return out
+
+    def rank_of(self, **coords) -> int:
+        rank, stride = 0, 1
+        for name in self.order.split("-"):
+            rank += coords[name] * stride
+            stride *= getattr(self, name)
+        return rank
+
+    def groups_along(self, dim: str) -> list[list[int]]:
+        """All rank lists that vary only in `dim`, in a fixed order (the same on every rank)."""
+        others = [d for d in DIMS if d != dim]
+        result = []
+        for fixed in itertools.product(*(range(getattr(self, d)) for d in others)):
+            base = dict(zip(others, fixed))
+            result.append([self.rank_of(**base, **{dim: i}) for i in range(getattr(self, dim))])
+        return result
+
+
+class Topology:
+    """This rank's place in the layout and its process groups (None when a dimension has size 1)."""
+
+    def __init__(self, layout: Layout, rank: int = 0, dp_node_size: int = 0):
+        if dist.is_initialized() and dist.get_world_size() != layout.world_size:
+            raise LayoutError(f"world size {dist.get_world_size()} ≠ TP×PP×DP = {layout.tp}×{layout.pp}×"
+                              f"{layout.dp} = {layout.world_size}")
+        self.layout, self.rank = layout, rank
+        c = layout.coords(rank)
+        self.tp_rank, self.dp_rank, self.pp_rank = c["tp"], c["dp"], c["pp"]
+        self.tp_size, self.dp_size, self.pp_size = layout.tp, layout.dp, layout.pp
+        self.groups: dict[str, object] = {}
+        self.group_ranks: dict[str, list[int]] = {}
+        for dim in DIMS:
+            self._build(dim, layout.groups_along(dim))
+        self._build("mp", self._model_parallel_rank_lists())
+        self._build("embedding", self._embedding_rank_lists())
+        self.hierarchy = None
+        if dp_node_size:
+            self.hierarchy = self.build_hierarchical_dp(dp_node_size)
+
+    # -- group construction -------------------------------------------------------------------
+    def _new_group(self, ranks: list[int]):
+        if len(ranks) == 1 or not dist.is_initialized():
+            return None
+        return dist.new_group(ranks)
+
+    def _build(self, name: str, rank_lists: list[list[int]]) -> None:
+        from parallel.comm import register_group
+        for ranks in rank_lists:
+            group = self._new_group(ranks)
+            if self.rank in ranks:
+                self.groups[name], self.group_ranks[name] = group, ranks
+                register_group(group, name)
+
+    def _model_parallel_rank_lists(self) -> list[list[int]]:
+        lay = self.layout
+        return [sorted(lay.rank_of(tp=t, pp=p, dp=d) for t in range(lay.tp) for p in range(lay.pp))
+                for d in range(lay.dp)]
+
+    def _embedding_rank_lists(self) -> list[list[int]]:
+        lists = []
+        for ranks in self.layout.groups_along("pp"):
+            lists.append(sorted({ranks[0], ranks[-1]}))
+        return lists
+
+    def build_unit_groups(self, num_units: int) -> list:
+        """One data-parallel communicator per FSDP sharding unit, so units' collectives need not queue."""
+        mine = []
+        for unit in range(num_units):
+            for ranks in self.layout.groups_along("dp"):
+                group = self._new_group(ranks)
+                if self.rank in ranks:
+                    mine.append(group)
+                    from parallel.comm import register_group
+                    register_group(group, f"dp_unit{unit}")
+        return mine
+
+    def build_hierarchical_dp(self, node_size: int) -> tuple:
+        """(intra, inter) groups splitting each DP group into blocks of `node_size` ranks (NCCL grouping)."""
+        if self.dp_size % node_size:
+            raise LayoutError(f"hierarchical data parallelism needs DP size {self.dp_size} divisible by the "
+                              f"node group size {node_size}")
+        from parallel.comm import register_group
+        intra = inter = None
+        for ranks in self.layout.groups_along("dp"):
+            blocks = [ranks[i:i + node_size] for i in range(0, len(ranks), node_size)]
+            for block in blocks:
+                g = self._new_group(block)
+                if self.rank in block:
+                    intra = g
+                    register_group(g, "dp_intra")
+            for j in range(node_size):
+                across = [block[j] for block in blocks]
+                g = self._new_group(across)
+                if self.rank in across:
+                    inter = g
+                    register_group(g, "dp_inter")
+        return intra, inter
+
+    # -- convenience -------------------------------------------------------------------------
+    @property
+    def tp_group(self):
+        return self.groups["tp"]
+
+    @property
+    def dp_group(self):
+        return self.groups["dp"]
+
+    @property
+    def pp_group(self):
+        return self.groups["pp"]
+
+    @property
+    def mp_group(self):
+        return self.groups["mp"]
+
+    @property
+    def embedding_group(self):
+        return self.groups["embedding"]
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def pp_neighbour(self, offset: int) -> int:
+        """Global rank of the pipeline stage `offset` away (wrapping, for interleaved schedules)."""
+        return self.group_ranks["pp"][(self.pp_rank + offset) % self.pp_size]
+
+    def describe(self) -> str:
+        return (f"rank {self.rank}: tp {self.tp_rank}/{self.tp_size} pp {self.pp_rank}/{self.pp_size} "
+                f"dp {self.dp_rank}/{self.dp_size}")
+
+
+def single_process() -> Topology:
+    return Topology(Layout())

@@ -1,0 +1,18 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="trilith",
+    version="0.1.0",
+    description="Megatron-style 3D-parallel pretraining engine for decoder-only language models",
+    packages=find_packages(include=["engine", "engine.*", "parallel", "parallel.*", "kernels", "kernels.*",
+                                    "data", "data.*"]),
+    python_requires=">=3.10",
+    # torch is pinned by the Makefile for CPU installs (a bare requirement would pull a CUDA build).
+    install_requires=["torch>=2.4", "numpy", "pyyaml", "tokenizers", "sentencepiece", "pyarrow", "zstandard",
+                      "tqdm"],
+    extras_require={
+        "gpu": ["flash-attn", "nvidia-ml-py"],
+        "mpi": ["mpi4py", "mpich"],
+        "dev": ["pytest", "transformers", "safetensors"],
+    },
+)
