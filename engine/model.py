@@ -158,6 +158,7 @@ class CausalLM(nn.Module):
                                                 valid_rows=cfg.vocab_size)
             if cfg.tie_embeddings:  # a separate copy on the last stage that must start equal to the embedding
                 self.lm_head.weight.init_name = "model.embed_tokens.weight"
+                self.lm_head.weight.pipeline_duplicate = True
         self._rope_cache: dict = {}
 
     def init_weights(self, seed: int) -> None:

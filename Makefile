@@ -1,0 +1,26 @@
+# The two set-up commands: `make demo` and `make test`. Both create .venv and install what they need.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# CPU build by default; on a GPU machine: make TORCH_SPEC="torch==<version>" (a CUDA build)
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: venv demo test bench clean
+
+$(VENV)/.installed: setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	bash tools/demo.sh
+
+test: venv
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf demo_out runs

@@ -1,0 +1,51 @@
+"""Per-step metrics: one JSON object per line in metrics.jsonl and a readable console line."""
+from __future__ import annotations
+
+import json
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+H100_BF16_PEAK_FLOPS = 989e12
+
+
+def flops_per_token(num_params: int, num_layers: int, hidden_size: int, seq_length: int) -> float:
+    """Training FLOPs per token: 6N for the matmuls plus 12·L·H·Q·T (= 12·L·h·T) for attention."""
+    return 6 * num_params + 12 * num_layers * hidden_size * seq_length
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kB → GiB (Linux)
+
+
+class MetricsLog:
+    def __init__(self, run_dir: Path, enabled: bool, console=print):
+        self.enabled, self.console = enabled, console
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.file = open(self.path, "a", buffering=1) if enabled else None
+        self.last_time = time.perf_counter()
+
+    def elapsed(self) -> float:
+        now = time.perf_counter()
+        dt, self.last_time = now - self.last_time, now
+        return dt
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        parts = [f"step {record['step']:>6}", f"loss {record['loss']:.4f}", f"lr {record['lr']:.3e}",
+                 f"grad_norm {record['grad_norm']:.3f}", f"{record['tokens_per_s']:,.0f} tok/s"]
+        if record.get("mfu") is not None:
+            parts.append(f"MFU {100 * record['mfu']:.1f}%")
+        if record.get("skipped"):
+            parts.append("SKIPPED (overflow)")
+        self.console(" | ".join(parts))
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()

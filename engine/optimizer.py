@@ -1,0 +1,120 @@
+"""AdamW on fp32 master weights, a dynamic loss scaler for fp16, and gradient clipping whose norm is
+global over the tensor- and pipeline-parallel ranks (each parameter counted exactly once)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.config import OptimConfig
+from parallel import comm
+
+
+class LossScaler:
+    """Dynamic loss scaling (fp16): halve on overflow and skip the step, double after `window` good steps."""
+
+    def __init__(self, enabled: bool, initial: float = 2.0**16, window: int = 1000):
+        self.enabled, self.scale, self.window, self.good_steps = enabled, initial if enabled else 1.0, window, 0
+
+    def update(self, overflow: bool) -> None:
+        if not self.enabled:
+            return
+        if overflow:
+            self.scale, self.good_steps = max(self.scale / 2, 1.0), 0
+        else:
+            self.good_steps += 1
+            if self.good_steps % self.window == 0:
+                self.scale *= 2
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "good_steps": self.good_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self.good_steps = state["scale"], state["good_steps"]
+
+
+def counts_in_norm(param: torch.nn.Parameter, tp_rank: int) -> bool:
+    """Replicated parameters are counted on TP rank 0 only; a tied output copy is never counted twice."""
+    if getattr(param, "pipeline_duplicate", False):
+        return False
+    return getattr(param, "tp_dim", None) is not None or tp_rank == 0
+
+
+def no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
+    return param.dim() < 2 or "norm" in name
+
+
+class MixedPrecisionAdamW:
+    """Holds fp32 master copies of low-precision model parameters (or uses fp32 parameters directly)."""
+
+    def __init__(self, named_params: list, cfg: OptimConfig, topo, precision: str):
+        self.cfg, self.topo = cfg, topo
+        self.names = [n for n, _ in named_params]
+        self.params = [p for _, p in named_params]
+        self.master = [p if p.dtype == torch.float32 else p.detach().float().clone().requires_grad_(True)
+                       for p in self.params]
+        decay = [m for (n, p), m in zip(named_params, self.master) if not no_weight_decay(n, p)]
+        other = [m for (n, p), m in zip(named_params, self.master) if no_weight_decay(n, p)]
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0}]
+        self.inner = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                                       eps=cfg.eps, foreach=True)
+        self.scaler = LossScaler(precision == "fp16")
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+        for m in self.master:
+            m.grad = None
+
+    def _gather_master_grads(self) -> None:
+        for p, m in zip(self.params, self.master):
+            if p is m:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                continue
+            m.grad = p.grad.float() if p.grad is not None else torch.zeros_like(m)
+
+    def global_grad_norm(self) -> float:
+        total = torch.zeros(1, dtype=torch.float64, device=self.master[0].device)
+        for p, m in zip(self.params, self.master):
+            if counts_in_norm(p, self.topo.tp_rank):
+                total += m.grad.double().pow(2).sum()
+        comm.all_reduce(total, self.topo.mp_group)
+        return math.sqrt(total.item())
+
+    @torch.no_grad()
+    def step(self, lr: float) -> tuple[float, bool]:
+        """Unscale, clip, update; returns (gradient norm before clipping, whether the step was skipped)."""
+        self._gather_master_grads()
+        if self.scaler.enabled:
+            for m in self.master:
+                m.grad.div_(self.scaler.scale)
+        norm = self.global_grad_norm()
+        overflow = not math.isfinite(norm)
+        self.scaler.update(overflow)
+        if overflow:
+            return norm, True
+        if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad:
+            factor = self.cfg.clip_grad / (norm + 1e-6)
+            for m in self.master:
+                m.grad.mul_(factor)
+        for group in self.inner.param_groups:
+            group["lr"] = lr
+        self.inner.step()
+        for p, m in zip(self.params, self.master):
+            if p is not m:
+                p.copy_(m)
+        return norm, False
+
+    def state_dict(self) -> dict:
+        return {"inner": self.inner.state_dict(), "scaler": self.scaler.state_dict(),
+                "master": [m.detach() for m in self.master]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state["inner"])
+        self.scaler.load_state_dict(state["scaler"])
+        with torch.no_grad():
+            for p, m, saved in zip(self.params, self.master, state["master"]):
+                m.copy_(saved)
+                if p is not m:
+                    p.copy_(m)

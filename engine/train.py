@@ -1,0 +1,171 @@
+"""The training loop: `python -m engine.train --config FILE [section.key=value ...]`.
+
+Runs as one plain process, or as one rank of many when started by launch/run_pretrain.sh (or torchrun).
+Global batch = micro batch × accumulation steps × data-parallel size; each step reads exactly one global
+batch, accumulates over its micro-batches, synchronises gradients and takes one optimizer step.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from engine.config import Config, ConfigError, data_parallel_size, load_config, save_config, validate
+from engine.lr_schedule import lr_at
+from engine.metrics import H100_BF16_PEAK_FLOPS, MetricsLog, flops_per_token, peak_memory_gb
+from engine.mock_data import MockBatchLoader
+from engine.model import CausalLM, num_parameters
+from engine.optimizer import MixedPrecisionAdamW
+from parallel import comm
+from parallel.ddp import allreduce_gradients
+from parallel.distributed import DistEnv, init_distributed
+from parallel.random import seed_all
+from parallel.schedules import forward_backward_no_pipeline
+from parallel.tensor import TensorParallel, allreduce_replicated_grads
+from parallel.topology import Layout, Topology
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+log = logging.getLogger("trilith")
+
+
+def build_loader(cfg: Config, topo: Topology, consumed_samples: int):
+    t = cfg.train
+    if cfg.data.mock:
+        return MockBatchLoader(cfg.model.vocab_size, cfg.model.seq_length, t.micro_batch_size, t.global_batch_size,
+                               topo.dp_rank, topo.dp_size, consumed_samples, seed=t.seed)
+    from data.loader import DistributedBatchLoader, build_datasets
+    datasets = build_datasets(cfg.data.paths, cfg.model.seq_length, t.seed, split=cfg.data.split,
+                              num_samples={"train": t.steps * t.global_batch_size},
+                              cache_dir=cfg.data.cache_dir or None)
+    return DistributedBatchLoader(datasets["train"], t.micro_batch_size, t.global_batch_size, topo.dp_rank,
+                                  topo.dp_size, consumed_samples=consumed_samples, seed=t.seed)
+
+
+def build_model_chunks(cfg: Config, topo: Topology, tp: TensorParallel) -> list[CausalLM]:
+    if topo.pp_size > 1:
+        raise ConfigError("parallel.pipeline > 1 is not available in this build; use parallel.pipeline=1")
+    return [CausalLM(cfg.model, tp)]
+
+
+class Trainer:
+    def __init__(self, cfg: Config, env: DistEnv):
+        self.cfg, self.env = cfg, env
+        p = cfg.parallel
+        self.topo = Topology(Layout.for_world(env.world_size, p.tensor, p.pipeline, p.rank_order), env.rank)
+        seed_all(cfg.train.seed, self.topo.tp_rank, self.topo.pp_rank)
+        self.tp = TensorParallel.from_topology(self.topo, p.sequence_parallel)
+        self.dtype = DTYPES[cfg.train.precision]
+        self.chunks = build_model_chunks(cfg, self.topo, self.tp)
+        for chunk in self.chunks:
+            chunk.init_weights(cfg.train.seed)
+            chunk.to(device=env.device, dtype=self.dtype)
+        self.named_params = [(n, prm) for c in self.chunks for n, prm in c.named_parameters()]
+        self.optimizer = MixedPrecisionAdamW(self.named_params, cfg.optim, self.topo, cfg.train.precision)
+        self.step = 0
+        self.loader = build_loader(cfg, self.topo, consumed_samples=0)
+        self.flops_per_token = flops_per_token(num_parameters(cfg.model), cfg.model.num_layers,
+                                               cfg.model.hidden_size, cfg.model.seq_length)
+
+    @property
+    def consumed_samples(self) -> int:
+        return self.loader.consumed_samples
+
+    def forward_backward(self, micro_batches: list) -> torch.Tensor:
+        return forward_backward_no_pipeline(self.chunks[0], micro_batches, self.optimizer.scaler.scale)
+
+    def train_step(self) -> dict:
+        start = time.perf_counter()
+        for chunk in self.chunks:
+            chunk.train()
+        micro_batches = [mb.to(self.env.device, non_blocking=True) for mb in self.loader.next_global_batch()]
+        loss = self.forward_backward(micro_batches)
+        for chunk in self.chunks:
+            allreduce_replicated_grads(chunk, self.tp)
+        allreduce_gradients([prm for _, prm in self.named_params], self.topo.dp_group)
+        lr = lr_at(self.step, self.cfg.train.steps, self.cfg.optim)
+        grad_norm, skipped = self.optimizer.step(lr)
+        self.optimizer.zero_grad()
+        comm.all_reduce(loss, self.topo.dp_group)
+        loss = loss.item() / self.topo.dp_size
+        self.step += 1
+        elapsed = time.perf_counter() - start
+        tokens = self.cfg.train.global_batch_size * self.cfg.model.seq_length
+        record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": skipped,
+                  "loss_scale": self.optimizer.scaler.scale, "tokens_per_s": tokens / elapsed,
+                  "consumed_samples": self.consumed_samples,
+                  "consumed_tokens": self.consumed_samples * self.cfg.model.seq_length,
+                  "step_time_s": elapsed, "peak_memory_gb": peak_memory_gb(self.env.device)}
+        if self.env.device.type == "cuda":
+            record["mfu"] = tokens * self.flops_per_token / elapsed / (H100_BF16_PEAK_FLOPS * self.env.world_size)
+        return record
+
+    def train(self, metrics: MetricsLog) -> list[dict]:
+        history = []
+        while self.step < self.cfg.train.steps:
+            record = self.train_step()
+            history.append(record)
+            if self.step % self.cfg.train.log_interval == 0 or self.step == self.cfg.train.steps:
+                metrics.write(record)
+        return history
+
+
+def setup_run_dir(cfg: Config, rank: int) -> Path:
+    run_dir = Path(cfg.run.dir)
+    if rank == 0:
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        (run_dir / "checkpoints").mkdir(exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+    return run_dir
+
+
+def configure_logging(run_dir: Path, rank: int) -> None:
+    handlers: list[logging.Handler] = []
+    if rank == 0:
+        handlers = [logging.StreamHandler(sys.stdout), logging.FileHandler(run_dir / "logs" / "train.log")]
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", handlers=handlers or
+                        [logging.NullHandler()], force=True)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="Trilith pretraining", prog="python -m engine.train")
+    parser.add_argument("--config", required=True, help="YAML run configuration")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. optim.lr=3e-4")
+    return parser.parse_args(argv)
+
+
+def run(cfg: Config, env: DistEnv) -> list[dict]:
+    validate(cfg, env.world_size)
+    run_dir = setup_run_dir(cfg, env.rank)
+    configure_logging(run_dir, env.rank)
+    dp = data_parallel_size(cfg, env.world_size)
+    log.info(f"Trilith: {env.world_size} ranks = TP {cfg.parallel.tensor} × PP {cfg.parallel.pipeline} × DP {dp} "
+             f"on {env.device} ({env.backend}); model {num_parameters(cfg.model) / 1e6:.2f}M parameters")
+    trainer = Trainer(cfg, env)
+    metrics = MetricsLog(run_dir, enabled=env.rank == 0, console=log.info)
+    try:
+        return trainer.train(metrics)
+    finally:
+        metrics.close()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        env = init_distributed(cfg.train.device, cfg.parallel.backend, cfg.parallel.timeout_minutes)
+        run(cfg, env)
+    except ConfigError as exc:
+        print(f"trilith: configuration error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
