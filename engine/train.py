@@ -77,11 +77,18 @@ class Trainer:
     def forward_backward(self, micro_batches: list) -> torch.Tensor:
         return forward_backward_no_pipeline(self.chunks[0], micro_batches, self.optimizer.scaler.scale)
 
+    def _check_token_ids(self, micro_batches: list) -> None:
+        largest = max(int(mb.max()) for mb in micro_batches)
+        if largest >= self.cfg.model.vocab_size:
+            raise ConfigError(f"the data holds token id {largest} but model.vocab_size={self.cfg.model.vocab_size}; "
+                              f"set model.vocab_size to at least the tokenizer's vocabulary ({largest + 1}+)")
+
     def train_step(self) -> dict:
         start = time.perf_counter()
         for chunk in self.chunks:
             chunk.train()
         micro_batches = [mb.to(self.env.device, non_blocking=True) for mb in self.loader.next_global_batch()]
+        self._check_token_ids(micro_batches)
         loss = self.forward_backward(micro_batches)
         for chunk in self.chunks:
             allreduce_replicated_grads(chunk, self.tp)
