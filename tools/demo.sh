@@ -7,8 +7,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="${TRILITH_PYTHON:-$ROOT/.venv/bin/python}"
 OUT=demo_out
-NPROC="${DEMO_NPROC:-4}"
-LAYOUT=(parallel.tensor=2)
+NPROC="${DEMO_NPROC:-8}"
+LAYOUT=(parallel.tensor=2 parallel.pipeline=2)   # with 8 ranks: TP2 × PP2 × DP2
 
 step() { printf '\n=== %s\n' "$*"; }
 
