@@ -7,6 +7,7 @@ batch, accumulates over its micro-batches, synchronises gradients and takes one 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import time
@@ -63,9 +64,12 @@ class Trainer:
         for chunk in self.chunks:
             chunk.init_weights(cfg.train.seed)
             chunk.to(device=env.device, dtype=self.dtype)
+            if cfg.train.compile:
+                chunk.compile_blocks()
         self.named_params = [(n, prm) for c in self.chunks for n, prm in c.named_parameters()]
         self.optimizer = MixedPrecisionAdamW(self.named_params, cfg.optim, self.topo, cfg.train.precision)
         self.step = 0
+        self.micro_batch_size = cfg.train.micro_batch_size
         self.loader = build_loader(cfg, self.topo, consumed_samples=0)
         self.flops_per_token = flops_per_token(num_parameters(cfg.model), cfg.model.num_layers,
                                                cfg.model.hidden_size, cfg.model.seq_length)
@@ -77,8 +81,23 @@ class Trainer:
     def forward_backward(self, micro_batches: list) -> torch.Tensor:
         return forward_backward_no_pipeline(self.chunks[0], micro_batches, self.optimizer.scaler.scale)
 
+    def apply_recompute_switch(self) -> None:
+        """Recompute mode and micro batch for the coming step: train.recompute before
+        train.recompute_switch_step, the *_after_switch values from it on (idempotent, so resuming works)."""
+        t = self.cfg.train
+        switched = 0 < t.recompute_switch_step <= self.step + 1
+        for chunk in self.chunks:
+            chunk.set_recompute(t.recompute_after_switch if switched else t.recompute)
+        micro = t.micro_batch_size_after_switch if switched and t.micro_batch_size_after_switch else t.micro_batch_size
+        if micro != self.micro_batch_size:
+            # Same global batch and data order, fewer and larger micro-batches: the gradient is unchanged.
+            self.micro_batch_size = micro
+            cfg = dataclasses.replace(self.cfg, train=dataclasses.replace(t, micro_batch_size=micro))
+            self.loader = build_loader(cfg, self.topo, consumed_samples=self.consumed_samples)
+
     def train_step(self) -> dict:
         start = time.perf_counter()
+        self.apply_recompute_switch()
         for chunk in self.chunks:
             chunk.train()
         micro_batches = [mb.to(self.env.device, non_blocking=True) for mb in self.loader.next_global_batch()]
