@@ -2,7 +2,7 @@
 (multi-tensor) implementation, or apex's FusedAdam in AdamW mode. All compute the same update
 (decoupled weight decay, bias-corrected moments, eps added to the bias-corrected sqrt(v)).
 
-`auto` takes torch's fused kernel on CUDA and foreach elsewhere: it is as fast as apex's on current GPUs
+`auto` takes torch's fused kernel on CUDA and foreach elsewhere (torch's fused kernel also runs on CPU): it is as fast as apex's on current GPUs
 and keeps the optimizer state in torch's own format; apex is used when asked for (optim.implementation).
 """
 from __future__ import annotations
@@ -24,8 +24,6 @@ def select_implementation(requested: str, on_cuda: bool) -> str:
     if requested == "apex" and (_ApexFusedAdam is None or not on_cuda):
         raise RuntimeError("optim.implementation=apex needs NVIDIA apex (built with --cuda_ext) and CUDA "
                            "parameters; use optim.implementation=auto")
-    if requested == "fused" and not on_cuda:
-        raise RuntimeError("optim.implementation=fused needs CUDA parameters; use optim.implementation=auto")
     if requested == "auto":
         return "fused" if on_cuda else "foreach"
     return requested
