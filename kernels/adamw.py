@@ -2,8 +2,9 @@
 (multi-tensor) implementation, or apex's FusedAdam in AdamW mode. All compute the same update
 (decoupled weight decay, bias-corrected moments, eps added to the bias-corrected sqrt(v)).
 
-`auto` takes torch's fused kernel on CUDA and foreach elsewhere (torch's fused kernel also runs on CPU): it is as fast as apex's on current GPUs
-and keeps the optimizer state in torch's own format; apex is used when asked for (optim.implementation).
+`auto` takes torch's fused kernel on CUDA and foreach elsewhere (`fused` also runs on CPU when asked for):
+on current GPUs it is as fast as apex's and keeps the optimizer state in torch's own format (checkpoints
+stay portable between implementations); apex is used when asked for (optim.implementation=apex).
 """
 from __future__ import annotations
 

@@ -5,7 +5,6 @@ output scale); tests of flash-attn and apex run only on CUDA with the package in
 """
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kernels import adamw, attention, cross_entropy, norm, rope, swiglu
 
