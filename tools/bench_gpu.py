@@ -8,7 +8,7 @@ Each configuration builds the model and the engine's optimizer (fp32 masters, Ad
 `--warmup` steps, then times `--steps` optimizer steps of `--accum` micro-batches and prints one table
 row: tokens/s, TFLOP/s, MFU (6N + 12·L·H·Q·T FLOPs per token, against 989 TFLOP/s dense bf16 per GPU),
 peak memory, and the speed ratio to the plain-PyTorch path (reference attention, torch norm, no
-recompute, eager). A backend that is not installed is listed as skipped; an out-of-memory configuration is
+recompute, eager; RoPE/SwiGLU nodes and the chunked loss are the same in every row). A backend that is not installed is listed as skipped; an out-of-memory configuration is
 listed as OOM. Speed is only printed, never asserted.
 """
 from __future__ import annotations
