@@ -19,13 +19,12 @@ from engine.lr_schedule import lr_at
 from engine.metrics import H100_BF16_PEAK_FLOPS, MetricsLog, flops_per_token, peak_memory_gb
 from engine.mock_data import MockBatchLoader
 from engine.model import CausalLM, num_parameters
-from engine.optimizer import MixedPrecisionAdamW
+from engine.zero_optimizer import build_data_parallel
 from parallel import comm
-from parallel.ddp import allreduce_gradients
 from parallel.distributed import DistEnv, init_distributed
 from parallel.random import seed_all
 from parallel.schedules import forward_backward_no_pipeline
-from parallel.tensor import TensorParallel, allreduce_replicated_grads
+from parallel.tensor import TensorParallel
 from parallel.topology import Layout, Topology
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -64,7 +63,9 @@ class Trainer:
             chunk.init_weights(cfg.train.seed)
             chunk.to(device=env.device, dtype=self.dtype)
         self.named_params = [(n, prm) for c in self.chunks for n, prm in c.named_parameters()]
-        self.optimizer = MixedPrecisionAdamW(self.named_params, cfg.optim, self.topo, cfg.train.precision)
+        # zero_stage 0: bucketed DDP + replicated AdamW; 1-3: sharded units + sharded AdamW
+        self.data_parallel, self.optimizer = build_data_parallel(cfg, self.topo, self.tp, self.chunks,
+                                                                 self.named_params, self.dtype)
         self.step = 0
         self.loader = build_loader(cfg, self.topo, consumed_samples=0)
         self.flops_per_token = flops_per_token(num_parameters(cfg.model), cfg.model.num_layers,
@@ -82,10 +83,9 @@ class Trainer:
         for chunk in self.chunks:
             chunk.train()
         micro_batches = [mb.to(self.env.device, non_blocking=True) for mb in self.loader.next_global_batch()]
+        self.data_parallel.start_step(len(micro_batches))  # gradients are reduced on the last micro-batch
         loss = self.forward_backward(micro_batches)
-        for chunk in self.chunks:
-            allreduce_replicated_grads(chunk, self.tp)
-        allreduce_gradients([prm for _, prm in self.named_params], self.topo.dp_group)
+        self.data_parallel.finish_gradients()
         lr = lr_at(self.step, self.cfg.train.steps, self.cfg.optim)
         grad_norm, skipped = self.optimizer.step(lr)
         self.optimizer.zero_grad()
