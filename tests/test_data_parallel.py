@@ -125,6 +125,16 @@ def test_tensor_times_data_parallel(pools, reference, stage):
     assert_matches_reference(results, reference, tp_size=2)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_low_precision_sharded_tracks_ddp(pools, precision):
+    base = {**CURVE, "train": dict(CURVE["train"], precision=precision, steps=10)}
+    ddp = pools[2].run(train_run, base, {"zero_stage": 0})[0][0]
+    for stage in (2, 3):
+        sharded = pools[2].run(train_run, base, {"zero_stage": stage})[0][0]
+        assert max(abs(a - b) for a, b in zip(ddp, sharded)) <= 5e-3, (stage, ddp, sharded)
+        assert sharded[-1] < sharded[0] - 0.3
+
+
 def held_bytes(tensors) -> int:
     storages = {}
     for t in tensors:
@@ -166,8 +176,8 @@ def test_model_state_memory_follows_zero_formulas(pools, dp, stage):
     print(f"\nDP={dp} stage {stage}: {measured} bytes/rank, formula {formula:.0f} "
           f"({measured / formula:.3f}×), peak gathered {peak} bytes = {peak / max(unit, 1):.1f} units")
     assert abs(measured - formula) <= 0.1 * formula
-    if stage == 3:  # the unit computing, the one prefetched, and one whose gradients are still arriving
-        assert peak <= 3 * unit
+    if stage == 3:  # the unit computing and the one prefetched
+        assert peak <= 2 * unit
 
 
 def record_step(rank, world, base, parallel, micro_batches):
