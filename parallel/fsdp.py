@@ -117,6 +117,7 @@ class Unit:
         self.grad_shard = self.grad32 = None
         self.arrived = 0
         self.micro_batches_done = 0
+        self.in_backward = False  # between its pre-backward gather and its last gradient
 
     # -- parameters (stage 3) ----------------------------------------------------------------------
     def gather(self, async_op: bool = False) -> None:
@@ -248,17 +249,25 @@ class ShardedDataParallel:
         held = sum(u.full_bytes for u in self.units if u.gathered or u.gather_handle is not None)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, held)
 
+    @staticmethod
+    def _recomputing(unit: Unit) -> bool:
+        """A forward that runs inside backward: activation recomputation (checkpointing)."""
+        return unit.in_backward or torch._C._current_graph_task_id() != -1
+
     def _pre_forward(self, unit: Unit, units: list, i: int, first: bool) -> None:
         self._gather(unit)
-        if first and i + 1 < len(units):
+        if first and i + 1 < len(units) and not self._recomputing(unit):
             self._gather(units[i + 1], async_op=True)
 
     def _post_forward(self, unit: Unit, units: list, i: int, out) -> None:
+        if self._recomputing(unit):  # the backward about to run still needs the unit
+            return
         unit.free()
         if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(lambda grad: self._pre_backward(unit, units, i))
 
     def _pre_backward(self, unit: Unit, units: list, i: int) -> None:
+        unit.in_backward = True
         self._gather(unit)
         if i > 0:
             self._gather(units[i - 1], async_op=True)
@@ -270,6 +279,7 @@ class ShardedDataParallel:
             return
         unit.arrived = 0
         unit.micro_batches_done += 1
+        unit.in_backward = False
         unit.free()
         if self.stage >= 2 or unit.micro_batches_done == self.num_micro_batches:
             self._reduce(unit)
@@ -321,6 +331,10 @@ class ShardedDataParallel:
                 self._reduce(unit)
         while self.pending:
             self._complete(self.pending.popleft())
+        for unit in self.units:  # nothing stays gathered between steps (the optimizer changes the shards)
+            if unit.gather_handle is not None:
+                unit.gather()
+            unit.free()
         self._sum_replicated_over_tp()
 
     def _sum_replicated_over_tp(self) -> None:

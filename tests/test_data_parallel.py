@@ -135,6 +135,34 @@ def test_low_precision_sharded_tracks_ddp(pools, precision):
         assert sharded[-1] < sharded[0] - 0.3
 
 
+def recomputed_run(rank, world, base, parallel):
+    """Stage 3 with every block under activation checkpointing: the recomputation inside backward runs the
+    block's forward hooks again and must not free the parameters its backward is about to use."""
+    from torch.utils.checkpoint import checkpoint
+
+    from engine.model import DecoderLayer
+
+    class Recomputed(DecoderLayer):
+        def __call__(self, *args):
+            return checkpoint(super().__call__, *args, use_reentrant=True)
+
+    trainer = make_trainer(rank, world, base, **parallel)
+    for layer in trainer.chunks[0].model.layers.values():
+        layer.__class__ = Recomputed
+    with comm.RECORD.capture() as events:
+        history = [trainer.train_step()]
+    gathers = len([e for e in events if e.op == "all_gather"])
+    history += [trainer.train_step() for _ in range(trainer.cfg.train.steps - 1)]
+    return [h["loss"] for h in history], [h["grad_norm"] for h in history], final_weights(trainer), gathers
+
+
+def test_stage3_with_activation_recomputation(pools, reference):
+    results = pools[2].run(recomputed_run, CURVE, {"zero_stage": 3})
+    assert_matches_reference([r[:3] for r in results], reference)
+    units, micro_batches = CURVE["model"]["num_layers"] + 2, 8 // 2
+    assert results[0][3] == 2 * units * micro_batches  # the recomputation reuses the backward's gather
+
+
 def held_bytes(tensors) -> int:
     storages = {}
     for t in tensors:
