@@ -32,6 +32,13 @@ def hierarchical_all_reduce(flat: torch.Tensor, intra, inter) -> None:
     comm.all_gather_into(flat, part.clone(), intra)
 
 
+def is_pipeline_tied(chunk, name: str, param) -> bool:
+    """The embedding on the first stage and its output-layer copy on the last, when they live apart."""
+    if getattr(param, "pipeline_duplicate", False):
+        return True
+    return name == "model.embed_tokens.weight" and chunk.cfg.tie_embeddings and not chunk.post_process
+
+
 class _Bucket:
     def __init__(self, params: list, dtype: torch.dtype, pad_to: int):
         self.params, self.dtype = params, dtype
@@ -43,8 +50,11 @@ class _Bucket:
 
 class BucketedDDP:
     def __init__(self, named_params: list, dp_group, tp: TensorParallel, chunks: list, bucket_mb: float = 25.0,
-                 fp32_names=(), hierarchy=None):
+                 fp32_names=(), hierarchy=None, tied_group=None):
         self.dp_group, self.tp, self.chunks, self.hierarchy = dp_group, tp, chunks, hierarchy
+        self.tied_group = tied_group
+        self.tied = [p for c in chunks for n, p in c.named_parameters()
+                     if tied_group is not None and is_pipeline_tied(c, n, p)]
         self.dp_size = comm.group_size(dp_group)
         self.num_micro_batches = 1
         self.launched_in_backward = 0
@@ -128,6 +138,8 @@ class BucketedDDP:
                 bucket.ready = 0
         for chunk in self.chunks:
             allreduce_replicated_grads(chunk, self.tp)
+        for p in self.tied:  # the embedding and its output-layer copy on the last pipeline stage
+            comm.all_reduce(p.grad, self.tied_group)
 
     def grad_bytes(self) -> int:
         return sum(p.grad.numel() * p.grad.element_size() for p in self.calls if p.grad is not None)

@@ -25,7 +25,7 @@ import collections
 import torch
 
 from parallel import comm
-from parallel.ddp import reduces_in_fp32
+from parallel.ddp import is_pipeline_tied, reduces_in_fp32
 
 
 def unit_plan(chunk) -> list[dict]:
@@ -117,6 +117,8 @@ class Unit:
         self.grad_shard = self.grad32 = None
         self.arrived = 0
         self.micro_batches_done = 0
+        self.reduced = False  # reduced at least once this step
+        self.tied: list = []  # parameters summed over the pipeline's embedding group before reduction
         self.in_backward = False  # between its pre-backward gather and its last gradient
 
     # -- parameters (stage 3) ----------------------------------------------------------------------
@@ -144,12 +146,14 @@ class Unit:
         if self.full_grad is None:
             self.full_grad = torch.zeros(self.padded, dtype=self.flat.dtype, device=p.grad.device)
             self.full_grad32 = torch.zeros(self.fp32_numel, dtype=torch.float32, device=p.grad.device)
+        self.full_grad_view(p).add_(p.grad.reshape(-1))
+        p.grad = None
+
+    def full_grad_view(self, p: torch.Tensor) -> torch.Tensor:
         o = self.offsets[p]
         if o >= self.fp32_start:
-            self.full_grad32[o - self.fp32_start:o - self.fp32_start + p.numel()].add_(p.grad.reshape(-1))
-        else:
-            self.full_grad[o:o + p.numel()].add_(p.grad.reshape(-1))
-        p.grad = None
+            return self.full_grad32[o - self.fp32_start:o - self.fp32_start + p.numel()]
+        return self.full_grad[o:o + p.numel()]
 
     def fp32_send_buffer(self) -> torch.Tensor:
         """The fp32 segment as N equal chunks (chunk r = the part inside rank r's shard, zero-padded)."""
@@ -190,6 +194,7 @@ class Unit:
             self.full_grad = self.full_grad32 = None
         self.grad_shard = self.grad32 = None
         self.arrived = self.micro_batches_done = 0
+        self.reduced = False
 
     def held_tensors(self) -> list:
         return [t for t in (self.flat, self.param_shard, self.full_grad, self.full_grad32, self.grad_shard,
@@ -200,11 +205,12 @@ class ShardedDataParallel:
     """Owns the units of every chunk, their hooks and their gradient reduction."""
 
     def __init__(self, chunks: list, stage: int, dp_group, dp_size: int, tp,
-                 compute_dtype: torch.dtype, fp32_names=(), unit_groups=None, hsdp=None, hierarchy=None):
+                 compute_dtype: torch.dtype, fp32_names=(), unit_groups=None, hsdp=None, hierarchy=None,
+                 tied_group=None):
         if stage not in (1, 2, 3):
             raise ValueError(f"ShardedDataParallel needs zero_stage 1, 2 or 3, got {stage}")
         self.stage, self.tp, self.dp_size = stage, tp, dp_size
-        self.hierarchy = hierarchy
+        self.hierarchy, self.tied_group = hierarchy, tied_group
         # HSDP: shard inside the group of k ranks, all-reduce the shards across the replicas
         self.shard_group, self.replicate_group = hsdp if hsdp else (dp_group, None)
         shard_size, shard_rank = comm.group_size(self.shard_group), comm.group_rank(self.shard_group)
@@ -222,6 +228,7 @@ class ShardedDataParallel:
                 i = len(self.units)
                 group = unit_groups[i] if unit_groups else self.shard_group
                 unit = Unit(i, named, stage, group, shard_size, shard_rank, compute_dtype, fp32_names)
+                unit.tied = [p for n, p in named if tied_group is not None and is_pipeline_tied(chunk, n, p)]
                 self.units.append(unit)
                 mine.append(unit)
                 self._install_hooks(unit, plan, mine)
@@ -281,11 +288,14 @@ class ShardedDataParallel:
         unit.micro_batches_done += 1
         unit.in_backward = False
         unit.free()
+        if unit.tied:  # summed with the other pipeline end first, after the whole backward (finish_gradients)
+            return
         if self.stage >= 2 or unit.micro_batches_done == self.num_micro_batches:
             self._reduce(unit)
 
     # -- gradient reduction --------------------------------------------------------------------------
     def _reduce(self, unit: Unit) -> None:
+        unit.reduced = True
         full = unit.full_grad.div_(self.dp_size)
         out = torch.empty(unit.shard_numel, dtype=full.dtype, device=full.device)
         out32 = None
@@ -323,11 +333,12 @@ class ShardedDataParallel:
         """Reduce what backward did not (parameters without gradients), wait for every reduction, then sum
         the gradient shards of TP-replicated-gradient parameters over the TP group."""
         for unit in self.units:
-            if unit.micro_batches_done < self.num_micro_batches and unit.grad_shard is None:
+            if unit.tied or not unit.reduced:
                 if unit.full_grad is None:
                     unit.full_grad = torch.zeros(unit.padded, dtype=unit.flat.dtype, device=unit.flat.device)
                     unit.full_grad32 = torch.zeros(unit.fp32_numel, dtype=torch.float32, device=unit.flat.device)
-                unit.micro_batches_done = self.num_micro_batches
+                for p in unit.tied:  # full gradients, so the two ends' different unit layouts do not matter
+                    comm.all_reduce(unit.full_grad_view(p), self.tied_group)
                 self._reduce(unit)
         while self.pending:
             self._complete(self.pending.popleft())
