@@ -109,6 +109,19 @@ def test_data_parallel_follows_single_process(pools, reference, dp, stage):
     assert_matches_reference(pools[dp].run(train_run, CURVE, {"zero_stage": stage}), reference)
 
 
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_single_process_zero3(reference, tie):
+    """Groups of one (no communication) and, when tied, one unit holding the embedding and the final norm."""
+    base = {**CURVE, "model": dict(CURVE["model"], tie_embeddings=tie)}
+    runs = []
+    for stage in (0, 3):
+        trainer = make_trainer(0, 1, base, zero_stage=stage)
+        runs.append([trainer.train_step()["loss"] for _ in range(5)])
+    assert runs[1] == pytest.approx(runs[0], abs=TOL)
+    if not tie:
+        assert runs[0] == pytest.approx(reference[0][:5], abs=TOL)
+
+
 @pytest.mark.parametrize("parallel", [{"zero_stage": 3, "hsdp_group_size": 2},
                                       {"zero_stage": 2, "hierarchical_node_size": 2},
                                       {"zero_stage": 0, "hierarchical_node_size": 2, "bucket_mb": 0.01},
