@@ -131,7 +131,7 @@ def test_hybrid_hierarchical_and_unit_groups_equal_flat(pools, reference, parall
     assert_matches_reference(pools[4].run(train_run, CURVE, parallel), reference)
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_tensor_times_data_parallel(pools, reference, stage):
     # one KV head over TP=2: its weights are TP-replicated with partial gradients, summed after sharding
     results = pools[4].run(train_run, CURVE, {"zero_stage": stage, "tensor": 2, "sequence_parallel": True})
