@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from engine.checkpoint import Checkpointer
 from engine.config import Config, ConfigError, data_parallel_size, load_config, save_config, validate
 from engine.lr_schedule import lr_at
 from engine.metrics import H100_BF16_PEAK_FLOPS, MetricsLog, flops_per_token, peak_memory_gb
@@ -66,7 +67,12 @@ class Trainer:
         self.named_params = [(n, prm) for c in self.chunks for n, prm in c.named_parameters()]
         self.optimizer = MixedPrecisionAdamW(self.named_params, cfg.optim, self.topo, cfg.train.precision)
         self.step = 0
-        self.loader = build_loader(cfg, self.topo, consumed_samples=0)
+        # Resume (own run.dir/checkpoints/latest, else checkpoint.load) before the loader: it starts at the
+        # restored global data position.
+        self.checkpointer = Checkpointer(cfg, self.topo, self.named_params, self.optimizer)
+        resumed = self.checkpointer.resume()
+        self.step = resumed["step"] if resumed else 0
+        self.loader = build_loader(cfg, self.topo, consumed_samples=resumed["consumed_samples"] if resumed else 0)
         self.flops_per_token = flops_per_token(num_parameters(cfg.model), cfg.model.num_layers,
                                                cfg.model.hidden_size, cfg.model.seq_length)
 
@@ -103,13 +109,28 @@ class Trainer:
             record["mfu"] = tokens * self.flops_per_token / elapsed / (H100_BF16_PEAK_FLOPS * self.env.world_size)
         return record
 
+    def save_checkpoint(self) -> Path:
+        """Save the full training state now (blocks only for the snapshot under checkpoint.async_save)."""
+        return self.checkpointer.save(self.step, self.consumed_samples)
+
     def train(self, metrics: MetricsLog) -> list[dict]:
         history = []
-        while self.step < self.cfg.train.steps:
-            record = self.train_step()
-            history.append(record)
-            if self.step % self.cfg.train.log_interval == 0 or self.step == self.cfg.train.steps:
-                metrics.write(record)
+        ck = self.cfg.checkpoint
+        try:
+            while self.step < self.cfg.train.steps:
+                record = self.train_step()
+                history.append(record)
+                if self.step % self.cfg.train.log_interval == 0 or self.step == self.cfg.train.steps:
+                    metrics.write(record)
+                stop = ck.exit_after > 0 and self.step >= ck.exit_after
+                last = self.step == self.cfg.train.steps and ck.interval > 0
+                if (ck.interval > 0 and self.step % ck.interval == 0) or stop or last:
+                    self.save_checkpoint()
+                if stop:
+                    log.info(f"checkpoint.exit_after={ck.exit_after}: stopping after step {self.step}")
+                    break
+        finally:
+            self.checkpointer.wait()  # never exit with a background save half-written
         return history
 
 
