@@ -15,8 +15,6 @@ import math
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-
 from engine.checkpoint_io import CheckpointError, sha256_file
 
 FORMAT, VERSION = "trilith-checkpoint", 1
@@ -83,6 +81,31 @@ def load_json(path: Path, what: str):
         raise CheckpointError(f"{path} ({what}) is missing or unreadable: {exc}") from exc
 
 
+class SafetensorsRanges:
+    """Reads element ranges of 1-D fp32 tensors of a safetensors file straight into new tensors (one copy,
+    no memory map shared between callers)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.file = open(path, "rb")
+        size = int.from_bytes(self.file.read(8), "little")
+        self.header = json.loads(self.file.read(size))
+        self.base = 8 + size
+
+    def read(self, key: str, start: int, end: int) -> torch.Tensor:
+        info = self.header.get(key)
+        if info is None or info["dtype"] != "F32":
+            raise CheckpointError(f"{self.path} has no fp32 tensor {key}")
+        out = torch.empty(end - start, dtype=torch.float32)
+        self.file.seek(self.base + info["data_offsets"][0] + 4 * start)
+        if self.file.readinto(memoryview(out.numpy()).cast("B")) != 4 * (end - start):
+            raise CheckpointError(f"{self.path} ends inside tensor {key} (truncated)")
+        return out
+
+    def close(self) -> None:
+        self.file.close()
+
+
 def verify(directory: Path, manifest: dict, names, checksums: bool = True) -> list[str]:
     """Problems with the given files of a checkpoint ('<file>: <what>'); empty when they are intact."""
     problems = []
@@ -107,27 +130,30 @@ class CheckpointReader:
             raise CheckpointError(f"{self.dir / MANIFEST} is not a Trilith checkpoint manifest")
         self.metadata = load_json(self.dir / METADATA, "checkpoint metadata")
         self.tensors = self.manifest["tensors"]
-        self._files: dict[str, object] = {}
+        self._files: dict[str, SafetensorsRanges] = {}
         self._cached: tuple | None = None
 
     def _file(self, name: str):
         if name not in self._files:
-            self._files[name] = safe_open(str(self.dir / name), framework="pt")
+            self._files[name] = SafetensorsRanges(self.dir / name)
         return self._files[name]
 
     def has(self, name: str, key: str) -> bool:
         return name in self.tensors and key in self.tensors[name]["keys"]
 
     def _source_local(self, name: str, key: str, tp_rank: int, start: int, end: int) -> torch.Tensor:
-        """Elements [start, end) of the saving layout's flattened TP-local tensor on `tp_rank`."""
+        """Elements [start, end) of the saving layout's flattened TP-local tensor on `tp_rank` (a new tensor)."""
+        for piece in self.tensors[name]["pieces"]:
+            if piece["tp_rank"] == tp_rank and piece["start"] <= start and end <= piece["end"]:
+                return self._file(piece["file"]).read(f"{key}/{name}", start - piece["start"], end - piece["start"])
         out = torch.empty(end - start, dtype=torch.float32)
         covered = 0
         for piece in self.tensors[name]["pieces"]:
             lo, hi = max(start, piece["start"]), min(end, piece["end"])
             if piece["tp_rank"] != tp_rank or lo >= hi:
                 continue
-            part = self._file(piece["file"]).get_slice(f"{key}/{name}")[lo - piece["start"]:hi - piece["start"]]
-            out[lo - start:hi - start] = part
+            out[lo - start:hi - start] = self._file(piece["file"]).read(f"{key}/{name}", lo - piece["start"],
+                                                                        hi - piece["start"])
             covered += hi - lo
         if covered != end - start:
             raise CheckpointError(f"{self.dir}: pieces of {name}/{key} on TP rank {tp_rank} cover {covered} of the "
@@ -148,7 +174,7 @@ class CheckpointReader:
 
     def read_local(self, name: str, key: str, full_shape, tp_dim, tp_size: int, tp_rank: int,
                    start: int, end: int) -> torch.Tensor:
-        """Elements [start, end) of the target layout's flattened TP-local tensor of `name`."""
+        """Elements [start, end) of the target layout's flattened TP-local tensor of `name` (a new tensor)."""
         entry = self.tensors[name]
         want_local = local_shape(full_shape, tp_dim, tp_size)
         same_split = (tp_dim is None and entry["tp_dim"] is None) or (
@@ -170,5 +196,7 @@ class CheckpointReader:
                 f"has the config it was saved with)")
 
     def close(self) -> None:
+        for f in self._files.values():
+            f.close()
         self._files.clear()
         self._cached = None

@@ -153,7 +153,7 @@ class MixedPrecisionAdamW:
             m.copy_(read(name, "master", 0, n).view_as(m))
             self.inner.state[m] = {
                 "step": torch.tensor(float(self._adam_step), dtype=torch.float32),
-                "exp_avg": read(name, "exp_avg", 0, n).view_as(m).to(m.device).clone(),
-                "exp_avg_sq": read(name, "exp_avg_sq", 0, n).view_as(m).to(m.device).clone()}
+                "exp_avg": read(name, "exp_avg", 0, n).view_as(m).to(m.device),
+                "exp_avg_sq": read(name, "exp_avg_sq", 0, n).view_as(m).to(m.device)}
             if p is not m:
                 p.copy_(m)
