@@ -203,7 +203,7 @@ class Checkpointer:
             found += sorted(older, key=lambda d: d.name, reverse=True)
         return found
 
-    def _problems(self, path: Path) -> list[str]:
+    def problems(self, path: Path) -> list[str]:
         """Each rank checks a share of the files; all ranks get the union of the problems."""
         try:
             manifest = load_json(path / MANIFEST, "checkpoint manifest")
@@ -217,7 +217,7 @@ class Checkpointer:
         """Load the newest intact checkpoint (own run first, else checkpoint.load); None when there is none."""
         candidates = self._candidates()
         for path in candidates:
-            problems = self._problems(path)
+            problems = self.problems(path)
             if not problems:
                 return self.load(path)
             message = f"checkpoint {path} is unusable: {'; '.join(problems)}"

@@ -10,8 +10,10 @@ from engine.config import load_config
 from engine.train import Trainer
 from parallel.distributed import DistEnv
 from tests.distributed import WorkerPool
+from tests.test_train import launch
 
 TINY = "launch/configs/tiny.yaml"
+torch.set_num_threads(1)
 
 
 def trainer(run_dir, *overrides, env=None) -> Trainer:
@@ -93,6 +95,7 @@ def test_model_shape_mismatch_is_a_clear_error(tmp_path):
 # Reshard matrix: saved at SAVE_AT on 4 ranks, loaded at each LOAD_AT; the next step's loss must agree.
 SAVE_AT = ["parallel.tensor=2"]
 LOAD_AT = {"tp4-kv-replicated": ["parallel.tensor=4"], "dp4": [], "tp2-dp2": ["parallel.tensor=2"]}
+LAUNCH_LOAD_AT = {"tp2-dp1": (2, ["parallel.tensor=2"])}  # other world sizes: new processes via the launcher
 STEPS_BEFORE_SAVE = 3
 
 
@@ -130,5 +133,10 @@ def test_reshard_matrix_gives_the_same_next_step_loss(pool, tmp_path):
     single = trainer(tmp_path / "single", f"checkpoint.load={source}")
     assert single.step == STEPS_BEFORE_SAVE and single.consumed_samples == STEPS_BEFORE_SAVE * 8
     losses["single"] = train(single, 1)[0]
+    for name, (nproc, overrides) in LAUNCH_LOAD_AT.items():
+        records = launch(tmp_path / name, f"checkpoint.load={source}", f"checkpoint.exit_after={STEPS_BEFORE_SAVE + 1}",
+                         *overrides, nproc=nproc)
+        assert [r["step"] for r in records] == [STEPS_BEFORE_SAVE + 1]
+        losses[name] = records[0]["loss"]
     for name, loss in losses.items():
         assert abs(loss - reference) <= 1e-5, (name, loss, reference)

@@ -14,6 +14,7 @@ from parallel.distributed import DistEnv
 from tools.ckpt_convert import main as convert
 
 TINY = "launch/configs/tiny.yaml"
+torch.set_num_threads(1)
 
 
 def hf_state(directory) -> dict:

@@ -86,7 +86,7 @@ def main(argv=None) -> int:
             load_s = min(load_s, time.perf_counter() - start)
             drop_cache(path)
             start = time.perf_counter()
-            assert not trainer.checkpointer._problems(path)
+            assert not trainer.checkpointer.problems(path)
             verify_s = min(verify_s, time.perf_counter() - start)
             write, read = raw_bandwidth(work, nbytes)
             raw_write, raw_read = max(raw_write, write), max(raw_read, read)
