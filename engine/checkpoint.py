@@ -186,7 +186,8 @@ class Checkpointer:
     # ---- load ----------------------------------------------------------------------------------------
     def _candidates(self) -> list[Path]:
         """The checkpoint to resume from first, then (with checkpoint.fallback) older ones and mirror copies."""
-        latest, roots = read_latest(self.root), [self.root] + ([self.mirror] if self.mirror else [])
+        roots = [self.root] + ([self.mirror] if self.mirror else [])
+        latest = read_latest(self.root) or (read_latest(self.mirror) if self.mirror else None)  # primary lost
         if latest is None and self.ck.load:
             given = Path(self.ck.load)
             if (given / MANIFEST).is_file():

@@ -1,5 +1,6 @@
 """Checkpoint verification, fallback, retention, mirror, async snapshots, and the reshard matrix."""
 import json
+import shutil
 
 import pytest
 import torch
@@ -71,6 +72,8 @@ def test_retention_keeps_last_k_and_every_nth_and_mirror_is_verified_copy(tmp_pa
     flip_byte(tmp_path / "run" / "checkpoints" / "step_00000005" / "metadata.json", offset=3)
     resumed = trainer(tmp_path / "run", f"checkpoint.mirror_dir={mirror}", "checkpoint.fallback=true")
     assert resumed.step == 5  # the mirror's intact copy of the same step, not an older one
+    shutil.rmtree(tmp_path / "run" / "checkpoints")  # primary storage lost: the mirror alone resumes the run
+    assert trainer(tmp_path / "run", f"checkpoint.mirror_dir={mirror}").step == 5
 
 
 def test_async_save_writes_the_snapshot_not_later_state(tmp_path):

@@ -55,24 +55,26 @@ def test_export_loads_in_transformers_with_equal_logits(trained, tmp_path):
     assert tokenizer("t5 t7")["input_ids"] == [5, 7] and hf.config.eos_token_id == 254
 
 
-def test_hf_to_trilith_to_hf_is_identical_and_trains(tmp_path):
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_hf_to_trilith_to_hf_is_identical_and_trains(tmp_path, tied):
     config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                         rms_norm_eps=1e-5, rope_theta=10000.0)
+                         rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tied)
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
     source = hf_state(tmp_path / "hf")
     assert convert(["--load-dir", str(tmp_path / "hf"), "--save-dir", str(tmp_path / "tri"), "--from", "hf",
                     "--tensor", "2"]) == 0
     reader = CheckpointReader(tmp_path / "tri" / "step_00000000")
-    assert reader.metadata["layout"]["tensor"] == 2 and reader.tensors["lm_head.weight"]["tp_dim"] == 0
+    assert reader.metadata["layout"]["tensor"] == 2 and reader.tensors["model.embed_tokens.weight"]["tp_dim"] == 0
+    assert ("lm_head.weight" in reader.tensors) != tied
     assert convert(["--load-dir", str(tmp_path / "tri"), "--save-dir", str(tmp_path / "back"), "--to", "hf"]) == 0
     back = hf_state(tmp_path / "back")
     assert sorted(back) == sorted(source)
     assert all(torch.equal(back[k], source[k]) for k in source)
     # continued pretraining from the converted weights, at the layout they were written for (here TP=1 reads TP=2)
-    t = Trainer(load_config(TINY, [f"run.dir={tmp_path / 'cont'}", f"checkpoint.load={tmp_path / 'tri'}"]),
-                DistEnv())
+    t = Trainer(load_config(TINY, [f"run.dir={tmp_path / 'cont'}", f"checkpoint.load={tmp_path / 'tri'}",
+                                   f"model.tie_embeddings={str(tied).lower()}"]), DistEnv())
     assert t.step == 0 and torch.equal(t.chunks[0].model.norm.weight, source["model.norm.weight"])
     assert t.train_step()["loss"] > 0
 
@@ -90,7 +92,8 @@ def test_offline_reshard_preserves_global_tensors(trained, tmp_path):
 
 def test_clear_errors_for_unsupported_or_mismatched_models(tmp_path, capsys):
     (tmp_path / "gpt").mkdir()
-    (tmp_path / "gpt" / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    gpt2 = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}
+    (tmp_path / "gpt" / "config.json").write_text(json.dumps(gpt2))
     with pytest.raises(SystemExit, match=r"unsupported architecture \['GPT2LMHeadModel'\].*only Llama"):
         convert(["--load-dir", str(tmp_path / "gpt"), "--save-dir", str(tmp_path / "o"), "--from", "hf"])
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
