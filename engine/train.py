@@ -66,7 +66,6 @@ class Trainer:
             chunk.to(device=env.device, dtype=self.dtype)
         self.named_params = [(n, prm) for c in self.chunks for n, prm in c.named_parameters()]
         self.optimizer = MixedPrecisionAdamW(self.named_params, cfg.optim, self.topo, cfg.train.precision)
-        self.step = 0
         # Resume (own run.dir/checkpoints/latest, else checkpoint.load) before the loader: it starts at the
         # restored global data position.
         self.checkpointer = Checkpointer(cfg, self.topo, self.named_params, self.optimizer)
@@ -113,24 +112,26 @@ class Trainer:
         """Save the full training state now (blocks only for the snapshot under checkpoint.async_save)."""
         return self.checkpointer.save(self.step, self.consumed_samples)
 
+    def _checkpoint_after_step(self) -> bool:
+        """Periodic, final and scheduled-stop saves; True when checkpoint.exit_after says to stop now."""
+        ck = self.cfg.checkpoint
+        stop = ck.exit_after > 0 and self.step >= ck.exit_after
+        if stop or (ck.interval > 0 and (self.step % ck.interval == 0 or self.step == self.cfg.train.steps)):
+            self.save_checkpoint()
+        if stop:
+            log.info(f"checkpoint.exit_after={ck.exit_after}: stopping after step {self.step}")
+        return stop
+
     def train(self, metrics: MetricsLog) -> list[dict]:
         history = []
-        ck = self.cfg.checkpoint
-        try:
-            while self.step < self.cfg.train.steps:
-                record = self.train_step()
-                history.append(record)
-                if self.step % self.cfg.train.log_interval == 0 or self.step == self.cfg.train.steps:
-                    metrics.write(record)
-                stop = ck.exit_after > 0 and self.step >= ck.exit_after
-                last = self.step == self.cfg.train.steps and ck.interval > 0
-                if (ck.interval > 0 and self.step % ck.interval == 0) or stop or last:
-                    self.save_checkpoint()
-                if stop:
-                    log.info(f"checkpoint.exit_after={ck.exit_after}: stopping after step {self.step}")
-                    break
-        finally:
-            self.checkpointer.wait()  # never exit with a background save half-written
+        while self.step < self.cfg.train.steps:
+            record = self.train_step()
+            history.append(record)
+            if self.step % self.cfg.train.log_interval == 0 or self.step == self.cfg.train.steps:
+                metrics.write(record)
+            if self._checkpoint_after_step():
+                break
+        self.checkpointer.wait()
         return history
 
 
@@ -170,6 +171,7 @@ def run(cfg: Config, env: DistEnv) -> list[dict]:
     try:
         return trainer.train(metrics)
     finally:
+        trainer.checkpointer.wait()  # also on errors: never exit with a background save half-written
         metrics.close()
 
 
