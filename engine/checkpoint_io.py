@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -46,13 +47,19 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     digest = hashlib.sha256()
-    with open(path, "wb") as f:
+    # Hash block i on a second thread while block i+1 is written (both release the GIL).
+    with open(path, "wb") as f, ThreadPoolExecutor(1) as hasher:
+        pending = None
         for piece in [len(text).to_bytes(8, "little"), text, *blobs]:
             view = memoryview(piece).cast("B")
             for start in range(0, len(view), CHUNK):
                 part = view[start:start + CHUNK]
                 f.write(part)
-                digest.update(part)
+                if pending is not None:
+                    pending.result()
+                pending = hasher.submit(digest.update, part)
+        if pending is not None:
+            pending.result()
         f.flush()
         os.fsync(f.fileno())
     return digest.hexdigest(), 8 + len(text) + offset
