@@ -14,7 +14,8 @@ from tests.test_train import ROOT, launch
 # One entry per layout: (id, processes, overrides). A layout is one more line here.
 LAYOUTS = [
     ("single", 1, []),
-    ("tp2-async", 2, ["parallel.tensor=2", "checkpoint.async_save=true"]),
+    ("tp2-async-dropout", 2, ["parallel.tensor=2", "checkpoint.async_save=true", "model.hidden_dropout=0.1",
+                              "model.attention_dropout=0.1"]),
     ("dp2", 2, []),
 ]
 
