@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `make demo`: the whole Trilith workflow on this machine with no download:
 #   the Python standard library's source as the corpus → BPE tokenizer → MMIDIDX shards → pretraining
-#   through launch/run_pretrain.sh on several local CPU ranks → loss curve.
+#   through launch/run_pretrain.sh on 8 local CPU ranks (TP2 × PP2 × DP2), interrupted halfway and resumed
+#   from its checkpoint → export to Hugging Face → a generated sample from transformers.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -12,20 +13,23 @@ LAYOUT=(parallel.tensor=2 parallel.pipeline=2)   # with 8 ranks: TP2 × PP2 × D
 
 step() { printf '\n=== %s\n' "$*"; }
 
-step "1/4 corpus: the standard library's .py files as JSONL"
+step "1/6 corpus: the standard library's .py files as JSONL"
 [[ -s $OUT/corpus.jsonl ]] || "$PY" tools/stdlib_corpus.py --output $OUT/corpus.jsonl
 
-step "2/4 tokenizer: byte-level BPE, 8192 tokens"
+step "2/6 tokenizer: byte-level BPE, 8192 tokens"
 [[ -s $OUT/tokenizer/tokenizer.json ]] || \
   "$PY" tools/train_tokenizer.py --input $OUT/corpus.jsonl --output-dir $OUT/tokenizer --vocab-size 8192
 
-step "3/4 preprocess: tokenized binary shards (.bin/.idx)"
+step "3/6 preprocess: tokenized binary shards (.bin/.idx)"
 [[ -s $OUT/data/stdlib_text_document.idx ]] || \
   "$PY" tools/preprocess_data.py --input $OUT/corpus.jsonl --output-prefix $OUT/data/stdlib \
     --tokenizer-model $OUT/tokenizer/tokenizer.json --append-eod --workers 2
 
-step "4/4 pretrain: $NPROC local ranks (${LAYOUT[*]})"
-rm -rf $OUT/run
+step "4/6 pretrain: $NPROC local ranks (${LAYOUT[*]}), stopping after step 60 as if preempted"
+rm -rf $OUT/run $OUT/hf
+launch/run_pretrain.sh --nproc "$NPROC" --config launch/configs/demo.yaml "${LAYOUT[@]}" checkpoint.exit_after=60
+
+step "5/6 resume: the same command picks up the latest checkpoint and trains to the end"
 launch/run_pretrain.sh --nproc "$NPROC" --config launch/configs/demo.yaml "${LAYOUT[@]}"
 
 "$PY" - <<PYEOF
@@ -35,4 +39,8 @@ first, last = rows[0], rows[-1]
 print(f"\nloss fell from {first['loss']:.3f} (step {first['step']}) to {last['loss']:.3f} (step {last['step']})")
 assert last["loss"] < first["loss"], "the demo's loss did not fall"
 PYEOF
-echo "demo: run directory $OUT/run (config.yaml, metrics.jsonl, logs/, checkpoints/)"
+
+step "6/6 export to Hugging Face and sample with transformers"
+"$PY" tools/ckpt_convert.py --to hf --load-dir $OUT/run/checkpoints --save-dir $OUT/hf
+"$PY" tools/hf_sample.py --model-dir $OUT/hf --prompt "def " --max-new-tokens 48
+echo "demo: run directory $OUT/run (config.yaml, metrics.jsonl, logs/, checkpoints/), Hugging Face model $OUT/hf"
