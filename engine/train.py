@@ -15,14 +15,16 @@ from pathlib import Path
 import torch
 
 from engine.config import Config, ConfigError, data_parallel_size, load_config, save_config, validate
+from engine.health import HealthMonitor
 from engine.lr_schedule import lr_at
 from engine.metrics import H100_BF16_PEAK_FLOPS, MetricsLog, flops_per_token, peak_memory_gb
 from engine.mock_data import MockBatchLoader
 from engine.model import CausalLM, num_parameters
 from engine.optimizer import MixedPrecisionAdamW
+from engine.stop import StopControl, StopRun
 from parallel import comm
 from parallel.ddp import allreduce_gradients
-from parallel.distributed import DistEnv, init_distributed
+from parallel.distributed import DistEnv, describe_failure, init_distributed
 from parallel.random import seed_all
 from parallel.schedules import forward_backward_no_pipeline
 from parallel.tensor import TensorParallel, allreduce_replicated_grads
@@ -103,13 +105,25 @@ class Trainer:
             record["mfu"] = tokens * self.flops_per_token / elapsed / (H100_BF16_PEAK_FLOPS * self.env.world_size)
         return record
 
-    def train(self, metrics: MetricsLog) -> list[dict]:
+    def train(self, metrics: MetricsLog, control: StopControl | None = None) -> list[dict]:
         history = []
-        while self.step < self.cfg.train.steps:
-            record = self.train_step()
+        gpu, stop = control.check(self.step) if control else (None, 0)
+        while self.step < self.cfg.train.steps and not stop:
+            try:
+                record = self.train_step()
+                gpu, stop = control.check(self.step) if control else (None, 0)
+            except Exception as exc:
+                if self.env.world_size > 1:  # a dead or hung peer: say who we are and where we waited
+                    print(describe_failure(exc, self.env, self.step), file=sys.stderr, flush=True)
+                raise
+            if gpu is not None:
+                record["gpu"] = gpu
             history.append(record)
-            if self.step % self.cfg.train.log_interval == 0 or self.step == self.cfg.train.steps:
+            if self.step % self.cfg.train.log_interval == 0 or self.step == self.cfg.train.steps or stop:
                 metrics.write(record)
+        if stop:
+            log.info(control.message(stop, self.step))
+            raise StopRun(stop, control.message(stop, self.step))
         return history
 
 
@@ -146,10 +160,12 @@ def run(cfg: Config, env: DistEnv) -> list[dict]:
              f"on {env.device} ({env.backend}); model {num_parameters(cfg.model) / 1e6:.2f}M parameters")
     trainer = Trainer(cfg, env)
     metrics = MetricsLog(run_dir, enabled=env.rank == 0, console=log.info)
+    control = StopControl(env, HealthMonitor(cfg.run, run_dir, console=log.info) if env.local_rank == 0 else None)
     try:
-        return trainer.train(metrics)
+        return trainer.train(metrics, control)
     finally:
         metrics.close()
+        control.restore()
 
 
 def main(argv=None) -> int:
@@ -161,6 +177,8 @@ def main(argv=None) -> int:
     except ConfigError as exc:
         print(f"trilith: configuration error: {exc}", file=sys.stderr)
         return 2
+    except StopRun as stop:  # preemption or GPU health: checkpointed, exit code tells the launcher why
+        return stop.code
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
