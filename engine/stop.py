@@ -8,8 +8,10 @@ requeued: someone should look at the card named in the log first.
 """
 from __future__ import annotations
 
+import os
 import signal
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -21,6 +23,17 @@ from parallel.distributed import DistEnv, world_group
 PREEMPTED_EXIT = 3
 HEALTH_EXIT = 4
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def exit_status(code: int) -> int:
+    """The process exit status for a stop. Under the sbatch wrapper (TRILITH_STOP_FILE set) every rank exits 0,
+    so srun's --kill-on-bad-exit cannot race the others, and rank 0 leaves the code in the file instead."""
+    path = os.environ.get("TRILITH_STOP_FILE")
+    if not path:
+        return code
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        Path(path).write_text(f"{code}\n")
+    return 0
 
 
 class StopRun(Exception):
@@ -62,6 +75,10 @@ class StopControl:
             return f"trilith: stopped at step {step}: {why}; exit {code} (requeue and rerun to resume)"
         return f"trilith: stopped at step {step}: GPU health threshold crossed (see stderr / logs/health-*.jsonl)" \
                f"; exit {code}"
+
+    def barrier(self) -> None:
+        """Every rank has saved its part before anyone exits (a launcher may kill the rest on the first exit)."""
+        comm.all_reduce(torch.zeros(1, device=self.env.device), world_group())
 
     def restore(self) -> None:
         for sig in STOP_SIGNALS:

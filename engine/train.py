@@ -21,7 +21,7 @@ from engine.metrics import H100_BF16_PEAK_FLOPS, MetricsLog, flops_per_token, pe
 from engine.mock_data import MockBatchLoader
 from engine.model import CausalLM, num_parameters
 from engine.optimizer import MixedPrecisionAdamW
-from engine.stop import StopControl, StopRun
+from engine.stop import StopControl, StopRun, exit_status
 from parallel import comm
 from parallel.ddp import allreduce_gradients
 from parallel.distributed import DistEnv, describe_failure, init_distributed
@@ -122,6 +122,7 @@ class Trainer:
             if self.step % self.cfg.train.log_interval == 0 or self.step == self.cfg.train.steps or stop:
                 metrics.write(record)
         if stop:
+            control.barrier()
             log.info(control.message(stop, self.step))
             raise StopRun(stop, control.message(stop, self.step))
         return history
@@ -178,7 +179,7 @@ def main(argv=None) -> int:
         print(f"trilith: configuration error: {exc}", file=sys.stderr)
         return 2
     except StopRun as stop:  # preemption or GPU health: checkpointed, exit code tells the launcher why
-        return stop.code
+        return exit_status(stop.code)
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

@@ -13,7 +13,7 @@
 # SLURM defaults: edit, or override on the sbatch command line (sbatch --nodes=4 ...).
 #SBATCH --job-name=trilith
 #SBATCH --nodes=1
-#SBATCH --ntasks-per-node=8
+#SBATCH --ntasks=8                   # one rank per task (per GPU); multi-node: --nodes=N --ntasks-per-node=8
 ##SBATCH --gpus-per-node=8        # GPU clusters: remove one # (one rank per GPU)
 #SBATCH --cpus-per-task=8
 #SBATCH --time=24:00:00
@@ -63,12 +63,18 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 # sbatch: this is the batch shell, not a rank. Start one rank per task with srun; requeue on preemption.
 if [[ -n "${SLURM_JOB_ID:-}" && -z "${SLURM_STEP_ID:-}" && -z "${RANK:-}" && "$NPROC" -eq 1 ]]; then
+  # Ranks report an early stop here (rank 0 runs on this, the first, node) and exit 0 so that
+  # --kill-on-bad-exit does not cut the others short; see engine/stop.py.
+  export TRILITH_STOP_FILE="${TMPDIR:-/tmp}/trilith-stop-$SLURM_JOB_ID"
+  rm -f "$TRILITH_STOP_FILE"
   set +e
   srun --kill-on-bad-exit=1 --export=ALL bash "$ROOT/launch/run_pretrain.sh" "${MODE[@]}" "${ARGS[@]}"
   status=$?
   set -e
+  if [[ "$status" -eq 0 && -s "$TRILITH_STOP_FILE" ]]; then status="$(cat "$TRILITH_STOP_FILE")"; fi
+  rm -f "$TRILITH_STOP_FILE"
   if [[ "$status" -eq 3 && "${TRILITH_REQUEUE:-1}" == 1 ]]; then
-    echo "run_pretrain.sh: preempted after a checkpoint; requeueing job $SLURM_JOB_ID" >&2
+    echo "run_pretrain.sh: preempted (exit 3); requeueing job $SLURM_JOB_ID to resume from run.dir" >&2
     scontrol requeue "$SLURM_JOB_ID"
   fi
   exit "$status"

@@ -65,6 +65,7 @@ ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SwitchType=switch/none
 SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 JobAcctGatherType=jobacct_gather/none
@@ -118,7 +119,7 @@ class SlurmCluster:
                       f"--log-file={self.root / 'munge' / 'munged.log'}"])
         self._wait_for(lambda: Path(self.munge_socket).exists(), "munged socket")
         self.conf.write_text(self.conf.read_text().replace(
-            "AuthType=auth/munge", f"AuthType=auth/munge\nAuthInfo=socket={self.munge_socket}"))
+            "AuthType=auth/munge", f"AuthType=auth/munge\nAuthInfo=socket={self.munge_socket},cred_expire=10"))
         self._daemon(["slurmctld", "-D", "-i", "-f", str(self.conf)])
         self._daemon(["slurmd", "-D", "-f", str(self.conf), "-N", self.host])
         self._wait_for(self._node_idle, f"node {self.host} to become idle")

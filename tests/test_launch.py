@@ -1,0 +1,100 @@
+"""launch/run_pretrain.sh started the ways users start it: two "nodes" on localhost, mpiexec, a killed rank.
+
+Every multi-rank run must follow the single-process loss curve (≤ 1e-4 per step): same data, same model.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.distributed import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = "launch/configs/tiny.yaml"
+STEPS = 6
+BIN = Path(sys.executable).parent
+ENV = {"TRILITH_PYTHON": sys.executable, "PATH": f"{BIN}:/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+
+
+def script(*args: str, run_dir: Path) -> list[str]:
+    return ["bash", "launch/run_pretrain.sh", *args, "--config", TINY, f"run.dir={run_dir}", f"train.steps={STEPS}"]
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def finish(proc: subprocess.Popen, timeout: float = 240) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def popen(cmd: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("single")
+    finish(popen(script(run_dir=run_dir)))
+    return losses(run_dir)
+
+
+def assert_same_curve(reference: list[float], run_dir: Path) -> None:
+    got = losses(run_dir)
+    assert len(got) == STEPS
+    assert max(abs(a - b) for a, b in zip(reference, got)) <= 1e-4, (reference, got)
+
+
+def test_two_nodes_on_localhost_two_ranks_each(reference, tmp_path):
+    port = str(free_port())
+    nodes = [popen(script("--nproc", "2", "--nnodes", "2", "--node-rank", str(r), "--master-addr", "127.0.0.1",
+                          "--master-port", port, run_dir=tmp_path)) for r in (0, 1)]
+    out = [finish(p) for p in nodes]
+    assert "4 ranks = TP 1 × PP 1 × DP 4" in out[0]
+    assert_same_curve(reference, tmp_path)
+
+
+def test_mpiexec_four_ranks(reference, tmp_path):
+    mpiexec = BIN / "mpiexec"
+    assert mpiexec.exists(), f"{mpiexec} missing: install the MPI extra with pip install -e '.[mpi]'"
+    out = finish(popen([str(mpiexec), "-n", "4", *script(run_dir=tmp_path)]))
+    assert "4 ranks = TP 1 × PP 1 × DP 4" in out
+    assert_same_curve(reference, tmp_path)
+
+
+def _children(pid: int) -> list[int]:
+    kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(k) for k in kids] + [g for k in kids for g in _children(int(k))]
+
+
+def _rank_of(pid: int) -> str:
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return next((e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"RANK=")), "")
+
+
+def test_killed_rank_ends_the_job_with_its_name(tmp_path):
+    cmd = script("--nproc", "2", run_dir=tmp_path)[:-1] + ["train.steps=100000", "parallel.timeout_minutes=0.5"]
+    proc = popen(cmd)
+    metrics = tmp_path / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            time.sleep(0.2)
+        victim = next(p for p in _children(proc.pid) if _rank_of(p) == "1")
+        os.kill(victim, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=90)  # far below the 30 s collective timeout + torchrun's grace period
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0
+    assert "rank      : 1" in out and "Signal 9 (SIGKILL)" in out, out[-3000:]  # torchrun's summary: the dead one
+    assert "trilith: rank 0 of 2" in out and "failed in all_reduce" in out, out[-3000:]  # the survivor: where
