@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from parallel import comm
+
 SCHEDULERS = (  # (name, rank, world size, local rank) in priority order
     ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK"),
     ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
@@ -163,6 +165,7 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_minute
         dist.init_process_group(chosen, rank=launch.rank,
                                 world_size=launch.world_size, timeout=datetime.timedelta(minutes=timeout_minutes),
                                 device_id=dev if dev.type == "cuda" else None)
+        comm.register_group(dist.group.WORLD, "world")
     return DistEnv(launch.rank, launch.world_size, launch.local_rank, dev, chosen, launch.source)
 
 
@@ -185,4 +188,5 @@ def describe_failure(exc: BaseException, env: DistEnv, step: int) -> str:
         where = f"{frames[-1].name} ({os.path.relpath(frames[-1].filename)}:{frames[-1].lineno})" if frames else "?"
     return (f"trilith: rank {env.rank} of {env.world_size} on {socket.gethostname()} failed in {where} during "
             f"step {step + 1}: {type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
-            " -- a peer rank died or hung past parallel.timeout_minutes; the launcher's summary names it")
+            " -- a peer rank died or hung (collectives time out after parallel.timeout_minutes); the launcher's "
+            "summary names a dead one")
