@@ -56,6 +56,7 @@ class ParallelConfig:
     zero_stage: int = 0
     virtual_stages: int = 1
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
+    stage_layers: list[int] = field(default_factory=list)  # layers per pipeline chunk; empty = even split
     rank_order: str = "tp-dp-pp"  # fastest-varying dimension first: TP ranks adjacent by default
     backend: str = "auto"  # auto (nccl with CUDA, else gloo) | gloo | nccl
     timeout_minutes: float = 10.0
@@ -154,6 +155,10 @@ def _coerce(value, typ, where: str):
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             raise ConfigError(f"{where}: expected a string, got {value!r}")
         return str(value)
+    if typ == list[int]:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list of integers like [3, 3, 2, 2], got {value!r}")
+        return [_coerce(v, int, f"{where}[{i}]") for i, v in enumerate(value)]
     if typ is list:
         if isinstance(value, str):
             return [value]
@@ -280,6 +285,17 @@ def validate(cfg: Config, world_size: int) -> None:
                           f"{p.pipeline}×{p.virtual_stages} = {chunks} model chunks; each chunk needs a layer")
     if p.virtual_stages > 1 and p.schedule != "interleaved":
         raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} needs parallel.schedule=interleaved")
+    if p.virtual_stages > 1 and p.pipeline == 1:
+        raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} needs parallel.pipeline > 1 (virtual "
+                          f"stages are extra model chunks per pipeline rank)")
+    if p.schedule == "interleaved" and p.pipeline > 1 and p.virtual_stages < 2:
+        raise ConfigError("parallel.schedule=interleaved needs parallel.virtual_stages ≥ 2 model chunks per "
+                          "rank; with one chunk per rank use parallel.schedule=1f1b")
+    if p.stage_layers and (len(p.stage_layers) != chunks or sum(p.stage_layers) != m.num_layers
+                           or min(p.stage_layers) < 1):
+        raise ConfigError(f"parallel.stage_layers={p.stage_layers} must list layers for each of parallel.pipeline × "
+                          f"virtual_stages = {p.pipeline}×{p.virtual_stages} = {chunks} chunks (in chunk order), "
+                          f"each at least 1, summing to model.num_layers={m.num_layers}")
     if p.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero_stage={p.zero_stage} must be 0, 1, 2 or 3")
     dp = data_parallel_size(cfg, world_size)

@@ -41,6 +41,7 @@ def shrink(cfg: Config, world_size: int, steps: int) -> Config:
     m.num_attention_heads, m.num_kv_heads, m.hidden_size = heads, kv, 16 * heads
     m.ffn_hidden_size = 32 * heads
     m.num_layers = max(2, p.pipeline * p.virtual_stages)
+    p.stage_layers = []  # the user's split was for the full depth; the shrunk model splits evenly
     seq_cap = max(p.tensor, 64 // p.tensor * p.tensor)
     m.seq_length = min(m.seq_length, seq_cap) if m.seq_length % p.tensor == 0 else seq_cap
     dp = data_parallel_size(small, world_size)

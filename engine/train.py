@@ -25,8 +25,11 @@ from engine.stop import StopControl, StopRun, exit_status
 from parallel import comm
 from parallel.ddp import allreduce_gradients
 from parallel.distributed import DistEnv, describe_failure, init_distributed
+from parallel.p2p import PipelineComm
+from parallel.pipeline_schedules import forward_backward_pipeline
 from parallel.random import seed_all
 from parallel.schedules import forward_backward_no_pipeline
+from parallel.stage_layers import allreduce_tied_embedding_grads, chunk_roles, stage_layer_ids
 from parallel.tensor import TensorParallel, allreduce_replicated_grads
 from parallel.topology import Layout, Topology
 
@@ -48,9 +51,16 @@ def build_loader(cfg: Config, topo: Topology, consumed_samples: int):
 
 
 def build_model_chunks(cfg: Config, topo: Topology, tp: TensorParallel) -> list[CausalLM]:
-    if topo.pp_size > 1:
-        raise ConfigError("parallel.pipeline > 1 is not available in this build; use parallel.pipeline=1")
-    return [CausalLM(cfg.model, tp)]
+    """This rank's model chunks: the whole model, one pipeline stage, or its v interleaved chunks."""
+    if topo.pp_size == 1:
+        return [CausalLM(cfg.model, tp)]
+    v = cfg.parallel.virtual_stages
+    layer_ids = stage_layer_ids(cfg.model.num_layers, topo.pp_size, v, cfg.parallel.stage_layers)[topo.pp_rank]
+    chunks = []
+    for j in range(v):
+        pre, post = chunk_roles(topo.pp_rank, topo.pp_size, v, j)
+        chunks.append(CausalLM(cfg.model, tp, layer_ids=layer_ids[j], pre_process=pre, post_process=post))
+    return chunks
 
 
 class Trainer:
@@ -69,6 +79,9 @@ class Trainer:
         self.optimizer = MixedPrecisionAdamW(self.named_params, cfg.optim, self.topo, cfg.train.precision)
         self.step = 0
         self.loader = build_loader(cfg, self.topo, consumed_samples=0)
+        self.pipe = PipelineComm.for_model(self.topo, cfg.model, cfg.train.micro_batch_size, p.sequence_parallel,
+                                           self.dtype, env.device) if self.topo.pp_size > 1 else None
+        self.schedule_trace = None  # a parallel.pipeline_schedules.ScheduleTrace to record the schedule
         self.flops_per_token = flops_per_token(num_parameters(cfg.model), cfg.model.num_layers,
                                                cfg.model.hidden_size, cfg.model.seq_length)
 
@@ -77,13 +90,26 @@ class Trainer:
         return self.loader.consumed_samples
 
     def forward_backward(self, micro_batches: list) -> torch.Tensor:
-        return forward_backward_no_pipeline(self.chunks[0], micro_batches, self.optimizer.scaler.scale)
+        """Gradients of the step's mean loss; returns that loss (on every pipeline stage)."""
+        if self.pipe is None:
+            return forward_backward_no_pipeline(self.chunks[0], micro_batches, self.optimizer.scaler.scale)
+        loss = forward_backward_pipeline(self.cfg.parallel.schedule, self.chunks, micro_batches, self.pipe,
+                                         self.optimizer.scaler.scale, self.schedule_trace)
+        allreduce_tied_embedding_grads(self.chunks, self.topo.groups.get("embedding"))
+        return loss
+
+    def _check_token_ids(self, micro_batches: list) -> None:
+        largest = max(int(mb.max()) for mb in micro_batches)
+        if largest >= self.cfg.model.vocab_size:
+            raise ConfigError(f"the data holds token id {largest} but model.vocab_size={self.cfg.model.vocab_size}; "
+                              f"set model.vocab_size to at least the tokenizer's vocabulary ({largest + 1}+)")
 
     def train_step(self) -> dict:
         start = time.perf_counter()
         for chunk in self.chunks:
             chunk.train()
         micro_batches = [mb.to(self.env.device, non_blocking=True) for mb in self.loader.next_global_batch()]
+        self._check_token_ids(micro_batches)
         loss = self.forward_backward(micro_batches)
         for chunk in self.chunks:
             allreduce_replicated_grads(chunk, self.tp)

@@ -60,3 +60,27 @@ def test_config_error_exits_2_with_message(tmp_path):
 def test_bf16_run_trains(tmp_path):
     records = launch(tmp_path, "train.precision=bf16", "train.steps=10")
     assert records[-1]["loss"] < records[0]["loss"]
+
+
+def test_training_on_preprocessed_shards(tmp_path):
+    """The real data path end to end: corpus → tokenizer → .bin/.idx → training at DP=2."""
+    py = sys.executable
+    run = lambda *a: subprocess.run([py, *a], cwd=ROOT, capture_output=True, text=True, timeout=300,  # noqa: E731
+                                    check=True)
+    run("tools/stdlib_corpus.py", "--output", str(tmp_path / "c.jsonl"), "--limit", "40")
+    run("tools/train_tokenizer.py", "--input", str(tmp_path / "c.jsonl"), "--output-dir", str(tmp_path / "tok"),
+        "--vocab-size", "512")
+    run("tools/preprocess_data.py", "--input", str(tmp_path / "c.jsonl"), "--output-prefix", str(tmp_path / "d"),
+        "--tokenizer-model", str(tmp_path / "tok" / "tokenizer.json"), "--append-eod", "--workers", "1")
+    records = launch(tmp_path / "run", "data.mock=false", f"data.paths=[{tmp_path / 'd_text_document'}]",
+                     "model.vocab_size=512", "train.steps=6", nproc=2)
+    assert len(records) == 6 and records[-1]["loss"] < records[0]["loss"]
+    assert records[-1]["consumed_samples"] == 6 * 8
+
+    too_small = subprocess.run(["bash", "launch/run_pretrain.sh", "--config", TINY, f"run.dir={tmp_path / 'bad'}",
+                                "data.mock=false", f"data.paths=[{tmp_path / 'd_text_document'}]",
+                                "model.vocab_size=100"], cwd=ROOT, capture_output=True, text=True,
+                               env={"TRILITH_PYTHON": sys.executable, "PATH": "/usr/bin:/bin"})
+    assert too_small.returncode == 2
+    assert "but model.vocab_size=100; set model.vocab_size to at least" in too_small.stderr
+

@@ -1,0 +1,211 @@
+"""Pipeline schedules: GPipe, 1F1B and interleaved 1F1B over the micro-batches of one step.
+
+Each rank runs its own model chunks; `PipelineComm` moves activations forward and gradients backward.
+Every micro-batch's mean token loss is backpropagated with weight loss_scale / m, exactly as
+`forward_backward_no_pipeline` does, so gradients equal the single-process model's.
+
+    GPipe        all m forwards, then all m backwards: up to m micro-batches' activations live.
+    1F1B         p − rank − 1 warm-up forwards, then one forward / one backward: at most p live.
+    interleaved  1F1B over v virtual chunks per rank (chunk c of the model on rank c mod p); the bubble
+                 shrinks from (p−1)/(m+p−1) to (p−1)/(v·m+p−1) at the cost of v× more messages.
+
+The interleaved schedule follows Megatron-LM's `forward_backward_pipelining_with_interleaving` (facts
+only; the code is ours). A `ScheduleTrace` records every slot (kind, micro-batch, chunk, start, end) and
+the number of live micro-batch activations (forward done, backward not yet).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from parallel import comm
+
+
+@dataclass
+class ScheduleTrace:
+    """Per-rank record of compute slots; `peak_live` counts (chunk, micro-batch) activations held."""
+    events: list = field(default_factory=list)  # (kind "F" | "B", micro_batch, chunk, t_start, t_end)
+    live: int = 0
+    peak_live: int = 0
+
+    def add(self, kind: str, micro_batch: int, chunk: int, start: float, end: float) -> None:
+        self.events.append((kind, micro_batch, chunk, start, end))
+        self.live += 1 if kind == "F" else -1
+        self.peak_live = max(self.peak_live, self.live)
+
+
+class _Steps:
+    """Forward and backward of one (chunk, micro-batch), with the loss bookkeeping of the last chunk."""
+
+    def __init__(self, chunks, micro_batches, loss_scale: float, trace: ScheduleTrace | None):
+        self.chunks, self.micro_batches, self.trace = chunks, micro_batches, trace
+        self.weight = loss_scale / len(micro_batches)
+        self.losses: list[torch.Tensor] = []
+
+    def forward(self, chunk_id: int, mb: int, received):
+        chunk, tokens = self.chunks[chunk_id], self.micro_batches[mb]
+        start = time.time()
+        inputs = tokens[:, :-1] if chunk.pre_process else received
+        out = chunk(inputs, tokens[:, 1:] if chunk.post_process else None)
+        if chunk.post_process:
+            self.losses.append(out.detach().float())
+            out = out * self.weight
+        if self.trace is not None:
+            self.trace.add("F", mb, chunk_id, start, time.time())
+        return out
+
+    def backward(self, chunk_id: int, mb: int, received, output, output_grad):
+        start = time.time()
+        torch.autograd.backward(output, grad_tensors=output_grad)
+        if self.trace is not None:
+            self.trace.add("B", mb, chunk_id, start, time.time())
+        return None if received is None else received.grad
+
+
+def gpipe(steps: _Steps, pipe) -> None:
+    m = len(steps.micro_batches)
+    saved = []
+    for mb in range(m):
+        received = pipe.recv_forward()
+        out = steps.forward(0, mb, received)
+        pipe.send_forward(out)
+        saved.append((received, out))
+    for mb in range(m):
+        received, out = saved[mb]
+        grad = pipe.recv_backward()
+        pipe.send_backward(steps.backward(0, mb, received, out, grad))
+
+
+def one_f_one_b(steps: _Steps, pipe) -> None:
+    m = len(steps.micro_batches)
+    warmup = min(pipe.pp_size - pipe.pp_rank - 1, m)
+    remaining = m - warmup
+    held: deque = deque()
+    fwd = bwd = 0
+    for _ in range(warmup):
+        received = pipe.recv_forward()
+        out = steps.forward(0, fwd, received)
+        pipe.send_forward(out)
+        held.append((received, out))
+        fwd += 1
+    received = pipe.recv_forward() if remaining else None
+    for i in range(remaining):
+        out = steps.forward(0, fwd, received)
+        fwd += 1
+        grad = pipe.send_forward_recv_backward(out)
+        held.append((received, out))
+        old_in, old_out = held.popleft()
+        input_grad = steps.backward(0, bwd, old_in, old_out, grad)
+        bwd += 1
+        if i == remaining - 1:
+            pipe.send_backward(input_grad)
+        else:
+            received = pipe.send_backward_recv_forward(input_grad)
+    for _ in range(warmup):
+        old_in, old_out = held.popleft()
+        grad = pipe.recv_backward()
+        pipe.send_backward(steps.backward(0, bwd, old_in, old_out, grad))
+        bwd += 1
+
+
+def interleaved(steps: _Steps, pipe) -> None:
+    p, rank, v = pipe.pp_size, pipe.pp_rank, len(steps.chunks)
+    m = len(steps.micro_batches)
+    total = m * v
+    all_warmup = m == p
+    warmup = total if all_warmup else min((p - rank - 1) * 2 + (v - 1) * p, total)
+    remaining = total - warmup
+    inputs = [deque() for _ in range(v)]
+    outputs = [deque() for _ in range(v)]
+    grads = [deque() for _ in range(v)]
+
+    def chunk_of(k: int, forward: bool) -> int:
+        c = (k % (p * v)) // p
+        return c if forward else v - 1 - c
+
+    def micro_batch_of(k: int) -> int:
+        return (k // (p * v)) * p + k % p
+
+    def forward_step(k: int):
+        c = chunk_of(k, True)
+        received = None if steps.chunks[c].pre_process else inputs[c][-1]
+        out = steps.forward(c, micro_batch_of(k), received)
+        outputs[c].append(out)
+        return None if steps.chunks[c].post_process else out
+
+    def backward_step(k: int):
+        c = chunk_of(k, False)
+        received = None if steps.chunks[c].pre_process else inputs[c].popleft()
+        grad = None if steps.chunks[c].post_process else grads[c].popleft()
+        return steps.backward(c, micro_batch_of(k), received, outputs[c].popleft(), grad)
+
+    if not pipe.is_first:
+        inputs[0].append(pipe.communicate(recv_prev=True)[0])
+    for k in range(warmup):
+        out = forward_step(k)
+        nxt = chunk_of(k + 1, True)
+        recv_prev = not (pipe.is_first and nxt == 0) and k != total - 1
+        if k == warmup - 1 and not all_warmup:
+            received, grad = pipe.communicate(send_next=out, recv_prev=recv_prev, recv_next=not pipe.is_last)
+            if grad is not None:
+                grads[v - 1].append(grad)
+        else:
+            received, _ = pipe.communicate(send_next=out, recv_prev=recv_prev)
+        if recv_prev:
+            inputs[nxt].append(received)
+    for k in range(remaining):
+        fk = k + warmup
+        out = forward_step(fk)
+        input_grad = backward_step(k)
+        recv_prev = True
+        if pipe.is_first:  # the first stage runs p − 1 slots ahead of the last, which feeds it
+            nxt = chunk_of(fk - (p - 1), True)
+            recv_prev = nxt != v - 1
+            nxt += 1
+        else:
+            nxt = chunk_of(fk + 1, True)
+        recv_next = True
+        if pipe.is_last:  # and the last stage p − 1 backward slots ahead of the first
+            nxt_b = chunk_of(k - (p - 1), False)
+            recv_next = nxt_b != 0
+            nxt_b -= 1
+        else:
+            nxt_b = chunk_of(k + 1, False)
+        if k == remaining - 1:
+            recv_prev = False
+        received, grad = pipe.communicate(send_next=out, send_prev=input_grad, recv_prev=recv_prev,
+                                          recv_next=recv_next)
+        if recv_prev:
+            inputs[nxt].append(received)
+        if recv_next:
+            grads[nxt_b].append(grad)
+    if all_warmup and not pipe.is_last:
+        grads[v - 1].append(pipe.communicate(recv_next=True)[1])
+    for k in range(remaining, total):
+        input_grad = backward_step(k)
+        nxt_b = chunk_of(k + 1, False)
+        recv_next = not (pipe.is_last and nxt_b == v - 1) and k != total - 1
+        _, grad = pipe.communicate(send_prev=input_grad, recv_next=recv_next)
+        if recv_next:
+            grads[nxt_b].append(grad)
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved}
+
+
+def forward_backward_pipeline(schedule: str, chunks, micro_batches: list, pipe, loss_scale: float = 1.0,
+                              trace: ScheduleTrace | None = None) -> torch.Tensor:
+    """Run one step's schedule; returns the mean micro-batch loss, broadcast from the last stage."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
+    if schedule != "interleaved" and len(chunks) != 1:
+        raise ValueError(f"{len(chunks)} model chunks per rank need the interleaved schedule, not {schedule!r}")
+    steps = _Steps(chunks, micro_batches, loss_scale, trace)
+    SCHEDULES[schedule](steps, pipe)
+    device = micro_batches[0].device
+    loss = torch.stack(steps.losses).mean() if steps.losses else torch.zeros((), device=device)
+    comm.broadcast(loss, src=pipe.last_rank, group=pipe.group)
+    return loss

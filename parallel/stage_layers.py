@@ -1,0 +1,65 @@
+"""Which transformer layers each pipeline stage (and each of its virtual chunks) holds.
+
+The model is cut into n = p·v consecutive chunks of layers. Chunk c lives on pipeline rank c mod p as
+that rank's virtual chunk c div p (Megatron's interleaved assignment): with p=2, v=2 rank 0 holds chunks
+0 and 2, rank 1 holds chunks 1 and 3. Without interleaving (v=1) chunk c is simply stage c. The first
+chunk also holds the embedding, the last the final norm and LM head; with tied embeddings the last stage
+keeps its own copy of the embedding as `lm_head` whose gradient is summed with the first stage's.
+"""
+from __future__ import annotations
+
+import torch
+
+from parallel import comm
+
+
+def chunk_layer_counts(num_layers: int, num_chunks: int, explicit: list[int] | None = None) -> list[int]:
+    """Layers per chunk: `explicit` as given (validated), else as even as possible, earlier chunks taking
+    the remainder one layer each."""
+    if explicit:
+        if len(explicit) != num_chunks or sum(explicit) != num_layers or min(explicit) < 1:
+            raise ValueError(f"parallel.stage_layers={list(explicit)} must have parallel.pipeline × virtual_stages "
+                             f"= {num_chunks} entries, each at least 1, summing to model.num_layers={num_layers}")
+        return list(explicit)
+    if num_layers < num_chunks:
+        raise ValueError(f"model.num_layers={num_layers} cannot fill {num_chunks} pipeline chunks")
+    base, extra = divmod(num_layers, num_chunks)
+    return [base + (1 if c < extra else 0) for c in range(num_chunks)]
+
+
+def stage_layer_ids(num_layers: int, pipeline: int, virtual: int = 1,
+                    explicit: list[int] | None = None) -> list[list[list[int]]]:
+    """layer_ids[pp_rank][virtual_chunk] = the global layer indices of that chunk."""
+    counts = chunk_layer_counts(num_layers, pipeline * virtual, explicit)
+    starts = [sum(counts[:c]) for c in range(len(counts))]
+    return [[list(range(starts[j * pipeline + r], starts[j * pipeline + r] + counts[j * pipeline + r]))
+             for j in range(virtual)] for r in range(pipeline)]
+
+
+def chunk_roles(pp_rank: int, pipeline: int, virtual: int, chunk: int) -> tuple[bool, bool]:
+    """(pre_process, post_process): embedding on the very first chunk, LM head on the very last."""
+    index = chunk * pipeline + pp_rank
+    return index == 0, index == pipeline * virtual - 1
+
+
+def tied_embedding_weights(chunks) -> list[torch.nn.Parameter]:
+    """This rank's copies of the tied embedding: the first chunk's input table and/or the last chunk's head."""
+    out = []
+    for chunk in chunks:
+        if not chunk.cfg.tie_embeddings:
+            continue
+        if chunk.pre_process and chunk.model.embed_tokens is not None:
+            out.append(chunk.model.embed_tokens.weight)
+        if chunk.lm_head is not None and getattr(chunk.lm_head.weight, "pipeline_duplicate", False):
+            out.append(chunk.lm_head.weight)
+    return out
+
+
+def allreduce_tied_embedding_grads(chunks, embedding_group) -> None:
+    """Sum the tied embedding's gradient over the first and last stage so both copies take the same step."""
+    if embedding_group is None:
+        return
+    for weight in tied_embedding_weights(chunks):
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        comm.all_reduce(weight.grad, embedding_group)

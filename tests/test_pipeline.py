@@ -1,0 +1,217 @@
+"""Pipeline parallelism equals the single-process model (gloo, CPU, fp32, max abs ≤ 1e-5).
+
+PP=2 runs as PP2×DP2 and PP=4 as PP4×DP1 on one pool of 4 ranks; GPipe, 1F1B and interleaved 1F1B give
+the same loss and gradients; the 1F1B schedule holds at most p micro-batches' activations while GPipe
+holds all m; a TP2×PP2×DP2 run of 8 processes follows the single-process loss curve (≤ 1e-4 per step).
+"""
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import Config, ConfigError, ModelConfig, load_config, validate
+from engine.model import CausalLM
+from engine.train import Trainer, build_model_chunks
+from parallel import comm
+from parallel.ddp import allreduce_gradients
+from parallel.distributed import DistEnv
+from parallel.p2p import PipelineComm
+from parallel.pipeline_schedules import ScheduleTrace, forward_backward_pipeline
+from parallel.schedules import forward_backward_no_pipeline
+from parallel.stage_layers import (allreduce_tied_embedding_grads, chunk_layer_counts, stage_layer_ids,
+                                   tied_embedding_weights)
+from parallel.tensor import TensorParallel
+from parallel.topology import Layout, Topology
+from tests.distributed import WorkerPool
+from tools.pipeline_trace import analytic_bubble, bubble_fractions, timeline
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = "launch/configs/tiny.yaml"
+TOL = 1e-5
+MODEL = dict(hidden_size=32, num_layers=8, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=64,
+             vocab_size=61, seq_length=8)
+MICRO, SAMPLES = 2, 16  # 8 micro-batches in all: 4 per DP rank at PP2×DP2, 8 at PP4
+
+
+@pytest.fixture(scope="module")
+def pool():
+    made = WorkerPool(4)
+    yield made
+    made.close()
+
+
+def _config(pp: int, schedule: str, virtual: int, stage_layers, tie: bool) -> Config:
+    cfg = Config(model=ModelConfig(**MODEL, tie_embeddings=tie))
+    cfg.parallel.pipeline, cfg.parallel.schedule, cfg.parallel.virtual_stages = pp, schedule, virtual
+    cfg.parallel.stage_layers = list(stage_layers or [])
+    return cfg
+
+
+def _samples() -> torch.Tensor:
+    return torch.randint(0, MODEL["vocab_size"], (SAMPLES, MODEL["seq_length"] + 1),
+                         generator=torch.Generator().manual_seed(3))
+
+
+def pipeline_step(rank, world, pp, schedule, virtual=1, stage_layers=None, tie=False):
+    """One forward/backward of the pipeline; returns loss, gradients by name and the trace's peak."""
+    cfg = _config(pp, schedule, virtual, stage_layers, tie)
+    topo = Topology(Layout(pp=pp, dp=world // pp), rank)
+    chunks = build_model_chunks(cfg, topo, TensorParallel())
+    for chunk in chunks:
+        chunk.init_weights(7)
+    per_rank = SAMPLES // topo.dp_size
+    mine = _samples()[topo.dp_rank * per_rank:(topo.dp_rank + 1) * per_rank]
+    pipe = PipelineComm.for_model(topo, cfg.model, MICRO, False, torch.float32, torch.device("cpu"))
+    trace = ScheduleTrace()
+    with comm.RECORD.capture() as events:
+        loss = forward_backward_pipeline(schedule, chunks, list(mine.split(MICRO)), pipe, trace=trace)
+    allreduce_tied_embedding_grads(chunks, topo.groups.get("embedding"))
+    named = [(n, p) for c in chunks for n, p in c.named_parameters()]
+    allreduce_gradients([p for _, p in named], topo.dp_group)
+    comm.all_reduce(loss, topo.dp_group)
+    sends = sum(1 for e in events if e.op == "send")
+    return {"loss": loss.item() / topo.dp_size, "grads": {n: p.grad.clone() for n, p in named},
+            "peak_live": trace.peak_live, "pp_rank": topo.pp_rank, "sends": sends,
+            "duplicate": [n for n, p in named if getattr(p, "pipeline_duplicate", False)]}
+
+
+def _reference(tie: bool):
+    model = CausalLM(ModelConfig(**MODEL, tie_embeddings=tie))
+    model.init_weights(7)
+    loss = forward_backward_no_pipeline(model, list(_samples().split(MICRO)))
+    return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _check_against_reference(results, tie):
+    ref_loss, ref_grads = _reference(tie)
+    seen = set()
+    for r in results:
+        assert abs(r["loss"] - ref_loss) <= TOL, (r["loss"], ref_loss)
+        for name, grad in r["grads"].items():
+            expected = ref_grads["model.embed_tokens.weight" if name in r["duplicate"] else name]
+            assert (grad - expected).abs().max().item() <= TOL, name
+            seen.add(name)
+    assert set(ref_grads) <= seen
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_pp2_dp2_1f1b_matches_single_process(pool, tie):
+    _check_against_reference(pool.run(pipeline_step, 2, "1f1b", tie=tie), tie)
+
+
+def test_pp4_schedules_match_single_process_and_each_other(pool):
+    runs = {name: pool.run(pipeline_step, 4, name, virtual=v, tie=True)
+            for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))}
+    for results in runs.values():
+        _check_against_reference(results, tie=True)
+    merged = {k: {n: g for r in res for n, g in r["grads"].items() if n not in r["duplicate"]}
+              for k, res in runs.items()}
+    for name, grad in merged["1f1b"].items():
+        assert (merged["gpipe"][name] - grad).abs().max().item() <= 1e-6, name
+        assert (merged["interleaved"][name] - grad).abs().max().item() <= 1e-6, name
+    m, p = 8, 4
+    assert [r["peak_live"] for r in runs["1f1b"]] == [p - s for s in range(p)]  # ≤ p, not m
+    assert all(r["peak_live"] == m for r in runs["gpipe"])
+    v = 2  # interleaved: Megatron's warm-up depth plus one, counted in chunks (1/v of a stage each)
+    assert [r["peak_live"] for r in runs["interleaved"]] == [2 * (p - s - 1) + (v - 1) * p + 1 for s in range(p)]
+    # one activation and one gradient per micro-batch across each boundary between consecutive chunks
+    assert sum(r["sends"] for r in runs["1f1b"]) == sum(r["sends"] for r in runs["gpipe"]) == 2 * m * (p - 1)
+    assert sum(r["sends"] for r in runs["interleaved"]) == 2 * m * (2 * p - 1)
+
+
+def test_pp2_interleaved_and_explicit_stage_layers(pool):
+    _check_against_reference(pool.run(pipeline_step, 2, "interleaved", virtual=2, tie=True), tie=True)
+    _check_against_reference(pool.run(pipeline_step, 4, "1f1b", stage_layers=[3, 3, 1, 1]), tie=False)
+
+
+def test_stage_layer_assignment():
+    assert stage_layer_ids(8, 4, 1, [3, 3, 1, 1]) == [[[0, 1, 2]], [[3, 4, 5]], [[6]], [[7]]]
+    assert chunk_layer_counts(10, 4) == [3, 3, 2, 2]
+    # interleaved: chunk c of the model lives on rank c mod p
+    assert stage_layer_ids(8, 2, 2) == [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
+    with pytest.raises(ValueError, match="summing to model.num_layers=8"):
+        chunk_layer_counts(8, 4, [3, 3, 1, 2])
+
+
+@pytest.mark.parametrize("overrides, world, message", [
+    (["parallel.pipeline=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2",
+      "train.global_batch_size=6"], 2, "needs the number of micro-batches (3 = global_batch_size / "
+                                       "(micro_batch_size × dp)) to be a multiple of parallel.pipeline=2"),
+    (["parallel.pipeline=2", "parallel.virtual_stages=2"], 2, "needs parallel.schedule=interleaved"),
+    (["parallel.virtual_stages=2", "parallel.schedule=interleaved"], 1, "needs parallel.pipeline > 1"),
+    (["parallel.pipeline=2", "parallel.schedule=interleaved"], 2, "needs parallel.virtual_stages ≥ 2"),
+    (["parallel.pipeline=2", "parallel.stage_layers=[3, 2]"], 2, "summing to model.num_layers=4"),
+    (["parallel.pipeline=2", "parallel.stage_layers=[4]"], 2, "2×1 = 2 chunks"),
+    (["parallel.pipeline=2", "parallel.stage_layers=[2, x]"], 2, "parallel.stage_layers[1]: expected an integer"),
+])
+def test_invalid_pipeline_configs_are_rejected(overrides, world, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate(load_config(TINY, overrides), world)
+
+
+def trainer_steps(rank, world, overrides):
+    cfg = load_config(TINY, overrides)
+    trainer = Trainer(cfg, DistEnv(rank, world))
+    losses = [trainer.train_step()["loss"] for _ in range(cfg.train.steps)]
+    return losses, trainer.topo.tp_rank, [p.detach().clone() for p in tied_embedding_weights(trainer.chunks)]
+
+
+@pytest.mark.parametrize("layout", [["parallel.pipeline=2"],
+                                    ["parallel.pipeline=2", "parallel.tensor=2", "parallel.sequence_parallel=true",
+                                     "parallel.schedule=interleaved", "parallel.virtual_stages=2"]],
+                         ids=["pp2-dp2", "tp2-sp-pp2-interleaved"])
+def test_trainer_steps_match_single_process_and_tied_copies_stay_equal(pool, layout):
+    common = ["train.steps=3", "model.tie_embeddings=true"]
+    reference, _, _ = trainer_steps(0, 1, common)
+    results = pool.run(trainer_steps, common + layout)
+    for losses, _, _ in results:
+        assert max(abs(a - b) for a, b in zip(losses, reference)) <= 1e-5, (losses, reference)
+    by_tp_rank: dict = {}
+    for _, tp_rank, weights in results:
+        by_tp_rank.setdefault(tp_rank, []).extend(weights)
+    assert sum(len(c) for c in by_tp_rank.values()) == 4  # embedding on first-stage ranks, lm_head on last
+    for copies in by_tp_rank.values():
+        assert len(copies) >= 2 and all(torch.equal(copies[0], w) for w in copies[1:])
+
+
+def _launch(run_dir: Path, *overrides: str, nproc: int = 1) -> list[float]:
+    cmd = ["bash", "launch/run_pretrain.sh", "--nproc", str(nproc), "--config", TINY, f"run.dir={run_dir}",
+           "train.steps=10", *overrides]
+    env = {"TRILITH_PYTHON": sys.executable, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_tp2_pp2_dp2_on_8_processes_follows_single_process_curve(tmp_path):
+    single = _launch(tmp_path / "single")
+    layered = _launch(tmp_path / "3d", "parallel.tensor=2", "parallel.pipeline=2", nproc=8)
+    assert len(layered) == len(single) == 10
+    for step, (a, b) in enumerate(zip(single, layered), 1):
+        assert abs(a - b) <= 1e-4, (step, a, b)
+
+
+def test_bubble_measurement_matches_analytic_on_an_ideal_gpipe_trace():
+    p, m = 4, 6
+    traces = []
+    for stage in range(p):  # unit-time slots; backward starts once the last stage's forwards are done
+        fwd = [("F", i, 0, stage + i, stage + i + 1) for i in range(m)]
+        b0 = m + p - 1 + (p - 1 - stage)
+        traces.append(fwd + [("B", i, 0, b0 + i, b0 + i + 1) for i in range(m)])
+    for measured in bubble_fractions(traces):
+        assert measured == pytest.approx(analytic_bubble("gpipe", p, m))
+    assert analytic_bubble("interleaved", 4, 8, 2) == pytest.approx(3 / 19)
+    assert len(timeline(traces, width=40)) == p
+
+
+def test_pipeline_trace_tool_runs(tmp_path):
+    done = subprocess.run([sys.executable, "tools/pipeline_trace.py", "--pipeline", "2", "--micro-batches", "4",
+                           "--steps", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("stage ")]
+    assert len(lines) == 2 and "analytic 0.200" in lines[0] and "peak live micro-batches  2" in lines[0]

@@ -1,0 +1,193 @@
+"""tools/preprocess_data.py: MMIDIDX output, exact cache, bad input, formats, merge, provenance."""
+import json
+import os
+import struct
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from data.indexed import IndexedDataset  # noqa: E402
+from data.provenance import Provenance  # noqa: E402
+from tools import preprocess_data, train_tokenizer  # noqa: E402
+from tools._encoder import OTHER_SPACES, SAFE_SPACES, load_encoder, tokenizer_spec  # noqa: E402
+
+TEXTS = [
+    "def f(x):\n    return x + 1\n",
+    "Hello world! It's 2024, isn't it?  Numbers: 3.14159 and 42.\n\n",
+    "café naïve résumé — unicode “quotes” 日本語のテキスト 😀 emoji\ttab\r\nwindows",
+    "   leading spaces and trailing   \n\n\n",
+    "a<|endoftext|>b special token inside",
+    "odd spaces:\u00a0nbsp\u2003em\u3000ideographic\x0bvt\x1cfs",
+    "x'sy don'T CAN'T we'll 'd ' ' s' 1st 2nd 3rd\u00bd\u2162",
+    "self.assertEqual(foo_bar[0], {'k': [1, 2]}) # comment\n" * 3,
+    "ﬁne ①② NFKC-sensitive ＡＢＣ",
+]
+
+
+def write_jsonl(path, records):
+    with open(path, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok")
+    corpus = write_jsonl(d / "c.jsonl", [{"text": t} for t in TEXTS * 3])
+    train_tokenizer.main(["--input", corpus, "--output-dir", str(d / "bpe"), "--vocab-size", "400",
+                          "--min-frequency", "1", "--holdout-fraction", "0"])
+    train_tokenizer.main(["--input", corpus, "--output-dir", str(d / "nfkc"), "--vocab-size", "400",
+                          "--min-frequency", "1", "--holdout-fraction", "0", "--nfkc", "--strip-control"])
+    return {"bpe": str(d / "bpe" / "tokenizer.json"), "nfkc": str(d / "nfkc" / "tokenizer.json")}
+
+
+def run(tmp_path, tok_path, inputs, *extra, prefix="out"):
+    out = str(tmp_path / prefix)
+    preprocess_data.main(["--input", *inputs, "--output-prefix", out, "--tokenizer-model", tok_path,
+                          "--quiet", *extra])
+    return out + "_text_document"
+
+
+def test_idx_layout_matches_published_mmidx(tmp_path, tok):
+    path = run(tmp_path, tok["bpe"], [write_jsonl(tmp_path / "a.jsonl", [{"text": t} for t in TEXTS[:3]])],
+               "--append-eod")
+    ds = IndexedDataset(path)
+    lengths = [len(ds[i]) for i in range(3)]
+    # Written by hand from Megatron-LM's indexed_dataset.py: magic, version 1, dtype code 8
+    # (uint16), sequence count, document count (documents + 1), int32 lengths, int64 byte
+    # pointers, int64 document indices.
+    expected = (b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + struct.pack("<B", 8)
+                + struct.pack("<Q", 3) + struct.pack("<Q", 4)
+                + struct.pack("<3i", *lengths)
+                + struct.pack("<3q", 0, 2 * lengths[0], 2 * (lengths[0] + lengths[1]))
+                + struct.pack("<4q", 0, 1, 2, 3))
+    assert open(path + ".idx", "rb").read() == expected
+    assert os.path.getsize(path + ".bin") == 2 * sum(lengths)
+
+
+@pytest.mark.parametrize("which", ["bpe", "nfkc"])
+@pytest.mark.parametrize("cache", [True, False])
+def test_output_identical_to_per_document_encode(tmp_path, tok, which, cache):
+    from tokenizers import Tokenizer
+    reference = Tokenizer.from_file(tok[which])
+    texts = TEXTS + [t[::-1] for t in TEXTS] + ["".join(TEXTS)]
+    path = run(tmp_path, tok[which], [write_jsonl(tmp_path / "a.jsonl", [{"text": t} for t in texts])],
+               "--append-eod", *([] if cache else ["--no-cache"]))
+    ds = IndexedDataset(path)
+    eod = reference.token_to_id("<|endoftext|>")
+    assert len(ds) == len(texts)
+    for i, t in enumerate(texts):
+        assert ds[i].tolist() == reference.encode(t).ids + [eod]
+
+
+def test_chunk_cache_is_exact_on_random_text(tok):
+    from tokenizers import Tokenizer
+    reference = Tokenizer.from_file(tok["bpe"])
+    encoder = load_encoder(tokenizer_spec(None, tok["bpe"]))
+    assert encoder.cached, encoder.cache_reason
+    rng = np.random.RandomState(0)
+    alphabet = list("abcXYZ019_.,;:'\"()[]{}#-+=/\\<>|!?é日😀") + list(SAFE_SPACES) * 3 + ["'s", "'ll"]
+    texts = ["".join(rng.choice(alphabet, rng.randint(1, 80))) for _ in range(400)]
+    out = encoder.encode_batch(texts)
+    assert encoder.cached
+    for t, ids in zip(texts, out):
+        assert ids.tolist() == reference.encode(t).ids, repr(t)
+
+
+def test_other_spaces_list_is_complete():
+    python_spaces = {chr(c) for c in range(0x110000) if chr(c).isspace()}
+    assert python_spaces == set(SAFE_SPACES) | set(OTHER_SPACES)
+
+
+def test_round_trip_text_shards_text_and_provenance(tmp_path, tok):
+    from tokenizers import Tokenizer
+    reference = Tokenizer.from_file(tok["bpe"])
+    texts = ["first document\n", "second one", "third: ünïcödé"]
+    src = write_jsonl(tmp_path / "a.jsonl", [{"text": t} for t in texts])
+    path = run(tmp_path, tok["bpe"], [src], "--workers", "2", "--batch-size", "1")
+    ds = IndexedDataset(path)
+    assert [reference.decode(ds[i].tolist()) for i in range(len(ds))] == texts
+    prov = Provenance(path)
+    assert [prov.lookup(i) for i in range(3)] == [(src, 1), (src, 2), (src, 3)]
+
+
+def test_bad_records_skipped_counted_and_reported(tmp_path, tok, capsys):
+    src = tmp_path / "bad.jsonl"
+    lines = [b'{"text": "good one"}', b'{"text": "broken', b'{"text": "\xff\xfe bad utf8"}',
+             b'{"other": "x"}', b'{"text": 17}', b'{"text": "   "}', b'[1, 2]',
+             b'{"text": "\\ud800 lone surrogate"}', b'', b'{"text": "good two"}']
+    src.write_bytes(b"\n".join(lines) + b"\n")
+    path = run(tmp_path, tok["bpe"], [str(src)])
+    assert len(IndexedDataset(path)) == 2
+    assert Provenance(path).lookup(1) == (str(src), 10)
+    rejects = [json.loads(x) for x in open(tmp_path / "out_rejects.jsonl")]
+    assert [(r["line"], r["reason"]) for r in rejects] == [
+        (2, "malformed_json"), (3, "invalid_utf8"), (4, "missing_key"), (5, "non_string"),
+        (6, "empty"), (7, "malformed_json"), (8, "invalid_utf8")]
+    captured = capsys.readouterr()
+    assert f"{src}:2: malformed_json" in captured.err
+    assert "skipped 7" in captured.out
+
+
+def test_strict_fails_without_leaving_outputs(tmp_path, tok):
+    src = write_jsonl(tmp_path / "bad.jsonl", [{"text": "fine"}, '{"text": nope}'])
+    with pytest.raises(SystemExit, match=r"bad.jsonl:2: malformed_json"):
+        run(tmp_path, tok["bpe"], [src], "--strict")
+    assert not [f for f in os.listdir(tmp_path) if f.startswith("out")]
+
+
+def test_zstd_parquet_and_directory_inputs(tmp_path, tok):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+    d = tmp_path / "in"
+    d.mkdir()
+    raw = "".join(json.dumps({"text": t}) + "\n" for t in TEXTS[:3]).encode()
+    (d / "a.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(raw))
+    pq.write_table(pa.table({"text": TEXTS[3:6], "id": [1, 2, 3]}), d / "b.parquet")
+    path = run(tmp_path, tok["bpe"], [str(d)])
+    ds = IndexedDataset(path)
+    from tokenizers import Tokenizer
+    reference = Tokenizer.from_file(tok["bpe"])
+    assert [ds[i].tolist() for i in range(6)] == [reference.encode(t).ids for t in TEXTS[:6]]
+    prov = Provenance(path)
+    assert prov.lookup(4) == (str(d / "b.parquet"), 2)
+
+
+def test_partitions_and_merge_equal_single_run(tmp_path, tok):
+    files = [write_jsonl(tmp_path / f"{i}.jsonl", [{"text": t} for t in TEXTS[i::3]]) for i in range(3)]
+    single = run(tmp_path, tok["bpe"], files, "--append-eod", prefix="single")
+    parted = run(tmp_path, tok["bpe"], files, "--append-eod", "--partitions", "3", prefix="parted")
+    for ext in (".bin", ".idx"):
+        assert open(single + ext, "rb").read() == open(parted + ext, "rb").read()
+    assert Provenance(parted).lookup(len(TEXTS) - 1) == Provenance(single).lookup(len(TEXTS) - 1)
+    assert not [f for f in os.listdir(tmp_path) if "_part" in f]
+    merged = str(tmp_path / "merged")
+    preprocess_data.main(["merge", "--inputs", single, parted, "--output-prefix", merged])
+    m = IndexedDataset(merged)
+    assert len(m) == 2 * len(TEXTS)
+    assert m[len(TEXTS)].tolist() == IndexedDataset(single)[0].tolist()
+    assert m.document_indices.tolist() == list(range(2 * len(TEXTS) + 1))
+
+
+def test_clear_errors(tmp_path, tok):
+    with pytest.raises(SystemExit):
+        run(tmp_path, tok["bpe"], [str(tmp_path / "missing.jsonl")])
+    with pytest.raises(SystemExit):
+        run(tmp_path, str(tmp_path / "nope.json"), [write_jsonl(tmp_path / "a.jsonl", [{"text": "x"}])])
+
+
+def test_sentencepiece_tokenizer(tmp_path, tok):
+    import sentencepiece as spm
+    corpus = write_jsonl(tmp_path / "c.jsonl", [{"text": t} for t in TEXTS * 5])
+    train_tokenizer.main(["--input", corpus, "--output-dir", str(tmp_path / "sp"), "--type", "sp-bpe",
+                          "--vocab-size", "600", "--holdout-fraction", "0"])
+    model = str(tmp_path / "sp" / "tokenizer.model")
+    path = run(tmp_path, model, [corpus], "--append-eod", "--tokenizer-type", "SentencePieceTokenizer")
+    sp = spm.SentencePieceProcessor(model_file=model)
+    assert IndexedDataset(path)[0].tolist() == sp.encode(TEXTS[0]) + [sp.piece_to_id("<|endoftext|>")]

@@ -1,0 +1,34 @@
+"""tools/train_tokenizer.py and tools/stdlib_corpus.py smoke tests."""
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tools import stdlib_corpus, train_tokenizer  # noqa: E402
+
+
+def test_stdlib_corpus_is_sorted_and_deterministic(tmp_path):
+    a, b = str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")
+    stdlib_corpus.main(["--output", a, "--limit", "20"])
+    stdlib_corpus.main(["--output", b, "--limit", "20"])
+    assert open(a, "rb").read() == open(b, "rb").read()
+    paths = [json.loads(line)["path"] for line in open(a)]
+    assert paths == sorted(paths) and all(p.endswith(".py") and "site-packages" not in p for p in paths)
+
+
+def test_bpe_training_reports_compression_and_reserves_specials(tmp_path, capsys):
+    corpus = str(tmp_path / "c.jsonl")
+    stdlib_corpus.main(["--output", corpus, "--limit", "60"])
+    out = tmp_path / "tok"
+    train_tokenizer.main(["--input", corpus, "--output-dir", str(out), "--vocab-size", "600",
+                          "--reserved-tokens", "4", "--holdout-fraction", "0.2", "--nfkc",
+                          "--strip-control", "--source-weights", "*.jsonl=0.5"])
+    report = json.load(open(out / "report.json"))
+    assert report["holdout_documents"] > 0 and report["unknown_token_rate"] == 0
+    assert report["bytes_per_token"] > 1.5  # merges learned: better than one byte per token
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    assert [tok.token_to_id(t) for t in ["<|endoftext|>", "<|pad|>", "<|reserved_3|>"]] == [0, 1, 5]
+    assert tok.encode("x\x07y").ids == tok.encode("xy").ids  # control character stripped
+    assert "bytes/token" in capsys.readouterr().out

@@ -1,0 +1,127 @@
+"""Reading corpora for the offline tools: JSONL, zstd-compressed JSONL and Parquet/Arrow.
+
+Inputs are a file, a directory (every supported file under it) or a glob, expanded in sorted
+order so that document order, and therefore the shards, are deterministic. Records are streamed
+(memory does not grow with corpus size) together with their source file and 1-based record number
+(line for JSONL, row for Parquet/Arrow), which is what provenance and reject reports point at.
+"""
+import glob
+import io
+import json
+import os
+
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+ZSTD_SUFFIXES = tuple(s + ".zst" for s in JSONL_SUFFIXES)
+TABLE_SUFFIXES = (".parquet", ".arrow")
+SUPPORTED = JSONL_SUFFIXES + ZSTD_SUFFIXES + TABLE_SUFFIXES
+
+# Why a record was skipped; the preprocessing summary and rejects file use these names.
+REJECT_REASONS = ("malformed_json", "invalid_utf8", "missing_key", "non_string", "empty")
+
+
+class RecordError(Exception):
+    def __init__(self, reason, detail):
+        super().__init__(detail)
+        self.reason = reason
+
+
+def expand_inputs(specs):
+    """Files named by `specs` (paths, directories, globs), deduplicated, in a stable order."""
+    files = []
+    for spec in specs:
+        if os.path.isdir(spec):
+            found = sorted(os.path.join(d, f) for d, _, fs in os.walk(spec) for f in fs
+                           if f.endswith(SUPPORTED))
+        elif os.path.isfile(spec):
+            found = [spec]
+        else:
+            found = sorted(p for p in glob.glob(spec, recursive=True) if os.path.isfile(p))
+        if not found:
+            raise FileNotFoundError(f"input {spec!r} matches no file; give a file, a directory or "
+                                    f"a glob of {', '.join(SUPPORTED)} files")
+        for path in found:
+            if not path.endswith(SUPPORTED):
+                raise ValueError(f"input {path!r} has an unsupported extension; "
+                                 f"supported: {', '.join(SUPPORTED)}")
+        files.extend(found)
+    seen = set()
+    return [f for f in files if not (f in seen or seen.add(f))]
+
+
+def _open_lines(path):
+    raw = open(path, "rb")
+    if path.endswith(".zst"):
+        import zstandard
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True),
+                                 buffer_size=1 << 20)
+    return raw
+
+
+def _table_batches(path, keys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    if path.endswith(".parquet"):
+        pf = pq.ParquetFile(path)
+        names = set(pf.schema_arrow.names)
+        batches = pf.iter_batches(batch_size=1024, columns=[k for k in keys if k in names])
+    else:
+        with pa.memory_map(path) as source:
+            try:
+                table = pa.ipc.open_file(source).read_all()
+            except pa.ArrowInvalid:
+                table = pa.ipc.open_stream(source).read_all()
+        batches = table.to_batches(max_chunksize=1024)
+    for batch in batches:
+        columns = {name: batch.column(i).to_pylist() for i, name in enumerate(batch.schema.names)}
+        for row in range(batch.num_rows):
+            yield {k: col[row] for k, col in columns.items() if k in keys}
+
+
+def iter_records(files, keys):
+    """Yield (file_index, record_number, payload): payload is a raw JSONL line (bytes) or a dict.
+
+    Parsing is left to `extract_texts` so that it can run in worker processes. Blank JSONL lines are
+    not records (a trailing newline is common) and are not yielded.
+    """
+    for file_index, path in enumerate(files):
+        if path.endswith(TABLE_SUFFIXES):
+            for row, values in enumerate(_table_batches(path, keys), 1):
+                yield file_index, row, values
+            continue
+        with _open_lines(path) as f:
+            for line_no, line in enumerate(f, 1):
+                if line.strip():
+                    yield file_index, line_no, line
+
+
+def extract_texts(payload, keys):
+    """The text of each key in one record, or RecordError(reason, detail) naming what is wrong."""
+    if isinstance(payload, bytes):
+        try:
+            line = payload.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise RecordError("invalid_utf8", f"invalid UTF-8 at byte {e.start}") from None
+        try:
+            record = json.loads(line)
+        except ValueError as e:
+            raise RecordError("malformed_json", f"malformed JSON: {e}") from None
+        if not isinstance(record, dict):
+            raise RecordError("malformed_json", f"expected a JSON object, got {type(record).__name__}")
+    else:
+        record = payload
+    texts = []
+    for key in keys:
+        if key not in record:
+            raise RecordError("missing_key", f"no key {key!r} (keys: {sorted(record)[:8]})")
+        text = record[key]
+        if not isinstance(text, str):
+            raise RecordError("non_string", f"{key!r} is {type(text).__name__}, not a string")
+        if not text.strip():
+            raise RecordError("empty", f"{key!r} is empty")
+        try:
+            # JSON escapes can smuggle in lone surrogates, which are not encodable text.
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise RecordError("invalid_utf8", f"{key!r} has an unpaired surrogate at {e.start}") from None
+        texts.append(text)
+    return texts

@@ -1,0 +1,256 @@
+"""Tokenizers for preprocessing, with an exact cache for byte-level BPE.
+
+`load_encoder` gives an object with `encode_batch(texts) -> list[np.ndarray]`, `vocab_size` and
+`eod_id`, for a Hugging Face `tokenizer.json`, a SentencePiece `.model` or GPT-2 vocab/merges files.
+
+Why the cache is exact. GPT-2's byte-level pre-tokenizer splits text with the regex
+    's|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+
+and BPE then encodes each piece on its own. No alternative matches a non-space character followed
+by a space, and the regex only looks ahead, so every position where a non-space character is
+followed by a space is a piece boundary and the pieces after it do not depend on the text before.
+Cutting the (normalized) text at those positions gives "chunks" (leading whitespace + a
+non-space run, like " self.x" or "\\n    return"); a document's ids are the concatenation of its
+chunks' ids, and each chunk's ids depend only on the chunk, so they can be cached. Text repeats
+heavily, so most chunks are cache hits. Misses are encoded many at a time in one string (again
+cut only at such boundaries) and split back by token offsets.
+
+The argument needs: that exact pre-tokenizer (no prefix space), a model without dropout, a
+post-processor that adds no tokens, whitespace on which Python's `re` and the tokenizer's regex
+agree (documents with other Unicode spaces go through the plain encoder), and no special-token text
+in the document (same). Anything else uses the plain `encode_batch`. The first documents of every
+process are also checked against the plain encoder, and any difference turns the cache off.
+"""
+import json
+import os
+import re
+import sys
+
+import numpy as np
+
+# Python's `\s` and Oniguruma's `\s` agree on these four; other characters that Python calls
+# whitespace (str.isspace) send the document to the plain encoder.
+SAFE_SPACES = " \t\n\r"
+OTHER_SPACES = ("\x0b\x0c\x1c\x1d\x1e\x1f\x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006"
+                "\u2007\u2008\u2009\u200a\u2028\u2029\u202f\u205f\u3000")
+_OTHER_SPACE_RE = re.compile("[" + re.escape(OTHER_SPACES) + "]")
+# More exact cuts, from the same regex: a whitespace run W before a non-space splits into the
+# pieces W[:-1] and W[-1] + what follows (`\s+(?!\S)` backs off one character); an ASCII letter or
+# digit followed by ASCII punctuation ends a piece. Cutting there keeps indentation and
+# identifiers' surroundings out of the chunks, so far fewer distinct chunks need encoding.
+_PUNCT = "!-/:-@\\[-`{-~"
+_CHUNK_RE = re.compile(
+    r"[ \t\n\r]+(?=[ \t\n\r][^ \t\n\r])|[ \t\n\r]+\Z"
+    r"|[ \t\n\r]?(?=[^ \t\n\r])(?:[^ \t\n\rA-Za-z0-9]++|[A-Za-z0-9]++(?![" + _PUNCT + r"]))*+[A-Za-z0-9]*+")
+# The tokenizer's cost grows faster than linearly with one string's length, so misses are joined
+# into strings of about this many characters and encoded as a batch.
+_JOIN_CHARS = 16384
+
+HF_TYPES = ("HuggingFaceTokenizer", "HFTokenizer", "PretrainedFromHF")
+SP_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+GPT2_TYPES = ("GPT2BPETokenizer",)
+EOD_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
+
+
+class _Growable:
+    """A numpy array with amortised O(1) append of blocks."""
+
+    def __init__(self, dtype):
+        self.data = np.zeros(1024, dtype)
+        self.size = 0
+
+    def extend(self, values):
+        need = self.size + len(values)
+        if need > len(self.data):
+            grown = np.zeros(max(need, 2 * len(self.data)), self.data.dtype)
+            grown[:self.size] = self.data[:self.size]
+            self.data = grown
+        self.data[self.size:need] = values
+        self.size = need
+
+
+class HFEncoder:
+    verify_first = 4  # documents per process checked against the plain encoder
+    max_cached_tokens = 1 << 26
+
+    def __init__(self, tokenizer_json, use_cache=True):
+        from tokenizers import Tokenizer
+        self.tokenizer = Tokenizer.from_str(tokenizer_json)
+        self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        self.eod_id = next((self.tokenizer.token_to_id(t) for t in EOD_NAMES
+                            if self.tokenizer.token_to_id(t) is not None), None)
+        config = json.loads(tokenizer_json)
+        self.cache_reason = self._cache_blocker(config) if use_cache else "disabled by the caller"
+        self.cached = self.cache_reason is None
+        if self.cached:
+            plain = dict(config, normalizer=None, added_tokens=[], post_processor=None)
+            self._inner = Tokenizer.from_str(json.dumps(plain))
+            normalizer = self.tokenizer.normalizer
+            self._normalize = normalizer.normalize_str if normalizer is not None else None
+            added = [t["content"] for t in config.get("added_tokens") or []]
+            self._added_re = (re.compile("|".join(re.escape(a) for a in sorted(added, key=len, reverse=True)))
+                              if added else None)
+            self._reset_cache()
+        self._verified = 0
+
+    @staticmethod
+    def _cache_blocker(config):
+        """Why the chunk cache would not be provably exact for this tokenizer, or None."""
+        pre = config.get("pre_tokenizer") or {}
+        if pre.get("type") != "ByteLevel" or pre.get("add_prefix_space") or not pre.get("use_regex", True):
+            return f"pre-tokenizer is {pre.get('type')} (needs ByteLevel, no prefix space, GPT-2 regex)"
+        model = config.get("model") or {}
+        if model.get("dropout"):
+            return "BPE dropout makes encoding random"
+        post = config.get("post_processor")
+        if post is not None and post.get("type") != "ByteLevel":
+            return f"post-processor {post.get('type')} may add tokens"
+        return None
+
+    def _reset_cache(self):
+        self._index = {}
+        self._flat = _Growable(np.int32)
+        self._starts = _Growable(np.int64)
+        self._lens = _Growable(np.int64)
+
+    def _plain(self, texts):
+        return [np.asarray(e.ids, dtype=np.int64) for e in self.tokenizer.encode_batch(texts)]
+
+    def _add_chunks(self, chunks):
+        """Encode uncached chunks and append them to the cache."""
+        spaces = [c for c in chunks if c[-1] in SAFE_SPACES]  # whitespace-only chunks
+        words = [c for c in chunks if c[-1] not in SAFE_SPACES]
+        for c, enc in zip(spaces, self._inner.encode_batch(spaces, add_special_tokens=False)):
+            self._append(c, enc.ids)
+        if not words:
+            return
+        # A separator "\n" before a chunk that starts with a non-space keeps it its own piece.
+        groups, group, size = [], [], 0
+        for c in words:
+            group.append(c)
+            size += len(c) + 1
+            if size >= _JOIN_CHARS:
+                groups.append(group)
+                group, size = [], 0
+        if group:
+            groups.append(group)
+        texts = ["".join(c if c[0] in SAFE_SPACES else "\n" + c for c in g) for g in groups]
+        for g, enc in zip(groups, self._inner.encode_batch(texts, add_special_tokens=False)):
+            self._add_joined(g, enc)
+
+    def _add_joined(self, words, enc):
+        """Split the encoding of joined chunks back into per-chunk ids by token offsets."""
+        lengths = np.fromiter(map(len, words), np.int64, len(words))
+        seps = np.fromiter((c[0] not in SAFE_SPACES for c in words), np.int64, len(words))
+        ends = np.cumsum(lengths + seps)
+        starts = ends - lengths
+        ids = np.asarray(enc.ids, dtype=np.int32)
+        offs = np.asarray([o[0] for o in enc.offsets], dtype=np.int64)
+        owner = np.searchsorted(starts, offs, side="right") - 1
+        keep = (owner >= 0) & (offs < ends[np.maximum(owner, 0)])
+        ids, owner = ids[keep], owner[keep]
+        counts = np.bincount(owner, minlength=len(words))
+        base = self._flat.size
+        self._flat.extend(ids)
+        self._starts.extend(base + np.concatenate(([0], np.cumsum(counts)[:-1])))
+        self._lens.extend(counts)
+        first = len(self._index)
+        self._index.update(zip(words, range(first, first + len(words))))
+
+    def _append(self, chunk, ids):
+        self._index[chunk] = len(self._index)
+        self._starts.extend([self._flat.size])
+        self._lens.extend([len(ids)])
+        self._flat.extend(np.asarray(ids, dtype=np.int32))
+
+    def encode_batch(self, texts):
+        if not self.cached:
+            return self._plain(texts)
+        if self._flat.size > self.max_cached_tokens:
+            self._reset_cache()
+        out = [None] * len(texts)
+        plain, chunked = [], []
+        for i, text in enumerate(texts):
+            norm = self._normalize(text) if self._normalize else text
+            if (_OTHER_SPACE_RE.search(norm) or (self._added_re is not None and (
+                    self._added_re.search(text) or self._added_re.search(norm)))):
+                plain.append(i)
+            else:
+                chunked.append((i, _CHUNK_RE.findall(norm)))
+        index = self._index
+        new = {c for _, chunks in chunked for c in chunks if c not in index}
+        if new:
+            self._add_chunks(sorted(new))
+        flat, starts, lens = self._flat.data, self._starts.data, self._lens.data
+        for i, chunks in chunked:
+            cid = np.fromiter(map(index.__getitem__, chunks), np.int64, len(chunks))
+            n = lens[cid]
+            # Positions of every token of every chunk, in order: start of chunk + rank within it.
+            shift = np.repeat(starts[cid] - (np.cumsum(n) - n), n)
+            out[i] = flat[shift + np.arange(shift.size)].astype(np.int64)
+        if plain:
+            for i, ids in zip(plain, self._plain([texts[i] for i in plain])):
+                out[i] = ids
+        if self._verified < self.verify_first:
+            self._verify(texts, out)
+        return out
+
+    def _verify(self, texts, out):
+        take = min(len(texts), self.verify_first - self._verified)
+        self._verified += take
+        for text, ids, ref in zip(texts[:take], out[:take], self._plain(texts[:take])):
+            if not np.array_equal(ids, ref):
+                print("preprocess: chunk cache disagrees with the plain encoder on this tokenizer; "
+                      "turning the cache off", file=sys.stderr)
+                self.cached, self.cache_reason = False, "self-check failed"
+                out[:] = self._plain(texts)
+                return
+
+
+class SentencePieceEncoder:
+    cached, cache_reason = False, "SentencePiece model"
+
+    def __init__(self, model_path):
+        import sentencepiece as spm
+        self.sp = spm.SentencePieceProcessor(model_file=model_path)
+        self.vocab_size = self.sp.get_piece_size()
+        self.eod_id = self.sp.eos_id() if self.sp.eos_id() >= 0 else None
+        for name in EOD_NAMES:
+            if self.eod_id is None and self.sp.piece_to_id(name) != self.sp.unk_id():
+                self.eod_id = self.sp.piece_to_id(name)
+
+    def encode_batch(self, texts):
+        return [np.asarray(ids, dtype=np.int64) for ids in self.sp.encode(list(texts))]
+
+
+def tokenizer_spec(tokenizer_type, tokenizer_model, vocab_file=None, merge_file=None):
+    """A picklable description of the tokenizer, resolved and checked up front with clear errors."""
+    if tokenizer_type in GPT2_TYPES:
+        if not (vocab_file and merge_file):
+            raise ValueError("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        tok = Tokenizer(models.BPE.from_file(vocab_file, merge_file))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        return ("hf", tok.to_str())
+    if not tokenizer_model:
+        raise ValueError("--tokenizer-model is required: a tokenizer.json (or its directory) or a "
+                         "SentencePiece .model, e.g. from tools/train_tokenizer.py")
+    path = tokenizer_model
+    if os.path.isdir(path):
+        path = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"tokenizer {tokenizer_model!r} not found; train one with "
+                                f"tools/train_tokenizer.py or point --tokenizer-model at it")
+    is_sp = tokenizer_type in SP_TYPES or path.endswith(".model")
+    if tokenizer_type not in HF_TYPES + SP_TYPES + (None,):
+        raise ValueError(f"unknown --tokenizer-type {tokenizer_type!r}; use one of "
+                         f"{', '.join(HF_TYPES + SP_TYPES + GPT2_TYPES)}")
+    if is_sp:
+        return ("sp", path)
+    with open(path, encoding="utf-8") as f:
+        return ("hf", f.read())
+
+
+def load_encoder(spec, use_cache=True):
+    kind, value = spec
+    return HFEncoder(value, use_cache) if kind == "hf" else SentencePieceEncoder(value)

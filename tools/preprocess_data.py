@@ -1,0 +1,299 @@
+"""Corpus -> tokenized MMIDIDX shards (`<prefix>_<key>_document.bin/.idx`), Megatron-LM compatible.
+
+    python tools/preprocess_data.py --input corpus.jsonl --output-prefix out/corpus \\
+        --tokenizer-type HuggingFaceTokenizer --tokenizer-model tok/tokenizer.json \\
+        --append-eod --workers 2
+    python tools/preprocess_data.py merge --inputs a_text_document b_text_document \\
+        --output-prefix all_text_document
+
+Flag names follow Megatron-LM's tools/preprocess_data.py. Bad records are skipped, counted by
+reason and written to a rejects file (`--strict` stops at the first one). Outputs appear only when
+complete, with a provenance map (`.prov.npz`) from document index to source file and line.
+"""
+import argparse
+import collections
+import json
+import multiprocessing
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import numpy as np  # noqa: E402
+
+from data.indexed import IndexedDatasetBuilder, token_dtype  # noqa: E402
+from data.provenance import merge_provenance, write_provenance  # noqa: E402
+from tools._corpus_io import (REJECT_REASONS, RecordError, expand_inputs, extract_texts,  # noqa: E402
+                              iter_records)
+from tools._encoder import load_encoder, tokenizer_spec  # noqa: E402
+
+REPORT_FIRST = 5  # rejects printed with file:line; all of them go to the rejects file
+
+_worker = {}
+
+
+def _init_worker(spec, keys, use_cache, eod_id):
+    _worker.update(encoder=load_encoder(spec, use_cache), keys=keys, eod=eod_id)
+
+
+def _encode_task(records):
+    """Parse and tokenize one batch of records; returns tokens per key, kept ids and rejects."""
+    keys, encoder, eod = _worker["keys"], _worker["encoder"], _worker["eod"]
+    kept, rejects, texts, nbytes = [], [], [[] for _ in keys], 0
+    for file_index, line, payload in records:
+        nbytes += len(payload) if isinstance(payload, bytes) else 0
+        try:
+            values = extract_texts(payload, keys)
+        except RecordError as e:
+            rejects.append((file_index, line, e.reason, str(e)))
+            continue
+        kept.append((file_index, line))
+        for column, text in zip(texts, values):
+            column.append(text)
+    per_key = []
+    for column in texts:
+        docs = encoder.encode_batch(column) if column else []
+        if eod is not None:
+            docs = [np.append(d, eod) for d in docs]
+        lengths = np.fromiter(map(len, docs), np.int64, len(docs))
+        per_key.append((lengths, np.concatenate(docs) if docs else np.zeros(0, np.int64)))
+    return kept, rejects, per_key, nbytes
+
+
+def _batches(records, size):
+    batch = []
+    for record in records:
+        batch.append(record)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+class _Progress:
+    """One status line on stderr: documents, tokens and input bytes, each per second."""
+
+    def __init__(self, quiet):
+        self.quiet, self.start, self.last = quiet, time.time(), 0.0
+        self.tty = sys.stderr.isatty()
+
+    def update(self, docs, tokens, nbytes, force=False):
+        now = time.time()
+        if self.quiet or (not force and now - self.last < (0.5 if self.tty else 10.0)):
+            return
+        self.last = now
+        dt = max(now - self.start, 1e-9)
+        line = (f"{docs:,} docs ({docs / dt:,.0f}/s)  {tokens:,} tokens ({tokens / dt:,.0f}/s)  "
+                f"{nbytes / 1e6:,.1f} MB ({nbytes / 1e6 / dt:,.1f} MB/s)")
+        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr,
+              flush=True)
+
+    def done(self):
+        if self.tty and not self.quiet:
+            print(file=sys.stderr)
+
+
+def output_prefix(prefix, key):
+    return f"{prefix}_{key}_document"
+
+
+def _pool_map(args, spec, eod, batches):
+    """Yield task results in input order, keeping a bounded number in flight (streaming)."""
+    if args.workers <= 1:
+        _init_worker(spec, args.json_keys, not args.no_cache, eod)
+        yield from map(_encode_task, batches)
+        return
+    ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    pool = ctx.Pool(args.workers, _init_worker, (spec, args.json_keys, not args.no_cache, eod))
+    try:
+        pending = collections.deque()
+        for batch in batches:
+            pending.append(pool.apply_async(_encode_task, (batch,)))
+            if len(pending) >= 4 * args.workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+        pool.close()
+    finally:
+        pool.terminate()
+        pool.join()
+
+
+def preprocess(args, files, prefix, spec, vocab_size, eod):
+    """Tokenize `files` into `<prefix>_<key>_document`; returns (counters, rejects file or None)."""
+    dtype = token_dtype(vocab_size)
+    builders = {k: IndexedDatasetBuilder(output_prefix(prefix, k), dtype) for k in args.json_keys}
+    rejects_path = args.rejects or prefix + "_rejects.jsonl"
+    rejects_out = None
+    stats = collections.Counter()
+    prov_file, prov_line = [], []
+    progress = _Progress(args.quiet)
+    try:
+        batches = _batches(iter_records(files, args.json_keys), args.batch_size)
+        for kept, rejects, per_key, nbytes in _pool_map(args, spec, eod, batches):
+            for file_index, line, reason, detail in rejects:
+                where = f"{files[file_index]}:{line}"
+                if args.strict:
+                    raise SystemExit(f"preprocess: {where}: {reason}: {detail} (--strict; drop "
+                                     f"--strict to skip and count bad records instead)")
+                if sum(stats[r] for r in REJECT_REASONS) < REPORT_FIRST:
+                    print(f"preprocess: skipping {where}: {reason}: {detail}", file=sys.stderr)
+                stats[reason] += 1
+                if rejects_out is None:
+                    rejects_out = open(rejects_path + ".tmp", "w", encoding="utf-8")
+                rejects_out.write(json.dumps({"file": files[file_index], "line": line,
+                                              "reason": reason, "detail": detail}) + "\n")
+            for key, (lengths, tokens) in zip(args.json_keys, per_key):
+                builders[key].add_documents(tokens, lengths)
+                stats["tokens_" + key] += int(tokens.size)
+            prov_file.extend(f for f, _ in kept)
+            prov_line.extend(line for _, line in kept)
+            stats["documents"] += len(kept)
+            stats["bytes"] += nbytes
+            progress.update(stats["documents"], sum(stats["tokens_" + k] for k in args.json_keys),
+                            stats["bytes"])
+        progress.update(stats["documents"], sum(stats["tokens_" + k] for k in args.json_keys),
+                        stats["bytes"], force=True)
+        progress.done()
+        for builder in builders.values():
+            builder.finalize()
+        for key in args.json_keys:
+            write_provenance(output_prefix(prefix, key), files, prov_file, prov_line)
+    except BaseException:
+        for builder in builders.values():
+            builder.abort()
+        if rejects_out is not None:
+            rejects_out.close()
+            os.remove(rejects_path + ".tmp")
+        raise
+    if rejects_out is not None:
+        rejects_out.close()
+        os.replace(rejects_path + ".tmp", rejects_path)
+    elif os.path.exists(rejects_path):
+        os.remove(rejects_path)  # a stale file from an earlier run would be misleading
+    return stats, (rejects_path if rejects_out is not None else None)
+
+
+def merge(prefixes, output):
+    """Concatenate datasets (same token dtype) into one, with their provenance maps."""
+    from data.indexed import IndexedDataset
+    if not prefixes:
+        raise SystemExit("merge: give --inputs PREFIX [PREFIX ...]")
+    dtype = IndexedDataset(prefixes[0]).dtype
+    builder = IndexedDatasetBuilder(output, dtype)
+    try:
+        for p in prefixes:
+            builder.add_index(p)
+        builder.finalize()
+    except BaseException:
+        builder.abort()
+        raise
+    merge_provenance(prefixes, output)
+
+
+def _merge_main(argv):
+    p = argparse.ArgumentParser(prog="preprocess_data.py merge",
+                                description="Concatenate .bin/.idx datasets into one")
+    p.add_argument("--inputs", nargs="+", required=True, help="dataset prefixes, in order")
+    p.add_argument("--output-prefix", required=True, help="prefix of the merged dataset")
+    args = p.parse_args(argv)
+    try:
+        merge(args.inputs, args.output_prefix)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"merge: {e}")
+    print(f"merged {len(args.inputs)} datasets -> {args.output_prefix}.bin/.idx")
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("input")
+    g.add_argument("--input", nargs="+", required=True,
+                   help="JSONL, JSONL.zst, Parquet or Arrow: files, directories or globs")
+    g.add_argument("--json-keys", nargs="+", default=["text"], help="keys to tokenize (default: text)")
+    g.add_argument("--split-sentences", action="store_true", help="not supported (see --help)")
+    g = p.add_argument_group("tokenizer")
+    g.add_argument("--tokenizer-type", default=None,
+                   help="HuggingFaceTokenizer, SentencePieceTokenizer or GPT2BPETokenizer "
+                        "(default: from --tokenizer-model's extension)")
+    g.add_argument("--tokenizer-model", help="tokenizer.json (or its directory) or SentencePiece .model")
+    g.add_argument("--vocab-file", help="GPT-2 vocab.json (GPT2BPETokenizer)")
+    g.add_argument("--merge-file", help="GPT-2 merges.txt (GPT2BPETokenizer)")
+    g.add_argument("--append-eod", action="store_true", help="append the end-of-document token")
+    g.add_argument("--no-cache", action="store_true", help="disable the exact chunk cache")
+    g = p.add_argument_group("output")
+    g.add_argument("--output-prefix", required=True, help="writes <prefix>_<key>_document.bin/.idx")
+    g.add_argument("--rejects", help="rejects file (default: <prefix>_rejects.jsonl)")
+    g.add_argument("--strict", action="store_true", help="stop at the first bad record")
+    g = p.add_argument_group("runtime")
+    g.add_argument("--workers", type=int, default=1, help="worker processes")
+    g.add_argument("--partitions", type=int, default=1,
+                   help="process the input files in this many groups, then merge them")
+    g.add_argument("--keep-partitions", action="store_true", help="keep per-partition datasets")
+    g.add_argument("--batch-size", type=int, default=64, help="documents per worker task")
+    g.add_argument("--log-interval", type=int, default=None, help="accepted for Megatron compatibility")
+    g.add_argument("--quiet", action="store_true", help="no progress line")
+    return p
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["merge"]:
+        return _merge_main(argv[1:])
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.split_sentences:
+        p.error("--split-sentences is not supported: Trilith trains on whole documents")
+    if args.workers < 1 or args.batch_size < 1 or args.partitions < 1:
+        p.error("--workers, --batch-size and --partitions must be at least 1")
+    start = time.time()
+    try:
+        files = expand_inputs(args.input)
+        spec = tokenizer_spec(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file)
+    except (FileNotFoundError, ValueError) as e:
+        p.error(str(e))
+    encoder = load_encoder(spec, not args.no_cache)
+    if args.append_eod and encoder.eod_id is None:
+        p.error("--append-eod: the tokenizer has no end-of-document token (<|endoftext|> or </s>); "
+                "train one with tools/train_tokenizer.py or drop --append-eod")
+    eod = encoder.eod_id if args.append_eod else None
+    if args.partitions > len(files):
+        p.error(f"--partitions {args.partitions} exceeds the {len(files)} input files; "
+                f"partitions split the file list")
+    if args.partitions == 1:
+        stats, rejects_path = preprocess(args, files, args.output_prefix, spec, encoder.vocab_size, eod)
+    else:
+        stats, rejects_path = collections.Counter(), None
+        bounds = np.linspace(0, len(files), args.partitions + 1).astype(int)
+        parts = [f"{args.output_prefix}_part{i}" for i in range(args.partitions)]
+        for i, part in enumerate(parts):
+            part_stats, part_rejects = preprocess(args, files[bounds[i]:bounds[i + 1]], part, spec,
+                                                  encoder.vocab_size, eod)
+            stats.update(part_stats)
+            if part_rejects:
+                print(f"  rejects of partition {i}: {part_rejects}")
+        for key in args.json_keys:
+            merge([output_prefix(part, key) for part in parts], output_prefix(args.output_prefix, key))
+            if not args.keep_partitions:
+                for part in parts:
+                    for ext in (".bin", ".idx", ".prov.npz"):
+                        os.remove(output_prefix(part, key) + ext)
+    elapsed = time.time() - start
+    skipped = {r: stats[r] for r in REJECT_REASONS if stats[r]}
+    tokens = sum(stats["tokens_" + k] for k in args.json_keys)
+    print(f"preprocess: {stats['documents']:,} documents, {tokens:,} tokens, "
+          f"{stats['bytes'] / 1e6:,.1f} MB in {elapsed:.1f} s "
+          f"({stats['bytes'] / 1e6 / max(elapsed, 1e-9):,.1f} MB/s); "
+          f"skipped {sum(skipped.values())}" + (f" {skipped}" if skipped else "")
+          + f"; cache {'on' if encoder.cached else 'off: ' + str(encoder.cache_reason)}")
+    for key in args.json_keys:
+        print(f"  wrote {output_prefix(args.output_prefix, key)}.bin/.idx/.prov.npz")
+    if rejects_path:
+        print(f"  rejects: {rejects_path}")
+
+
+if __name__ == "__main__":
+    main()
