@@ -98,3 +98,16 @@ def test_killed_rank_ends_the_job_with_its_name(tmp_path):
     assert proc.returncode != 0
     assert "rank      : 1" in out and "Signal 9 (SIGKILL)" in out, out[-3000:]  # torchrun's summary: the dead one
     assert "trilith: rank 0 of 2" in out and "failed in all_reduce" in out, out[-3000:]  # the survivor: where
+
+
+def test_preflight_passes_a_sound_config_and_fails_an_exploding_one(tmp_path):
+    ok = subprocess.run(["bash", "launch/run_pretrain.sh", "--preflight", "--nproc", "2", "--config", TINY,
+                         f"run.dir={tmp_path / 'good'}", "--steps", "40"], cwd=ROOT, env=ENV, capture_output=True,
+                        text=True, timeout=300)
+    assert ok.returncode == 0 and "PRE-FLIGHT PASSED" in ok.stdout, ok.stdout[-3000:] + ok.stderr[-3000:]
+    assert ok.stdout.count("  PASS  ") == 5 and "2 ranks" in ok.stdout
+    bad = subprocess.run(["bash", "launch/run_pretrain.sh", "--preflight", "--config", TINY, "--steps", "40",
+                          f"run.dir={tmp_path / 'bad'}", "optim.lr=30", "optim.clip_grad=0"], cwd=ROOT, env=ENV,
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1 and "PRE-FLIGHT FAILED" in bad.stdout, bad.stdout[-3000:] + bad.stderr[-3000:]
+    assert "FAIL  grad norm not exploding" in bad.stdout
