@@ -157,16 +157,26 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_minute
     launch = discover()
     dev = pick_device(device, launch.local_rank)
     chosen = backend if backend != "auto" else ("nccl" if dev.type == "cuda" else "gloo")
+    global _TIMEOUT
     if launch.world_size > 1 and not dist.is_initialized():
+        _TIMEOUT = datetime.timedelta(minutes=timeout_minutes)
         addr, port = rendezvous(launch)
         os.environ.update(MASTER_ADDR=addr, MASTER_PORT=port)
         # NCCL otherwise hangs on a dead peer; with async error handling the watchdog aborts at the timeout.
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         dist.init_process_group(chosen, rank=launch.rank,
-                                world_size=launch.world_size, timeout=datetime.timedelta(minutes=timeout_minutes),
+                                world_size=launch.world_size, timeout=_TIMEOUT,
                                 device_id=dev if dev.type == "cuda" else None)
         comm.register_group(dist.group.WORLD, "world")
     return DistEnv(launch.rank, launch.world_size, launch.local_rank, dev, chosen, launch.source)
+
+
+_TIMEOUT: datetime.timedelta | None = None
+
+
+def collective_timeout() -> datetime.timedelta | None:
+    """The timeout given to init_distributed, for every process group built later (None: torch's default)."""
+    return _TIMEOUT
 
 
 def world_group():

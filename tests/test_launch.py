@@ -79,18 +79,23 @@ def _rank_of(pid: int) -> str:
     return next((e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"RANK=")), "")
 
 
-def test_killed_rank_ends_the_job_with_its_name(tmp_path):
-    cmd = script("--nproc", "2", run_dir=tmp_path)[:-1] + ["train.steps=100000", "parallel.timeout_minutes=0.5"]
+def _start_and_pick_rank1(run_dir: Path, timeout_minutes: float) -> tuple[subprocess.Popen, int]:
+    cmd = script("--nproc", "2", run_dir=run_dir)[:-1] + ["train.steps=100000",
+                                                          f"parallel.timeout_minutes={timeout_minutes}"]
     proc = popen(cmd)
-    metrics = tmp_path / "metrics.jsonl"
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        time.sleep(0.2)
+    return proc, next(p for p in _children(proc.pid) if _rank_of(p) == "1")
+
+
+def test_killed_rank_ends_the_job_with_its_name(tmp_path):
+    proc, victim = _start_and_pick_rank1(tmp_path, 0.5)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
-            assert proc.poll() is None, proc.communicate()[0][-3000:]
-            time.sleep(0.2)
-        victim = next(p for p in _children(proc.pid) if _rank_of(p) == "1")
         os.kill(victim, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=90)  # far below the 30 s collective timeout + torchrun's grace period
+        out, _ = proc.communicate(timeout=90)  # the survivor sees the closed connection at once
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -98,6 +103,24 @@ def test_killed_rank_ends_the_job_with_its_name(tmp_path):
     assert proc.returncode != 0
     assert "rank      : 1" in out and "Signal 9 (SIGKILL)" in out, out[-3000:]  # torchrun's summary: the dead one
     assert "trilith: rank 0 of 2" in out and "failed in all_reduce" in out, out[-3000:]  # the survivor: where
+
+
+def test_hung_rank_times_out_in_the_named_collective(tmp_path):
+    proc, victim = _start_and_pick_rank1(tmp_path, 0.2)  # 12 s collective timeout, data-parallel group included
+    try:
+        os.kill(victim, signal.SIGSTOP)
+        rank0 = [p for p in _children(proc.pid) if _rank_of(p) == "0"]
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and all(Path(f"/proc/{p}").exists() for p in rank0):
+            time.sleep(0.5)
+        os.kill(victim, signal.SIGCONT)  # let the stopped rank take torchrun's SIGTERM and exit
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0
+    assert "trilith: rank 0 of 2" in out and "failed in all_reduce" in out and "Timed out" in out, out[-3000:]
 
 
 def test_preflight_passes_a_sound_config_and_fails_an_exploding_one(tmp_path):
