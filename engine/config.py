@@ -38,6 +38,10 @@ class ModelConfig:
     deepnorm_init: bool = False  # scale v/o/ffn init by (8 L)^-1/4 (DeepNet) for stability without clipping
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
+    attention_backend: str = "auto"  # auto (flash on CUDA when installed, else sdpa) | flash | sdpa | reference
+    attention_window: int = 0  # sliding-window attention: tokens each query sees (itself included); 0 = all
+    norm_backend: str = "auto"  # auto (apex on CUDA when installed, else torch) | apex | torch
+    loss_chunk_tokens: int = 4096  # cross-entropy rows per fp32 chunk (kernels/cross_entropy.py); 0 = all
 
     @property
     def kv_heads(self) -> int:
@@ -71,6 +75,11 @@ class TrainConfig:
     precision: str = "fp32"  # fp32 | bf16 | fp16
     log_interval: int = 1
     device: str = "auto"  # auto | cpu | cuda
+    recompute: str = "none"  # activation recomputation per block: none | selective | full
+    recompute_switch_step: int = 0  # from this step on use recompute_after_switch (0 = never switch)
+    recompute_after_switch: str = "full"
+    micro_batch_size_after_switch: int = 0  # micro batch from the switch step on (0 = unchanged)
+    compile: bool = False  # torch.compile each transformer block
 
 
 @dataclass
@@ -85,6 +94,7 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     decay_fraction: float = 0.2  # wsd: last fraction of steps that decays; two_phase: the linear tail
+    implementation: str = "auto"  # AdamW kernel: auto | apex | fused | foreach (kernels/adamw.py)
 
 
 @dataclass
@@ -124,6 +134,11 @@ class Config:
 
 CHOICES = {
     ("model", "position_embedding"): ("rope", "alibi"),
+    ("model", "attention_backend"): ("auto", "flash", "sdpa", "reference"),
+    ("model", "norm_backend"): ("auto", "apex", "torch"),
+    ("train", "recompute"): ("none", "selective", "full"),
+    ("train", "recompute_after_switch"): ("none", "selective", "full"),
+    ("optim", "implementation"): ("auto", "apex", "fused", "foreach"),
     ("parallel", "schedule"): ("gpipe", "1f1b", "interleaved"),
     ("parallel", "backend"): ("auto", "gloo", "nccl"),
     ("train", "precision"): ("fp32", "bf16", "fp16"),
@@ -305,6 +320,25 @@ def validate(cfg: Config, world_size: int) -> None:
             f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size × "
             f"data-parallel size = {t.micro_batch_size}×{dp} = {per_step}; use a multiple of {per_step}")
     micro_batches = t.global_batch_size // per_step
+    if t.micro_batch_size_after_switch:
+        after = t.micro_batch_size_after_switch * dp
+        if t.micro_batch_size_after_switch < 0 or t.global_batch_size % after:
+            raise ConfigError(
+                f"train.micro_batch_size_after_switch={t.micro_batch_size_after_switch}: train.global_batch_size="
+                f"{t.global_batch_size} must be divisible by it × data-parallel size {dp}; use a divisor of "
+                f"{t.global_batch_size // dp}")
+        if p.schedule == "interleaved" and p.pipeline > 1 and (t.global_batch_size // after) % p.pipeline:
+            raise ConfigError(f"train.micro_batch_size_after_switch={t.micro_batch_size_after_switch} leaves "
+                              f"{t.global_batch_size // after} micro-batches, not a multiple of parallel.pipeline="
+                              f"{p.pipeline} as the interleaved schedule needs")
+        if t.recompute_switch_step < 1:
+            raise ConfigError("train.micro_batch_size_after_switch needs train.recompute_switch_step ≥ 1 "
+                              "(the step at which the micro batch changes)")
+    if t.recompute_switch_step < 0:
+        raise ConfigError(f"train.recompute_switch_step={t.recompute_switch_step} must be ≥ 0 (0 = never switch)")
+    if m.attention_window < 0 or m.loss_chunk_tokens < 0:
+        raise ConfigError(f"model.attention_window={m.attention_window} and model.loss_chunk_tokens="
+                          f"{m.loss_chunk_tokens} must be ≥ 0 (0 = off / one chunk)")
     if p.schedule == "interleaved" and p.pipeline > 1 and micro_batches % p.pipeline:
         raise ConfigError(f"the interleaved schedule needs the number of micro-batches ({micro_batches} = "
                           f"global_batch_size / (micro_batch_size × dp)) to be a multiple of parallel.pipeline="

@@ -8,6 +8,7 @@ only the `parallel.tensor` layers and the `TensorParallel` context do.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
@@ -17,7 +18,9 @@ import torch.nn.functional as F
 from engine.config import ModelConfig
 from kernels.attention import alibi_bias, alibi_slopes, causal_attention
 from kernels.norm import rms_norm
-from kernels.rope import apply_rope, rope_cos_sin
+from kernels.recompute import check_mode, recompute
+from kernels.rope import apply_rope_fused, rope_cos_sin
+from kernels.swiglu import swiglu
 from parallel import comm
 from parallel.random import TRACKER
 from parallel.tensor import (ColumnParallelLinear, ReplicatedRowsLinear, RowParallelLinear, TensorParallel,
@@ -25,16 +28,20 @@ from parallel.tensor import (ColumnParallelLinear, ReplicatedRowsLinear, RowPara
                              vocab_parallel_cross_entropy)
 
 
+# The dropout tracker's state, replayed by full-block recomputation (kernels/recompute.py).
+TRACKER_STATE = (lambda: dict(TRACKER.states), lambda states: setattr(TRACKER, "states", dict(states)))
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, tp: TensorParallel):
+    def __init__(self, size: int, eps: float, tp: TensorParallel, backend: str = "auto"):
         super().__init__()
-        self.eps = eps
+        self.eps, self.backend = eps, backend
         # Under sequence parallelism each TP rank sees only its sequence shard: gradients are partial sums.
         self.weight = describe(nn.Parameter(torch.empty(size)), (size,), None, None,
                                tp_replicated_grad=tp.sequence_parallel)
 
     def forward(self, x):
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, self.backend)
 
 
 class Dropout(nn.Module):
@@ -75,11 +82,12 @@ class Attention(nn.Module):
             self.k_proj = ReplicatedRowsLinear(cfg.hidden_size, kv * d, tp, cfg.init_std, rows)
             self.v_proj = ReplicatedRowsLinear(cfg.hidden_size, kv * d, tp, residual_std, rows)
         self.o_proj = RowParallelLinear(heads * d, cfg.hidden_size, tp, residual_std)
+        self.recompute_core = False  # selective recomputation: keep no attention-core activations
         if cfg.position_embedding == "alibi":
             first = tp.rank * self.local_heads
             self.register_buffer("slopes", alibi_slopes(heads)[first:first + self.local_heads], persistent=False)
 
-    def forward(self, x, rope):
+    def forward(self, x, rope, segment_ids=None):
         x = self.tp.enter(x)
         b, s, _ = x.shape
         d = self.cfg.head_dim
@@ -89,13 +97,16 @@ class Attention(nn.Module):
         bias = slopes = None
         if self.cfg.position_embedding == "rope":
             cos, sin = rope
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = apply_rope_fused(q, cos, sin), apply_rope_fused(k, cos, sin)
         else:
             slopes = self.slopes
             bias = alibi_bias(slopes, s, device=x.device)
         p = self.cfg.attention_dropout if self.training else 0.0
+        core = functools.partial(causal_attention, bias=bias, dropout_p=p, backend=self.cfg.attention_backend,
+                                 slopes=slopes, window=self.cfg.attention_window, segment_ids=segment_ids)
+        # The tracker is forked outside the recomputed region, so the replay restores the forked state.
         with TRACKER.fork() if p > 0 else contextlib.nullcontext():
-            out = causal_attention(q, k, v, bias=bias, dropout_p=p, slopes=slopes)
+            out = recompute(core, q, k, v) if self.recompute_core and torch.is_grad_enabled() else core(q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.local_heads * d))
 
 
@@ -112,21 +123,28 @@ class MLP(nn.Module):
 
     def forward(self, x):
         x = self.tp.enter(x)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, tp)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, tp, cfg.norm_backend)
         self.self_attn = Attention(cfg, tp)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, tp)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, tp, cfg.norm_backend)
         self.mlp = MLP(cfg, tp)
         self.dropout = Dropout(cfg.hidden_dropout, tp)
+        self.recompute_block = False
+        self.body = self._body  # replaced by a compiled version by CausalLM.compile_blocks
 
-    def forward(self, x, rope):
-        x = x + self.dropout(self.self_attn(self.input_layernorm(x), rope))
+    def _body(self, x, rope, segment_ids):
+        x = x + self.dropout(self.self_attn(self.input_layernorm(x), rope, segment_ids))
         return x + self.dropout(self.mlp(self.post_attention_layernorm(x)))
+
+    def forward(self, x, rope, segment_ids=None):
+        if self.recompute_block and torch.is_grad_enabled():
+            return recompute(self.body, x, rope, segment_ids, extra_state=TRACKER_STATE)
+        return self.body(x, rope, segment_ids)
 
 
 class Backbone(nn.Module):
@@ -137,7 +155,7 @@ class Backbone(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, cfg.init_std) \
             if pre_process else None
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, tp) for i in layer_ids})
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, tp) if post_process else None
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, tp, cfg.norm_backend) if post_process else None
 
 
 class CausalLM(nn.Module):
@@ -164,6 +182,19 @@ class CausalLM(nn.Module):
     def init_weights(self, seed: int) -> None:
         initialize_parameters(self, seed, self.tp)
 
+    def set_recompute(self, mode: str) -> None:
+        """Activation recomputation per block: none, selective (attention core only) or full; switchable
+        between steps (train.recompute_switch_step)."""
+        check_mode(mode)
+        for layer in self.model.layers.values():
+            layer.recompute_block = mode == "full"
+            layer.self_attn.recompute_core = mode == "selective"
+
+    def compile_blocks(self, backend: str = "inductor") -> None:
+        """torch.compile each block's body (one graph per block, reused by every layer of the same shape)."""
+        for layer in self.model.layers.values():
+            layer.body = torch.compile(layer._body, backend=backend)
+
     def output_weight(self) -> torch.Tensor:
         return self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
 
@@ -173,8 +204,9 @@ class CausalLM(nn.Module):
             self._rope_cache = {key: rope_cos_sin(seq_length, self.cfg.head_dim, self.cfg.rope_theta, device, dtype)}
         return self._rope_cache[key]
 
-    def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None):
-        """inputs: token ids [b, s] on the first stage, else hidden states [b, s(/tp), h].
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None, segment_ids=None):
+        """inputs: token ids [b, s] on the first stage, else hidden states [b, s(/tp), h]; segment_ids: optional
+        document ids [b, s] of packed sequences (attention never crosses a document boundary).
 
         Returns hidden states (not last stage), this rank's logits slice [b, s, V_padded/tp] (no labels), or
         the mean token loss (labels given)."""
@@ -186,13 +218,14 @@ class CausalLM(nn.Module):
         dtype = x.dtype if x.is_floating_point() else torch.float32
         rope = self._rope(full_seq, x.device, dtype) if self.cfg.position_embedding == "rope" else None
         for layer in self.model.layers.values():
-            x = layer(x, rope)
+            x = layer(x, rope, segment_ids)
         if not self.post_process:
             return x
         logits = F.linear(self.tp.enter(self.model.norm(x)), self.output_weight())
         if labels is None:
             return logits
-        return vocab_parallel_cross_entropy(logits, labels, self.tp, self.cfg.vocab_size).mean()
+        return vocab_parallel_cross_entropy(logits, labels, self.tp, self.cfg.vocab_size,
+                                            chunk_tokens=self.cfg.loss_chunk_tokens).mean()
 
     def full_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
         """Gather the vocabulary slices and drop the padding (generation, evaluation, tests)."""

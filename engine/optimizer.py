@@ -7,6 +7,7 @@ import math
 import torch
 
 from engine.config import OptimConfig
+from kernels.adamw import adamw
 from parallel import comm
 
 
@@ -56,8 +57,8 @@ class MixedPrecisionAdamW:
         decay = [m for (n, p), m in zip(named_params, self.master) if not no_weight_decay(n, p)]
         other = [m for (n, p), m in zip(named_params, self.master) if no_weight_decay(n, p)]
         groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0}]
-        self.inner = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                                       eps=cfg.eps, foreach=True)
+        self.inner = adamw([g for g in groups if g["params"]], cfg.lr, (cfg.beta1, cfg.beta2), cfg.eps,
+                           cfg.implementation)
         self.scaler = LossScaler(precision == "fp16")
 
     def zero_grad(self) -> None:

@@ -7,6 +7,7 @@ batch, accumulates over its micro-batches, synchronises gradients and takes one 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import time
@@ -75,9 +76,12 @@ class Trainer:
         for chunk in self.chunks:
             chunk.init_weights(cfg.train.seed)
             chunk.to(device=env.device, dtype=self.dtype)
+            if cfg.train.compile:
+                chunk.compile_blocks()
         self.named_params = [(n, prm) for c in self.chunks for n, prm in c.named_parameters()]
         self.optimizer = MixedPrecisionAdamW(self.named_params, cfg.optim, self.topo, cfg.train.precision)
         self.step = 0
+        self.micro_batch_size = cfg.train.micro_batch_size
         self.loader = build_loader(cfg, self.topo, consumed_samples=0)
         self.pipe = PipelineComm.for_model(self.topo, cfg.model, cfg.train.micro_batch_size, p.sequence_parallel,
                                            self.dtype, env.device) if self.topo.pp_size > 1 else None
@@ -104,8 +108,26 @@ class Trainer:
             raise ConfigError(f"the data holds token id {largest} but model.vocab_size={self.cfg.model.vocab_size}; "
                               f"set model.vocab_size to at least the tokenizer's vocabulary ({largest + 1}+)")
 
+    def apply_recompute_switch(self) -> None:
+        """Recompute mode and micro batch for the coming step: train.recompute before
+        train.recompute_switch_step, the *_after_switch values from it on (idempotent, so resuming works)."""
+        t = self.cfg.train
+        switched = 0 < t.recompute_switch_step <= self.step + 1
+        for chunk in self.chunks:
+            chunk.set_recompute(t.recompute_after_switch if switched else t.recompute)
+        micro = t.micro_batch_size_after_switch if switched and t.micro_batch_size_after_switch else t.micro_batch_size
+        if micro != self.micro_batch_size:
+            # Same global batch and data order, fewer and larger micro-batches: the gradient is unchanged.
+            self.micro_batch_size = micro
+            cfg = dataclasses.replace(self.cfg, train=dataclasses.replace(t, micro_batch_size=micro))
+            self.loader = build_loader(cfg, self.topo, consumed_samples=self.consumed_samples)
+            if self.pipe is not None:  # the stages exchange activations of the new micro-batch shape
+                self.pipe = PipelineComm.for_model(self.topo, self.cfg.model, micro, self.cfg.parallel.sequence_parallel,
+                                                   self.dtype, self.env.device)
+
     def train_step(self) -> dict:
         start = time.perf_counter()
+        self.apply_recompute_switch()
         for chunk in self.chunks:
             chunk.train()
         micro_batches = [mb.to(self.env.device, non_blocking=True) for mb in self.loader.next_global_batch()]

@@ -1,6 +1,12 @@
 """Causal self-attention core: flash-attn on CUDA when installed, else PyTorch SDPA, else a reference.
 
 All take q [b, hq, s, d] and k, v [b, hkv, s, d] (grouped-query when hkv < hq) and return [b, hq, s, d].
+Optional extras, honoured by every backend:
+  - `bias` [h, s, s]: additive (ALiBi; flash-attn gets the same information as `slopes`);
+  - `window` > 0: sliding window, each query sees itself and the `window - 1` tokens before it;
+  - `segment_ids` [b, s]: document ids of packed sequences; a query never sees another document
+    (flash-attn runs its varlen kernel on the documents, the others mask).
+GQA never repeats K/V in memory on the flash and SDPA paths; only the reference repeats them.
 """
 import math
 
@@ -9,10 +15,15 @@ import torch.nn.functional as F
 
 try:  # GPU-only optional dependency
     from flash_attn import flash_attn_func as _flash_attn_func
+    from flash_attn import flash_attn_varlen_func as _flash_attn_varlen_func
 except ImportError:
-    _flash_attn_func = None
+    _flash_attn_func = _flash_attn_varlen_func = None
 
 BACKENDS = ("auto", "flash", "sdpa", "reference")
+
+
+def flash_available() -> bool:
+    return _flash_attn_func is not None and torch.cuda.is_available()
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
@@ -35,43 +46,83 @@ def alibi_bias(slopes: torch.Tensor, seq_length: int, device=None) -> torch.Tens
     return bias.masked_fill(distance < 0, float("-inf"))
 
 
-def attention_reference(q, k, v, bias=None, dropout_p: float = 0.0):
+def allowed_mask(seq_length: int, device, window: int = 0, segment_ids=None) -> torch.Tensor:
+    """Boolean [b or 1, 1, s, s]: True where query i may attend key j (causal, window, same document)."""
+    pos = torch.arange(seq_length, device=device)
+    distance = pos[:, None] - pos[None, :]
+    allowed = distance >= 0
+    if window > 0:
+        allowed = allowed & (distance < window)
+    allowed = allowed[None, None]
+    if segment_ids is not None:
+        allowed = allowed & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+    return allowed
+
+
+def attention_reference(q, k, v, bias=None, dropout_p: float = 0.0, window: int = 0, segment_ids=None):
     groups = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(groups, dim=1)
     v = v.repeat_interleave(groups, dim=1)
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
-    s = q.shape[2]
-    if bias is None:
-        causal = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(causal, float("-inf"))
-    else:
+    if bias is not None:
         scores = scores + bias.to(scores.dtype)
+    allowed = allowed_mask(q.shape[2], q.device, window, segment_ids)
+    scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     probs = F.dropout(probs, p=dropout_p) if dropout_p > 0 else probs
     return probs @ v
 
 
-def attention_sdpa(q, k, v, bias=None, dropout_p: float = 0.0):
+def attention_sdpa(q, k, v, bias=None, dropout_p: float = 0.0, window: int = 0, segment_ids=None):
     gqa = k.shape[1] != q.shape[1]
-    if bias is None:
+    if bias is None and window == 0 and segment_ids is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), dropout_p=dropout_p,
-                                          enable_gqa=gqa)
+    mask = allowed_mask(q.shape[2], q.device, window, segment_ids)
+    if bias is not None:  # additive float mask: the bias where allowed, -inf elsewhere
+        mask = bias.to(q.dtype).masked_fill(~mask, float("-inf"))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
 
 
-def attention_flash(q, k, v, bias=None, dropout_p: float = 0.0, slopes=None):
+def _cu_seqlens(segment_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Start offsets (int32, with the total at the end) of the documents of the flattened [b*s] batch."""
+    b, s = segment_ids.shape
+    starts = torch.ones_like(segment_ids, dtype=torch.bool)
+    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    offsets = starts.reshape(-1).nonzero().squeeze(-1)
+    total = torch.tensor([b * s], device=offsets.device, dtype=offsets.dtype)
+    cu = torch.cat((offsets, total)).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max().item())
+
+
+def attention_flash(q, k, v, dropout_p: float = 0.0, slopes=None, window: int = 0, segment_ids=None):
     # flash-attn wants [b, s, h, d] and handles GQA natively (no repeated KV in memory).
-    out = _flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=dropout_p,
-                           causal=True, alibi_slopes=slopes)
-    return out.transpose(1, 2)
+    window_size = (window - 1, 0) if window > 0 else (-1, -1)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if segment_ids is None:
+        out = _flash_attn_func(q, k, v, dropout_p=dropout_p, causal=True, window_size=window_size,
+                               alibi_slopes=slopes)
+        return out.transpose(1, 2)
+    b, s = segment_ids.shape
+    cu, longest = _cu_seqlens(segment_ids)
+    flat = [t.reshape(b * s, t.shape[2], t.shape[3]) for t in (q, k, v)]
+    out = _flash_attn_varlen_func(*flat, cu, cu, longest, longest, dropout_p=dropout_p, causal=True,
+                                  window_size=window_size, alibi_slopes=slopes)
+    return out.view(b, s, out.shape[1], out.shape[2]).transpose(1, 2)
 
 
 def select_backend(requested: str, q: torch.Tensor) -> str:
+    """The backend that will run for `q`: an explicit request is honoured or refused, `auto` picks."""
     if requested not in BACKENDS:
-        raise ValueError(f"attention backend {requested!r} is not one of {BACKENDS}")
-    if requested == "flash" and (_flash_attn_func is None or not q.is_cuda):
-        raise RuntimeError("attention backend 'flash' needs flash-attn installed and CUDA tensors; "
-                           "use 'auto' or install the gpu extra (pip install -e .[gpu])")
+        raise ValueError(f"attention backend {requested!r} is not one of {BACKENDS}; "
+                         f"set model.attention_backend to one of them")
+    if requested == "flash":
+        if _flash_attn_func is None:
+            raise RuntimeError("model.attention_backend=flash needs flash-attn (pip install -e .[gpu] on a CUDA "
+                               "machine); use model.attention_backend=auto to fall back to SDPA")
+        if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+            raise RuntimeError(f"model.attention_backend=flash needs CUDA tensors in bf16/fp16, got "
+                               f"{q.device.type} {q.dtype}; use train.precision=bf16 on a GPU or "
+                               f"model.attention_backend=auto")
     if requested != "auto":
         return requested
     if _flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
@@ -79,11 +130,12 @@ def select_backend(requested: str, q: torch.Tensor) -> str:
     return "sdpa"
 
 
-def causal_attention(q, k, v, bias=None, dropout_p: float = 0.0, backend: str = "auto", slopes=None):
-    """bias: optional additive [h, s, s] (ALiBi); `slopes` is the same information for flash-attn."""
+def causal_attention(q, k, v, bias=None, dropout_p: float = 0.0, backend: str = "auto", slopes=None,
+                     window: int = 0, segment_ids=None):
+    """Causal attention through the chosen backend; see the module docstring for the arguments."""
     chosen = select_backend(backend, q)
     if chosen == "flash":
-        return attention_flash(q, k, v, dropout_p=dropout_p, slopes=slopes)
+        return attention_flash(q, k, v, dropout_p, slopes, window, segment_ids)
     if chosen == "sdpa":
-        return attention_sdpa(q, k, v, bias, dropout_p)
-    return attention_reference(q, k, v, bias, dropout_p)
+        return attention_sdpa(q, k, v, bias, dropout_p, window, segment_ids)
+    return attention_reference(q, k, v, bias, dropout_p, window, segment_ids)

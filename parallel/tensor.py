@@ -12,6 +12,7 @@ Every parameter records how it maps onto the full (TP=1) tensor: `tp_dim` (split
 """
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kernels.cross_entropy import cross_entropy
 from parallel import comm
 
 
@@ -134,47 +136,20 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.exit(out)
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Cross-entropy over logits split along the vocabulary, never gathering the full logits."""
-
-    @staticmethod
-    def forward(ctx, logits, labels, group, vocab_start, vocab_size):
-        logits = logits.float()
-        local_vocab = logits.shape[-1]
-        padding = vocab_start + local_vocab - vocab_size
-        if padding > 0:  # padded rows must never take part in the softmax
-            logits = logits.clone()
-            logits[..., local_vocab - padding:] = float("-inf")
-        logits_max = logits.max(dim=-1).values
-        comm.all_reduce(logits_max, group, op=torch.distributed.ReduceOp.MAX)
-        shifted = logits - logits_max.unsqueeze(-1)
-        local_labels = labels - vocab_start
-        outside = (local_labels < 0) | (local_labels >= local_vocab)
-        local_labels = local_labels.masked_fill(outside, 0)
-        predicted = shifted.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        comm.all_reduce(predicted, group)
-        exp = shifted.exp_()
-        sum_exp = exp.sum(dim=-1)
-        comm.all_reduce(sum_exp, group)
-        loss = sum_exp.log() - predicted
-        exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(exp, local_labels, outside)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        softmax, local_labels, outside = ctx.saved_tensors
-        grad = softmax
-        grad.scatter_add_(-1, local_labels.unsqueeze(-1), -(~outside).unsqueeze(-1).to(grad.dtype))
-        grad.mul_(grad_loss.unsqueeze(-1))
-        return grad, None, None, None, None
-
-
 def vocab_parallel_cross_entropy(local_logits: torch.Tensor, labels: torch.Tensor, tp: TensorParallel,
-                                 vocab_size: int) -> torch.Tensor:
-    """Per-token loss [..] from this rank's logits slice [.., V_padded / tp]."""
+                                 vocab_size: int, chunk_tokens: int = 0) -> torch.Tensor:
+    """Per-token loss [..] from this rank's logits slice [.., V_padded / tp], never gathering the full logits.
+
+    The softmax statistics are combined over the TP group with three all-reduces of one fp32 value per token
+    (max, target logit, sum of exponentials); `chunk_tokens` > 0 bounds the fp32 working set to that many
+    rows (kernels/cross_entropy.py), 0 processes all tokens at once."""
     vocab_start = tp.rank * local_logits.shape[-1]
-    return _VocabParallelCrossEntropy.apply(local_logits, labels, tp.group, vocab_start, vocab_size)
+    return cross_entropy(local_logits, labels, chunk_tokens, vocab_start, vocab_size,
+                         functools.partial(_all_reduce_over, tp.group))
+
+
+def _all_reduce_over(group, tensor: torch.Tensor, op: str) -> None:
+    comm.all_reduce(tensor, group, op=torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.SUM)
 
 
 def allreduce_replicated_grads(module: nn.Module, tp: TensorParallel) -> None:

@@ -84,3 +84,11 @@ def test_training_on_preprocessed_shards(tmp_path):
     assert too_small.returncode == 2
     assert "but model.vocab_size=100; set model.vocab_size to at least" in too_small.stderr
 
+
+
+def test_mid_run_micro_batch_switch_under_pipeline(single, tmp_path):
+    """Switching recompute on and doubling the micro batch at step 5 keeps the PP=2 curve on the reference."""
+    multi = launch(tmp_path, "parallel.pipeline=2", "train.recompute_switch_step=5", "train.recompute_after_switch=full",
+                   "train.micro_batch_size_after_switch=4", nproc=2)
+    for a, b in zip(single, multi):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4, (a["step"], a["loss"], b["loss"])

@@ -1,0 +1,96 @@
+"""Cross-entropy over (possibly vocabulary-split) logits, computed in token chunks.
+
+A plain implementation materialises fp32 copies of the full logits ([tokens, vocab], 4 bytes each: 2 GiB
+for 4096 tokens of a 128k vocabulary) and keeps the fp32 softmax for backward. Here forward and backward
+walk over `chunk_tokens` rows at a time: only one chunk is ever in fp32, and backward keeps just the
+logits in their own dtype and one log-sum-exp per token, recomputing the softmax chunk by chunk.
+
+Vocabulary parallelism: each rank holds the logits columns [vocab_start, vocab_start + V_local) and the
+caller passes `all_reduce(tensor, op)` (op "max" or "sum", in place over the vocabulary-parallel group).
+Exactly three all-reduces of one fp32 value per token are issued (max, target logit, sum of
+exponentials), whatever the chunk size. This module itself never talks to torch.distributed.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _chunk_float(logits, start, stop, pad_from):
+    if pad_from is None:
+        return logits[start:stop].float()
+    chunk = logits[start:stop].to(torch.float32, copy=True)  # never write into the caller's logits
+    chunk[:, pad_from:] = float("-inf")  # vocabulary padding must never take part in the softmax
+    return chunk
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, labels, chunk_tokens, vocab_start, vocab_size, all_reduce):
+        shape = labels.shape
+        logits2 = logits.reshape(-1, logits.shape[-1])
+        labels = labels.reshape(-1)
+        n, local_vocab = logits2.shape
+        pad_from = vocab_size - vocab_start if vocab_start + local_vocab > vocab_size else None
+        local_labels = labels - vocab_start
+        outside = (local_labels < 0) | (local_labels >= local_vocab)
+        local_labels = local_labels.masked_fill(outside, 0)
+        step = chunk_tokens if chunk_tokens > 0 else max(n, 1)
+        local_max = torch.empty(n, dtype=torch.float32, device=logits.device)
+        sum_exp = torch.empty_like(local_max)
+        target = torch.empty_like(local_max)
+        for start in range(0, n, step):
+            stop = min(start + step, n)
+            chunk = _chunk_float(logits2, start, stop, pad_from)
+            m = chunk.max(dim=-1).values
+            local_max[start:stop] = m
+            m = m.masked_fill(m == float("-inf"), 0.0)  # a rank holding only padding: its sum is 0
+            target[start:stop] = chunk.gather(-1, local_labels[start:stop, None]).squeeze(-1)
+            sum_exp[start:stop] = (chunk - m[:, None]).exp().sum(dim=-1)
+        global_max = local_max.clone()
+        all_reduce(global_max, "max")
+        target = (target - global_max).masked_fill(outside, 0.0)
+        all_reduce(target, "sum")
+        finite_max = local_max.masked_fill(local_max == float("-inf"), 0.0)
+        sum_exp.mul_((finite_max - global_max).exp())  # rescale each rank's sum to the global max
+        all_reduce(sum_exp, "sum")
+        log_sum_exp = sum_exp.log()
+        ctx.save_for_backward(logits, local_labels, outside, log_sum_exp + global_max)
+        ctx.step, ctx.pad_from, ctx.shape = step, pad_from, logits.shape
+        return (log_sum_exp - target).view(shape)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        logits, local_labels, outside, lse = ctx.saved_tensors
+        logits2 = logits.reshape(-1, logits.shape[-1])
+        grad_loss = grad_loss.reshape(-1).float()
+        grad = torch.empty_like(logits2)
+        inside = (~outside).to(torch.float32)
+        for start in range(0, logits2.shape[0], ctx.step):
+            stop = min(start + ctx.step, logits2.shape[0])
+            probs = (_chunk_float(logits2, start, stop, ctx.pad_from) - lse[start:stop, None]).exp_()
+            probs.scatter_add_(-1, local_labels[start:stop, None], -inside[start:stop, None])
+            grad[start:stop] = probs.mul_(grad_loss[start:stop, None])
+        return grad.view(ctx.shape), None, None, None, None, None
+
+
+def _no_reduce(tensor, op):
+    return None
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, chunk_tokens: int = 4096, vocab_start: int = 0,
+                  vocab_size: int | None = None, all_reduce=None) -> torch.Tensor:
+    """Per-token loss with the shape of `labels`.
+
+    logits [..., V_local]: this rank's vocabulary columns (all of them when not split); vocab_size: the
+    real vocabulary (columns at or beyond it are padding); chunk_tokens: rows per fp32 chunk, 0 = one
+    chunk; all_reduce: the vocabulary-parallel reduction (None when the vocabulary is not split)."""
+    if chunk_tokens < 0:
+        raise ValueError(f"chunk_tokens={chunk_tokens} must be ≥ 0 (0 = one chunk)")
+    vocab_size = vocab_start + logits.shape[-1] if vocab_size is None else vocab_size
+    return _ChunkedCrossEntropy.apply(logits, labels, chunk_tokens, vocab_start, vocab_size,
+                                      all_reduce or _no_reduce)
+
+
+def cross_entropy_reference(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                             reduction="none").view(labels.shape)

@@ -1,0 +1,236 @@
+"""Every kernel against its reference, forward and backward, and the backend selection logic.
+
+CPU runs the fallbacks (fp32: max abs ≤ 1e-5; bf16 against the fp32 reference: ≤ 2e-2 relative to the
+output scale); tests of flash-attn and apex run only on CUDA with the package installed and skip otherwise.
+"""
+import pytest
+import torch
+
+from kernels import adamw, attention, cross_entropy, norm, rope, swiglu
+
+CUDA = torch.cuda.is_available()
+needs_flash = pytest.mark.skipif(not attention.flash_available(), reason="flash-attn needs CUDA and the gpu extra")
+needs_apex = pytest.mark.skipif(not norm.apex_available(), reason="apex needs CUDA and a --cuda_ext build")
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def rand(*shape, dtype=torch.float32, seed=0, device="cpu"):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device, dtype).requires_grad_()
+
+
+def run_with_grads(fn, *inputs, seed=1):
+    out = fn(*inputs)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.dtype)
+    out.backward(grad_out.to(out.device))
+    grads = [x.grad.float().clone() for x in inputs]
+    for x in inputs:
+        x.grad = None
+    return [out.float().detach()] + grads
+
+
+def assert_close(got, want, dtype, what):
+    for i, (a, b) in enumerate(zip(got, want)):
+        scale = max(b.abs().max().item(), 1.0) if dtype != torch.float32 else 1.0
+        diff = (a - b).abs().max().item()
+        assert diff <= TOL[dtype] * scale, f"{what}[{i}]: max abs diff {diff}"
+
+
+# ---- attention -------------------------------------------------------------------------------------------
+
+ATTN_SHAPES = [(2, 4, 4, 8, 16), (1, 8, 2, 12, 8), (2, 6, 1, 5, 16)]  # b, q heads, kv heads, s, d
+
+
+def segments(b, s):
+    ids = torch.zeros(b, s, dtype=torch.long)
+    ids[:, s // 3:] = 1
+    ids[-1, 2 * s // 3:] = 2
+    return ids
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", ATTN_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("variant", ["causal", "window", "documents", "alibi"])
+def test_sdpa_matches_reference(dtype, shape, variant):
+    b, hq, hkv, s, d = shape
+    q, k, v = rand(b, hq, s, d, seed=1), rand(b, hkv, s, d, seed=2), rand(b, hkv, s, d, seed=3)
+    kw = {"window": {"window": 3}, "documents": {"segment_ids": segments(b, s)},
+          "alibi": {"bias": attention.alibi_bias(attention.alibi_slopes(hq), s)}}.get(variant, {})
+    want = run_with_grads(lambda *t: attention.attention_reference(*t, **kw), q, k, v)
+    low = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    got = run_with_grads(lambda *t: attention.causal_attention(*t, backend="sdpa", **kw), *low)
+    assert_close(got, want, dtype, f"sdpa {variant}")
+
+
+def test_reference_equals_explicit_loops():
+    """The reference's masks (causal, window, documents) against a per-query loop over allowed keys."""
+    b, h, s, d, window = 2, 2, 7, 4, 3
+    q, k, v = (torch.randn(b, h, s, d, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    ids = segments(b, s)
+    out = attention.attention_reference(q, k, v, window=window, segment_ids=ids)
+    for bi in range(b):
+        for i in range(s):
+            keys = [j for j in range(i + 1) if i - j < window and ids[bi, j] == ids[bi, i]]
+            scores = torch.einsum("hd,hnd->hn", q[bi, :, i], k[bi, :, keys]) / d ** 0.5
+            want = torch.einsum("hn,hnd->hd", torch.softmax(scores, -1), v[bi, :, keys])
+            assert (out[bi, :, i] - want).abs().max() <= 1e-6
+
+
+def test_gqa_equals_repeated_heads():
+    q, k, v = rand(2, 8, 6, 8, seed=1), rand(2, 2, 6, 8, seed=2), rand(2, 2, 6, 8, seed=3)
+    gqa = attention.causal_attention(q, k, v, backend="sdpa")
+    mha = attention.causal_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), backend="sdpa")
+    assert (gqa - mha).abs().max() <= 1e-6
+
+
+@needs_flash
+@pytest.mark.parametrize("variant", ["causal", "window", "documents"])
+def test_flash_matches_reference_on_cuda(variant):
+    b, hq, hkv, s, d = 2, 8, 2, 64, 64
+    q, k, v = rand(b, hq, s, d, seed=1), rand(b, hkv, s, d, seed=2), rand(b, hkv, s, d, seed=3)
+    ids = segments(b, s)
+    kw = {"window": {"window": 16}, "documents": {"segment_ids": ids}}.get(variant, {})
+    want = run_with_grads(lambda *t: attention.attention_reference(*t, **kw), q, k, v)
+    low = [t.detach().cuda().to(torch.bfloat16).requires_grad_() for t in (q, k, v)]
+    if variant == "documents":
+        kw = {"segment_ids": ids.cuda()}
+    got = run_with_grads(lambda *t: attention.causal_attention(*t, backend="flash", **kw), *low)
+    assert_close([g.cpu() for g in got], want, torch.bfloat16, f"flash {variant}")
+
+
+def test_attention_backend_selection():
+    q = torch.randn(1, 2, 4, 8)
+    assert attention.select_backend("auto", q) == "sdpa"
+    assert attention.select_backend("reference", q) == "reference"
+    assert attention.select_backend("sdpa", q) == "sdpa"
+    with pytest.raises(RuntimeError, match="attention_backend=flash needs"):
+        attention.select_backend("flash", q)  # CPU fp32 tensors: refused whether or not flash-attn is installed
+    with pytest.raises(ValueError, match="not one of"):
+        attention.select_backend("xformers", q)
+    if attention.flash_available():
+        assert attention.select_backend("auto", q.cuda().bfloat16()) == "flash"
+        assert attention.select_backend("auto", q.cuda()) == "sdpa"  # fp32: flash-attn has no fp32 kernel
+
+
+# ---- norm, rope, swiglu ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(3, 16), (2, 5, 64)])
+def test_rms_norm_torch_backend_matches_reference(dtype, shape):
+    x, w = rand(*shape, seed=1), rand(shape[-1], seed=2)
+    want = run_with_grads(lambda a, b: norm.rms_norm_reference(a, b, 1e-5), x, w)
+    low = [t.detach().to(dtype).requires_grad_() for t in (x, w)]
+    got = run_with_grads(lambda a, b: norm.rms_norm(a, b, 1e-5, backend="auto"), *low)
+    assert_close(got, want, dtype, "rms_norm")
+
+
+@needs_apex
+def test_apex_rms_norm_matches_reference_on_cuda():
+    x, w = rand(4, 7, 256, seed=1), rand(256, seed=2)
+    want = run_with_grads(lambda a, b: norm.rms_norm_reference(a, b, 1e-5), x, w)
+    low = [t.detach().cuda().to(torch.bfloat16).requires_grad_() for t in (x, w)]
+    got = run_with_grads(lambda a, b: norm.rms_norm(a, b, 1e-5, backend="apex"), *low)
+    assert_close([g.cpu() for g in got], want, torch.bfloat16, "apex rms_norm")
+
+
+def test_norm_backend_selection():
+    x = torch.randn(2, 8)
+    assert norm.select_backend("auto", x) == "torch" and norm.select_backend("torch", x) == "torch"
+    with pytest.raises(RuntimeError, match="norm_backend=apex needs"):
+        norm.select_backend("apex", x)
+    with pytest.raises(ValueError, match="not one of"):
+        norm.select_backend("triton", x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(2, 4, 8, 16), (1, 2, 5, 64)])
+def test_fused_rope_matches_reference(dtype, shape):
+    cos, sin = rope.rope_cos_sin(shape[2], shape[3], 10000.0, dtype=dtype)
+    x = rand(*shape, seed=1)
+    want = run_with_grads(lambda t: rope.apply_rope(t, *rope.rope_cos_sin(shape[2], shape[3], 10000.0)), x)
+    got = run_with_grads(lambda t: rope.apply_rope_fused(t, cos, sin), x.detach().to(dtype).requires_grad_())
+    assert_close(got, want, dtype, "rope")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(3, 32), (2, 7, 48)])
+def test_swiglu_matches_reference(dtype, shape):
+    gate, up = rand(*shape, seed=1) * 3, rand(*shape, seed=2)
+    gate = gate.detach().requires_grad_()
+    want = run_with_grads(swiglu.swiglu_reference, gate, up)
+    low = [t.detach().to(dtype).requires_grad_() for t in (gate, up)]
+    assert_close(run_with_grads(swiglu.swiglu, *low), want, dtype, "swiglu")
+
+
+# ---- cross-entropy ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("chunk", [0, 1, 5, 64])
+@pytest.mark.parametrize("shape", [(2, 9, 37), (13, 200)])
+def test_chunked_cross_entropy_matches_torch(dtype, chunk, shape):
+    logits = (rand(*shape, seed=1) * 4).detach().requires_grad_()
+    labels = torch.randint(0, shape[-1], shape[:-1], generator=torch.Generator().manual_seed(2))
+    want = run_with_grads(lambda t: cross_entropy.cross_entropy_reference(t, labels), logits)
+    low = logits.detach().to(dtype).requires_grad_()
+    got = run_with_grads(lambda t: cross_entropy.cross_entropy(t, labels, chunk_tokens=chunk), low)
+    assert got[0].shape == labels.shape
+    assert_close(got, want, dtype, f"cross_entropy chunk={chunk}")
+
+
+def test_cross_entropy_ignores_vocabulary_padding_and_keeps_logits_intact():
+    logits = rand(6, 10, seed=3)
+    labels = torch.randint(0, 7, (6,), generator=torch.Generator().manual_seed(4))
+    before = logits.detach().clone()
+    got = run_with_grads(lambda t: cross_entropy.cross_entropy(t, labels, chunk_tokens=4, vocab_size=7), logits)
+    assert torch.equal(logits.detach(), before)
+    want = run_with_grads(lambda t: cross_entropy.cross_entropy_reference(t[:, :7], labels), logits)
+    assert_close(got, want, torch.float32, "padded cross_entropy")
+    assert got[1][:, 7:].abs().max() == 0  # no gradient reaches the padding columns
+
+
+# ---- AdamW -----------------------------------------------------------------------------------------------
+
+def _adamw_run(implementation):
+    params = [torch.nn.Parameter(torch.randn(5, 3, generator=torch.Generator().manual_seed(i))) for i in range(3)]
+    opt = adamw.adamw([{"params": params[:2], "weight_decay": 0.1}, {"params": params[2:], "weight_decay": 0.0}],
+                      1e-2, (0.9, 0.95), 1e-8, implementation)
+    for step in range(4):
+        for i, p in enumerate(params):
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * step + i))
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in params])
+
+
+def test_adamw_implementations_agree_with_the_plain_loop():
+    plain = _adamw_run("foreach")
+    params = [torch.nn.Parameter(torch.randn(5, 3, generator=torch.Generator().manual_seed(i))) for i in range(3)]
+    loop = torch.optim.AdamW([{"params": params[:2], "weight_decay": 0.1}, {"params": params[2:], "weight_decay": 0.0}],
+                             lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    for step in range(4):
+        for i, p in enumerate(params):
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * step + i))
+        loop.step()
+    want = torch.cat([p.detach().reshape(-1) for p in params])
+    assert (plain - want).abs().max() <= 1e-6
+    assert (_adamw_run("fused") - want).abs().max() <= 1e-6
+
+
+def test_adamw_selection():
+    assert adamw.select_implementation("auto", on_cuda=False) == "foreach"
+    assert adamw.select_implementation("auto", on_cuda=True) == "fused"
+    with pytest.raises(RuntimeError, match="implementation=apex needs"):
+        adamw.select_implementation("apex", on_cuda=False)
+    with pytest.raises(ValueError, match="not one of"):
+        adamw.select_implementation("lamb", on_cuda=False)
+
+
+@pytest.mark.skipif(not (CUDA and adamw._ApexFusedAdam is not None), reason="apex FusedAdam needs CUDA and apex")
+def test_apex_fused_adam_matches_torch_on_cuda():
+    def run(implementation):
+        p = torch.nn.Parameter(torch.randn(64, generator=torch.Generator().manual_seed(0)).cuda())
+        opt = adamw.adamw([{"params": [p], "weight_decay": 0.1}], 1e-2, (0.9, 0.95), 1e-8, implementation)
+        for step in range(4):
+            p.grad = torch.randn(64, generator=torch.Generator().manual_seed(step)).cuda()
+            opt.step()
+        return p.detach().cpu()
+    assert (run("apex") - run("fused")).abs().max() <= 1e-6
