@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -48,7 +49,9 @@ class StopControl:
     def __init__(self, env: DistEnv, health: HealthMonitor | None = None):
         self.env, self.health = env, health
         self.signal_name = ""
-        for sig in STOP_SIGNALS:
+        # Python only lets the main thread install handlers (run() may be called from a worker thread).
+        self.installed = threading.current_thread() is threading.main_thread()
+        for sig in STOP_SIGNALS if self.installed else ():
             signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
@@ -81,5 +84,5 @@ class StopControl:
         comm.all_reduce(torch.zeros(1, device=self.env.device), world_group())
 
     def restore(self) -> None:
-        for sig in STOP_SIGNALS:
+        for sig in STOP_SIGNALS if self.installed else ():
             signal.signal(sig, signal.SIG_DFL)

@@ -85,7 +85,12 @@ if [[ -n "${SLURM_PROCID:-}" && -z "${MASTER_ADDR:-}" && -z "${RANK:-}" ]] && co
   MASTER_ADDR="$(scontrol show hostnames "${SLURM_STEP_NODELIST:-$SLURM_JOB_NODELIST}" | head -n 1)"
   export MASTER_ADDR
 fi
-[[ -n "${SLURM_CPUS_PER_TASK:-}" ]] && export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$SLURM_CPUS_PER_TASK}"
+# One CPU share per rank: SLURM says how many; under MPI split the cores between the node's ranks.
+LOCAL_RANKS="${OMPI_COMM_WORLD_LOCAL_SIZE:-${MPI_LOCALNRANKS:-}}"
+if [[ -n "${SLURM_CPUS_PER_TASK:-}" ]]; then export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$SLURM_CPUS_PER_TASK}"
+elif [[ "$LOCAL_RANKS" =~ ^[1-9][0-9]*$ ]]; then
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / LOCAL_RANKS > 0 ? $(nproc) / LOCAL_RANKS : 1 ))}"
+fi
 
 if [[ "$NPROC" -gt 1 || "$NNODES" -gt 1 ]]; then
   # Share the cores between ranks instead of every rank spawning one thread per core.
