@@ -24,7 +24,7 @@ import torch.distributed as dist
 from engine.config import Config, ConfigError, data_parallel_size, load_config, validate
 from engine.train import Trainer, configure_logging, log, setup_run_dir
 from parallel import comm
-from parallel.distributed import DistEnv, init_distributed, world_group
+from parallel.distributed import DistEnv, init_distributed, shutdown, world_group
 
 STEPS = 100
 VANISHING_RATIO = 1e-3  # gradient norm below this fraction of the first step's
@@ -124,17 +124,19 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=STEPS, help=f"steps to run (default {STEPS})")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides, as for training")
     args = parser.parse_args(argv)
+    clean = False
     try:
         cfg = load_config(args.config, args.overrides)
         env = init_distributed(cfg.train.device, cfg.parallel.backend, cfg.parallel.timeout_minutes)
         validate(cfg, env.world_size)  # the real run's configuration must be valid too
-        return 0 if preflight(cfg, env, args.steps) else 1
+        passed = preflight(cfg, env, args.steps)
+        clean = True
+        return 0 if passed else 1
     except ConfigError as exc:
         print(f"trilith: configuration error: {exc}", file=sys.stderr)
         return 2
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        shutdown(clean)
 
 
 if __name__ == "__main__":

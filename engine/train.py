@@ -25,7 +25,7 @@ from engine.optimizer import MixedPrecisionAdamW
 from engine.stop import StopControl, StopRun, exit_status
 from parallel import comm
 from parallel.ddp import allreduce_gradients
-from parallel.distributed import DistEnv, describe_failure, init_distributed
+from parallel.distributed import DistEnv, describe_failure, init_distributed, shutdown
 from parallel.p2p import PipelineComm
 from parallel.pipeline_schedules import forward_backward_pipeline
 from parallel.random import seed_all
@@ -219,18 +219,20 @@ def run(cfg: Config, env: DistEnv) -> list[dict]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    clean = False
     try:
         cfg = load_config(args.config, args.overrides)
         env = init_distributed(cfg.train.device, cfg.parallel.backend, cfg.parallel.timeout_minutes)
         run(cfg, env)
+        clean = True
     except ConfigError as exc:
         print(f"trilith: configuration error: {exc}", file=sys.stderr)
         return 2
     except StopRun as stop:  # preemption or GPU health: checkpointed, exit code tells the launcher why
+        clean = True
         return exit_status(stop.code)
     finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        shutdown(clean)
     return 0
 
 

@@ -184,6 +184,17 @@ def world_group():
     return dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
 
 
+def shutdown(clean: bool) -> None:
+    """Leave torch.distributed. After a clean run, first wait for every rank, so that no rank closes its
+    connections while a peer's transport threads still use them (seen as an abort at exit under gloo)."""
+    if not dist.is_initialized():
+        return
+    if clean and world_group() is not None:
+        comm.all_reduce(torch.zeros(1, device=f"cuda:{torch.cuda.current_device()}" if
+                                    dist.get_backend() == "nccl" else "cpu"), world_group())
+    dist.destroy_process_group()
+
+
 def describe_failure(exc: BaseException, env: DistEnv, step: int) -> str:
     """One line naming this rank, its host, the failed collective and its caller, for a dead or hung peer."""
     frames = traceback.extract_tb(exc.__traceback__)
