@@ -64,6 +64,11 @@ class ParallelConfig:
     rank_order: str = "tp-dp-pp"  # fastest-varying dimension first: TP ranks adjacent by default
     backend: str = "auto"  # auto (nccl with CUDA, else gloo) | gloo | nccl
     timeout_minutes: float = 10.0
+    bucket_mb: float = 25.0  # zero_stage 0: gradient all-reduce bucket size
+    unit_process_groups: bool = False  # one DP communicator per sharding unit (zero_stage >= 1)
+    hsdp_group_size: int = 0  # shard within groups of this many DP ranks, replicate across them; 0 = plain
+    hierarchical_node_size: int = 0  # reduce inside groups of this many DP ranks first, then across; 0 = flat
+    fp32_reduce: list = field(default_factory=list)  # parameter-name substrings reduced in fp32 besides norms
 
 
 @dataclass
@@ -314,6 +319,7 @@ def validate(cfg: Config, world_size: int) -> None:
     if p.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero_stage={p.zero_stage} must be 0, 1, 2 or 3")
     dp = data_parallel_size(cfg, world_size)
+    validate_data_parallel(p, dp)
     per_step = t.micro_batch_size * dp
     if t.global_batch_size % per_step:
         raise ConfigError(
@@ -350,3 +356,20 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"train.steps={t.steps} must be at least 1")
     if cfg.optim.warmup_steps < 0 or not 0.0 <= cfg.optim.min_lr_ratio <= 1.0:
         raise ConfigError("optim.warmup_steps must be ≥ 0 and optim.min_lr_ratio within [0, 1]")
+
+
+def validate_data_parallel(p: ParallelConfig, dp: int) -> None:
+    if p.bucket_mb <= 0:
+        raise ConfigError(f"parallel.bucket_mb={p.bucket_mb} must be positive (megabytes per all-reduce bucket)")
+    for key, k in (("hsdp_group_size", p.hsdp_group_size), ("hierarchical_node_size", p.hierarchical_node_size)):
+        if k < 0 or (k and dp % k):
+            raise ConfigError(f"parallel.{key}={k} must divide the data-parallel size {dp} (0 turns it off)")
+    if p.hsdp_group_size and p.zero_stage == 0:
+        raise ConfigError(f"parallel.hsdp_group_size={p.hsdp_group_size} shards within groups, which needs "
+                          f"parallel.zero_stage 1, 2 or 3 (got 0)")
+    if p.hsdp_group_size and p.hierarchical_node_size:
+        raise ConfigError("parallel.hsdp_group_size and parallel.hierarchical_node_size cannot both be set: "
+                          "HSDP already reduces inside the group first; set one of them to 0")
+    if p.unit_process_groups and (p.zero_stage == 0 or p.hsdp_group_size or p.hierarchical_node_size):
+        raise ConfigError("parallel.unit_process_groups=true needs parallel.zero_stage 1, 2 or 3 with plain "
+                          "(not hybrid or hierarchical) sharding; set hsdp_group_size=0 hierarchical_node_size=0")

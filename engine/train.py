@@ -21,17 +21,16 @@ from engine.lr_schedule import lr_at
 from engine.metrics import H100_BF16_PEAK_FLOPS, MetricsLog, flops_per_token, peak_memory_gb
 from engine.mock_data import MockBatchLoader
 from engine.model import CausalLM, num_parameters
-from engine.optimizer import MixedPrecisionAdamW
 from engine.stop import StopControl, StopRun, exit_status
+from engine.zero_optimizer import build_data_parallel
 from parallel import comm
-from parallel.ddp import allreduce_gradients
 from parallel.distributed import DistEnv, describe_failure, init_distributed, shutdown
 from parallel.p2p import PipelineComm
 from parallel.pipeline_schedules import forward_backward_pipeline
 from parallel.random import seed_all
 from parallel.schedules import forward_backward_no_pipeline
-from parallel.stage_layers import allreduce_tied_embedding_grads, chunk_roles, stage_layer_ids
-from parallel.tensor import TensorParallel, allreduce_replicated_grads
+from parallel.stage_layers import chunk_roles, stage_layer_ids
+from parallel.tensor import TensorParallel
 from parallel.topology import Layout, Topology
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -79,7 +78,9 @@ class Trainer:
             if cfg.train.compile:
                 chunk.compile_blocks()
         self.named_params = [(n, prm) for c in self.chunks for n, prm in c.named_parameters()]
-        self.optimizer = MixedPrecisionAdamW(self.named_params, cfg.optim, self.topo, cfg.train.precision)
+        # zero_stage 0: bucketed DDP + replicated AdamW; 1-3: sharded units + sharded AdamW
+        self.data_parallel, self.optimizer = build_data_parallel(cfg, self.topo, self.tp, self.chunks,
+                                                                 self.named_params, self.dtype)
         self.step = 0
         self.micro_batch_size = cfg.train.micro_batch_size
         self.loader = build_loader(cfg, self.topo, consumed_samples=0)
@@ -97,10 +98,9 @@ class Trainer:
         """Gradients of the step's mean loss; returns that loss (on every pipeline stage)."""
         if self.pipe is None:
             return forward_backward_no_pipeline(self.chunks[0], micro_batches, self.optimizer.scaler.scale)
-        loss = forward_backward_pipeline(self.cfg.parallel.schedule, self.chunks, micro_batches, self.pipe,
+        # tied embedding gradients are summed over the embedding group by data_parallel.finish_gradients()
+        return forward_backward_pipeline(self.cfg.parallel.schedule, self.chunks, micro_batches, self.pipe,
                                          self.optimizer.scaler.scale, self.schedule_trace)
-        allreduce_tied_embedding_grads(self.chunks, self.topo.groups.get("embedding"))
-        return loss
 
     def _check_token_ids(self, micro_batches: list) -> None:
         largest = max(int(mb.max()) for mb in micro_batches)
@@ -132,10 +132,9 @@ class Trainer:
             chunk.train()
         micro_batches = [mb.to(self.env.device, non_blocking=True) for mb in self.loader.next_global_batch()]
         self._check_token_ids(micro_batches)
+        self.data_parallel.start_step(len(micro_batches))  # gradients are reduced on the last micro-batch
         loss = self.forward_backward(micro_batches)
-        for chunk in self.chunks:
-            allreduce_replicated_grads(chunk, self.tp)
-        allreduce_gradients([prm for _, prm in self.named_params], self.topo.dp_group)
+        self.data_parallel.finish_gradients()
         lr = lr_at(self.step, self.cfg.train.steps, self.cfg.optim)
         grad_norm, skipped = self.optimizer.step(lr)
         self.optimizer.zero_grad()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from parallel import comm
 
 
 def chunk_layer_counts(num_layers: int, num_chunks: int, explicit: list[int] | None = None) -> list[int]:
@@ -54,12 +53,3 @@ def tied_embedding_weights(chunks) -> list[torch.nn.Parameter]:
             out.append(chunk.lm_head.weight)
     return out
 
-
-def allreduce_tied_embedding_grads(chunks, embedding_group) -> None:
-    """Sum the tied embedding's gradient over the first and last stage so both copies take the same step."""
-    if embedding_group is None:
-        return
-    for weight in tied_embedding_weights(chunks):
-        if weight.grad is None:
-            weight.grad = torch.zeros_like(weight)
-        comm.all_reduce(weight.grad, embedding_group)

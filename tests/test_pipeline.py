@@ -17,12 +17,11 @@ from engine.config import Config, ConfigError, ModelConfig, load_config, validat
 from engine.model import CausalLM
 from engine.train import Trainer, build_model_chunks
 from parallel import comm
-from parallel.ddp import allreduce_gradients
 from parallel.distributed import DistEnv
 from parallel.p2p import PipelineComm
 from parallel.pipeline_schedules import ScheduleTrace, forward_backward_pipeline
 from parallel.schedules import forward_backward_no_pipeline
-from parallel.stage_layers import (allreduce_tied_embedding_grads, chunk_layer_counts, stage_layer_ids,
+from parallel.stage_layers import (chunk_layer_counts, stage_layer_ids,
                                    tied_embedding_weights)
 from parallel.tensor import TensorParallel
 from parallel.topology import Layout, Topology
@@ -56,6 +55,15 @@ def _samples() -> torch.Tensor:
                          generator=torch.Generator().manual_seed(3))
 
 
+def _sync_gradients(chunks, named, topo):
+    """What the data-parallel wrapper does after backward: tied copies summed, then averaged over DP."""
+    for weight in tied_embedding_weights(chunks):
+        comm.all_reduce(weight.grad, topo.groups.get("embedding"))
+    for _, p in named:
+        comm.all_reduce(p.grad, topo.dp_group)
+        p.grad /= topo.dp_size
+
+
 def pipeline_step(rank, world, pp, schedule, virtual=1, stage_layers=None, tie=False):
     """One forward/backward of the pipeline; returns loss, gradients by name and the trace's peak."""
     cfg = _config(pp, schedule, virtual, stage_layers, tie)
@@ -69,9 +77,8 @@ def pipeline_step(rank, world, pp, schedule, virtual=1, stage_layers=None, tie=F
     trace = ScheduleTrace()
     with comm.RECORD.capture() as events:
         loss = forward_backward_pipeline(schedule, chunks, list(mine.split(MICRO)), pipe, trace=trace)
-    allreduce_tied_embedding_grads(chunks, topo.groups.get("embedding"))
     named = [(n, p) for c in chunks for n, p in c.named_parameters()]
-    allreduce_gradients([p for _, p in named], topo.dp_group)
+    _sync_gradients(chunks, named, topo)
     comm.all_reduce(loss, topo.dp_group)
     sends = sum(1 for e in events if e.op == "send")
     return {"loss": loss.item() / topo.dp_size, "grads": {n: p.grad.clone() for n, p in named},

@@ -1,0 +1,115 @@
+"""AdamW on sharded fp32 master weights (ZeRO stages 1-3), and the choice of data-parallel strategy.
+
+Each DP rank keeps, for every sharding unit of `parallel.fsdp`, only its shard of the fp32 master
+weights and of Adam's two moments (12 bytes per owned element). The gradient norm used for clipping is
+global: squares are summed over this rank's shard (TP-replicated parameters on TP rank 0 only, tied
+pipeline duplicates never), then over the shard group and the model-parallel (TP × PP) group.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.config import Config
+from engine.optimizer import LossScaler, MixedPrecisionAdamW, counts_in_norm, no_weight_decay
+from parallel import comm
+from parallel.ddp import BucketedDDP
+from parallel.fsdp import ShardedDataParallel
+
+
+class ZeroAdamW:
+    replicated_over_dp = False
+
+    def __init__(self, sdp: ShardedDataParallel, cfg, topo, precision: str):
+        self.sdp, self.cfg, self.topo = sdp, cfg, topo
+        self.master = [u.param_shard.detach().float().clone() for u in sdp.units]
+        self.exp_avg = [torch.zeros_like(m) for m in self.master]
+        self.exp_avg_sq = [torch.zeros_like(m) for m in self.master]
+        self.adam_step = 0
+        self.scaler = LossScaler(precision == "fp16")
+        self.decay_ranges = [[(lo, hi) for n, p, _, _, lo, hi in u.shard_ranges if not no_weight_decay(n, p)]
+                             for u in sdp.units]
+        self.norm_ranges = [[(lo, hi) for _, p, _, _, lo, hi in u.shard_ranges if counts_in_norm(p, topo.tp_rank)]
+                            for u in sdp.units]
+
+    def zero_grad(self) -> None:
+        self.sdp.zero_grad()
+
+    def global_grad_norm(self, grads: list) -> float:
+        total = torch.zeros(1, dtype=torch.float64, device=self.master[0].device)
+        for g, ranges in zip(grads, self.norm_ranges):
+            for lo, hi in ranges:
+                total += g[lo:hi].double().pow(2).sum()
+        comm.all_reduce(total, self.sdp.shard_group)  # HSDP replicas hold the same shards: not summed again
+        comm.all_reduce(total, self.topo.mp_group)
+        return math.sqrt(total.item())
+
+    @torch.no_grad()
+    def step(self, lr: float) -> tuple[float, bool]:
+        """Unscale, clip, update the owned shards, refresh the parameters; returns (norm, skipped)."""
+        grads = [u.master_grad() for u in self.sdp.units]
+        if self.scaler.enabled:
+            for g in grads:
+                g.div_(self.scaler.scale)
+        norm = self.global_grad_norm(grads)
+        overflow = not math.isfinite(norm)
+        self.scaler.update(overflow)
+        if overflow:
+            return norm, True
+        if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad:
+            for g in grads:
+                g.mul_(self.cfg.clip_grad / (norm + 1e-6))
+        self.adam_step += 1
+        c = self.cfg
+        bias1, bias2_sqrt = 1 - c.beta1 ** self.adam_step, math.sqrt(1 - c.beta2 ** self.adam_step)
+        for master, m, v, g, decay in zip(self.master, self.exp_avg, self.exp_avg_sq, grads, self.decay_ranges):
+            for lo, hi in decay:  # decoupled weight decay, as torch.optim.AdamW applies it
+                master[lo:hi].mul_(1 - lr * c.weight_decay)
+            m.lerp_(g, 1 - c.beta1)
+            v.mul_(c.beta2).addcmul_(g, g, value=1 - c.beta2)
+            denom = (v.sqrt() / bias2_sqrt).add_(c.eps)
+            master.addcdiv_(m, denom, value=-lr / bias1)
+        self.sdp.write_shards(self.master)
+        return norm, False
+
+    # -- checkpoint interface (ckpt_interface.md) --------------------------------------------------
+    def owned_state(self) -> dict:
+        out = {}
+        for unit, master, m, v in zip(self.sdp.units, self.master, self.exp_avg, self.exp_avg_sq):
+            for name, p, start, end, lo, hi in unit.shard_ranges:
+                out[name] = {"shape": tuple(p.shape), "range": (start, end), "master": master[lo:hi],
+                             "exp_avg": m[lo:hi], "exp_avg_sq": v[lo:hi]}
+        return out
+
+    @torch.no_grad()
+    def load_owned_state(self, read) -> None:
+        for unit, master, m, v in zip(self.sdp.units, self.master, self.exp_avg, self.exp_avg_sq):
+            for name, _, start, end, lo, hi in unit.shard_ranges:
+                for key, dest in (("master", master), ("exp_avg", m), ("exp_avg_sq", v)):
+                    dest[lo:hi].copy_(read(name, key, start, end))
+        self.sdp.write_shards(self.master)
+
+    def held_tensors(self) -> list:
+        return self.master + self.exp_avg + self.exp_avg_sq
+
+
+def build_data_parallel(cfg: Config, topo, tp, chunks: list, named_params: list, dtype: torch.dtype):
+    """(gradient synchroniser, optimizer) for `parallel.zero_stage`: bucketed DDP + replicated AdamW for
+    stage 0, sharded units + ZeroAdamW for stages 1-3."""
+    p = cfg.parallel
+    hierarchy = topo.build_hierarchical_dp(p.hierarchical_node_size) if p.hierarchical_node_size else None
+    tied = topo.embedding_group if cfg.model.tie_embeddings else None  # embedding + its last-stage copy
+    if p.zero_stage == 0:
+        ddp = BucketedDDP(named_params, topo.dp_group, tp, chunks, p.bucket_mb, p.fp32_reduce, hierarchy, tied)
+        return ddp, MixedPrecisionAdamW(named_params, cfg.optim, topo, cfg.train.precision)
+    hsdp = topo.build_hierarchical_dp(p.hsdp_group_size) if p.hsdp_group_size else None
+    unit_groups = topo.build_unit_groups(max_units(cfg)) if p.unit_process_groups else None
+    sdp = ShardedDataParallel(chunks, p.zero_stage, topo.dp_group, topo.dp_size, tp, dtype,
+                              p.fp32_reduce, unit_groups, hsdp, hierarchy, tied)
+    return sdp, ZeroAdamW(sdp, cfg.optim, topo, cfg.train.precision)
+
+
+def max_units(cfg: Config) -> int:
+    """An upper bound on any rank's unit count, the same on every rank (group creation is collective)."""
+    return cfg.model.num_layers + 2
