@@ -4,6 +4,7 @@ Every multi-rank run must follow the single-process loss curve (≤ 1e-4 per ste
 """
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -102,7 +103,8 @@ def test_killed_rank_ends_the_job_with_its_name(tmp_path):
             proc.wait()
     assert proc.returncode != 0
     assert "rank      : 1" in out and "Signal 9 (SIGKILL)" in out, out[-3000:]  # torchrun's summary: the dead one
-    assert "trilith: rank 0 of 2" in out and "failed in all_reduce" in out, out[-3000:]  # the survivor: where
+    # The survivor says where it waited: the gradient reduction (comm wrapper or its async bucket wait).
+    assert re.search(r"trilith: rank 0 of 2 on \S+ failed in \w+ \((called from )?parallel/", out), out[-3000:]
 
 
 def test_hung_rank_times_out_in_the_named_collective(tmp_path):
