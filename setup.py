@@ -10,8 +10,8 @@ setup(
                                     "data", "data.*"]),
     python_requires=">=3.10",
     # torch is pinned by the Makefile for CPU installs (a bare requirement would pull a CUDA build).
-    install_requires=["torch>=2.4", "numpy", "pyyaml", "tokenizers", "sentencepiece", "pyarrow", "zstandard",
-                      "tqdm"],
+    install_requires=["torch>=2.4", "numpy", "pyyaml", "safetensors", "tokenizers", "sentencepiece", "pyarrow",
+                      "zstandard", "tqdm"],
     extras_require={
         "gpu": ["flash-attn", "nvidia-ml-py"],
         "mpi": MPI,

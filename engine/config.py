@@ -114,8 +114,14 @@ class DataConfig:
 @dataclass
 class CheckpointConfig:
     interval: int = 0  # 0 disables periodic saving
-    keep: int = 3
-    load: str = ""  # a checkpoint directory to start from; empty = resume from run.dir if any
+    keep: int = 3  # newest checkpoints kept
+    keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this, forever (0 = off)
+    load: str = ""  # a checkpoint (or checkpoints) directory to start from when run.dir has none
+    mirror_dir: str = ""  # second location that receives a checksum-verified copy of every checkpoint
+    async_save: bool = False  # snapshot to host memory, write in a background thread
+    verify: bool = True  # check SHA-256 of every file before loading
+    fallback: bool = False  # on a corrupt checkpoint, load the previous intact one instead of stopping
+    exit_after: int = 0  # save and stop after this step (scheduled stops, resume drills); 0 = off
 
 
 @dataclass
@@ -354,6 +360,10 @@ def validate(cfg: Config, world_size: int) -> None:
                           "or set data.mock=true for synthetic tokens")
     if t.steps < 1:
         raise ConfigError(f"train.steps={t.steps} must be at least 1")
+    ck = cfg.checkpoint
+    if ck.interval < 0 or ck.keep < 1 or ck.keep_every < 0 or ck.exit_after < 0:
+        raise ConfigError(f"checkpoint.interval={ck.interval}, keep={ck.keep}, keep_every={ck.keep_every}, "
+                          f"exit_after={ck.exit_after}: keep must be ≥ 1 and the others ≥ 0")
     if cfg.optim.warmup_steps < 0 or not 0.0 <= cfg.optim.min_lr_ratio <= 1.0:
         raise ConfigError("optim.warmup_steps must be ≥ 0 and optim.min_lr_ratio within [0, 1]")
 

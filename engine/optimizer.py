@@ -60,6 +60,7 @@ class MixedPrecisionAdamW:
         self.inner = adamw([g for g in groups if g["params"]], cfg.lr, (cfg.beta1, cfg.beta2), cfg.eps,
                            cfg.implementation)
         self.scaler = LossScaler(precision == "fp16")
+        self._adam_step = 0
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -102,6 +103,7 @@ class MixedPrecisionAdamW:
         for group in self.inner.param_groups:
             group["lr"] = lr
         self.inner.step()
+        self._adam_step += 1
         for p, m in zip(self.params, self.master):
             if p is not m:
                 p.copy_(m)
@@ -119,3 +121,40 @@ class MixedPrecisionAdamW:
                 m.copy_(saved)
                 if p is not m:
                     p.copy_(m)
+
+    # Checkpoint interface (README "Checkpoints"): optimizer state per parameter name as flat fp32 ranges.
+    replicated_over_dp = True  # every DP rank holds the same state, so only DP rank 0 writes it
+
+    @property
+    def adam_step(self) -> int:
+        return self._adam_step
+
+    @adam_step.setter
+    def adam_step(self, value: int) -> None:
+        self._adam_step = int(value)
+        for state in self.inner.state.values():
+            if "step" in state:
+                state["step"].fill_(float(value))
+
+    def owned_state(self) -> dict[str, dict]:
+        out = {}
+        for name, m in zip(self.names, self.master):
+            state = self.inner.state.get(m, {})
+            flat = m.detach().reshape(-1)
+            zeros = None if state else torch.zeros_like(flat)
+            out[name] = {"shape": tuple(m.shape), "range": (0, flat.numel()), "master": flat,
+                         "exp_avg": state["exp_avg"].reshape(-1) if state else zeros,
+                         "exp_avg_sq": state["exp_avg_sq"].reshape(-1) if state else zeros}
+        return out
+
+    @torch.no_grad()
+    def load_owned_state(self, read) -> None:
+        for name, p, m in zip(self.names, self.params, self.master):
+            n = m.numel()
+            m.copy_(read(name, "master", 0, n).view_as(m))
+            self.inner.state[m] = {
+                "step": torch.tensor(float(self._adam_step), dtype=torch.float32),
+                "exp_avg": read(name, "exp_avg", 0, n).view_as(m).to(m.device),
+                "exp_avg_sq": read(name, "exp_avg_sq", 0, n).view_as(m).to(m.device)}
+            if p is not m:
+                p.copy_(m)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from engine.checkpoint import Checkpointer
 from engine.config import Config, ConfigError, data_parallel_size, load_config, save_config, validate
 from engine.health import HealthMonitor
 from engine.lr_schedule import lr_at
@@ -81,9 +82,13 @@ class Trainer:
         # zero_stage 0: bucketed DDP + replicated AdamW; 1-3: sharded units + sharded AdamW
         self.data_parallel, self.optimizer = build_data_parallel(cfg, self.topo, self.tp, self.chunks,
                                                                  self.named_params, self.dtype)
-        self.step = 0
+        # Resume (own run.dir/checkpoints/latest, else checkpoint.load) before the loader: it starts at the
+        # restored global data position.
+        self.checkpointer = Checkpointer(cfg, self.topo, self.named_params, self.optimizer)
+        resumed = self.checkpointer.resume()
+        self.step = resumed["step"] if resumed else 0
         self.micro_batch_size = cfg.train.micro_batch_size
-        self.loader = build_loader(cfg, self.topo, consumed_samples=0)
+        self.loader = build_loader(cfg, self.topo, consumed_samples=resumed["consumed_samples"] if resumed else 0)
         self.pipe = PipelineComm.for_model(self.topo, cfg.model, cfg.train.micro_batch_size, p.sequence_parallel,
                                            self.dtype, env.device) if self.topo.pp_size > 1 else None
         self.schedule_trace = None  # a parallel.pipeline_schedules.ScheduleTrace to record the schedule
@@ -152,6 +157,20 @@ class Trainer:
             record["mfu"] = tokens * self.flops_per_token / elapsed / (H100_BF16_PEAK_FLOPS * self.env.world_size)
         return record
 
+    def save_checkpoint(self) -> Path:
+        """Save the full training state now (blocks only for the snapshot under checkpoint.async_save)."""
+        return self.checkpointer.save(self.step, self.consumed_samples)
+
+    def _checkpoint_after_step(self) -> bool:
+        """Periodic, final and scheduled-stop saves; True when checkpoint.exit_after says to stop now."""
+        ck = self.cfg.checkpoint
+        stop = ck.exit_after > 0 and self.step >= ck.exit_after
+        if stop or (ck.interval > 0 and (self.step % ck.interval == 0 or self.step == self.cfg.train.steps)):
+            self.save_checkpoint()
+        if stop:
+            log.info(f"checkpoint.exit_after={ck.exit_after}: stopping after step {self.step}")
+        return stop
+
     def train(self, metrics: MetricsLog, control: StopControl | None = None) -> list[dict]:
         history = []
         gpu, stop = control.check(self.step) if control else (None, 0)
@@ -168,6 +187,11 @@ class Trainer:
             history.append(record)
             if self.step % self.cfg.train.log_interval == 0 or self.step == self.cfg.train.steps or stop:
                 metrics.write(record)
+            if stop:  # preemption or GPU health: save now, whatever the interval says
+                self.save_checkpoint()
+            elif self._checkpoint_after_step():
+                break
+        self.checkpointer.wait()
         if stop:
             control.barrier()
             log.info(control.message(stop, self.step))
@@ -212,6 +236,7 @@ def run(cfg: Config, env: DistEnv) -> list[dict]:
     try:
         return trainer.train(metrics, control)
     finally:
+        trainer.checkpointer.wait()  # also on errors: never exit with a background save half-written
         metrics.close()
         control.restore()
 

@@ -1,0 +1,264 @@
+"""Sharded, atomic, verified, reshardable checkpoints for a running job.
+
+Every rank writes one safetensors file with what it owns (its optimizer's `owned_state()`: fp32 masters,
+exp_avg, exp_avg_sq; TP-replicated parameters from TP rank 0 only, tied pipeline copies never, DP ranks
+> 0 nothing when the state is replicated over DP) plus its own RNG states. Rank 0 writes `metadata.json`
+(step, consumed samples, Adam step, loss scaler, config, layout) and `manifest.json` (global tensors,
+pieces, SHA-256 of every file), renames the temporary directory into place and moves `latest` last.
+Ranks only exchange small Python objects (piece lists, checksums, problems), on a dedicated gloo group,
+so an async save can finish in a background thread while training uses the other groups.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import random
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+
+from engine.checkpoint_io import (LATEST, TMP_PREFIX, CheckpointError, apply_retention, commit, copy_verified,
+                                  read_latest, remove_stale_tmp, set_latest, step_dir_name, step_dirs,
+                                  write_json, write_safetensors)
+from engine.checkpoint_manifest import (FORMAT, KEYS, MANIFEST, METADATA, VERSION, CheckpointReader, global_shape,
+                                        load_json, merge_entries, rank_file, tensor_entry, verify)
+from engine.config import to_dict
+from parallel.random import TRACKER, seed_all
+
+log = logging.getLogger("trilith")
+
+
+def _rng_snapshot() -> tuple[dict, dict]:
+    """(tensors, json) for torch CPU/CUDA, the TP tracker, numpy and Python RNG states of this rank."""
+    state, tensors = TRACKER.state_dict(), {}
+    for prefix, (cpu, cuda) in [("rng/default", state["default"])] + \
+            [(f"rng/tracker/{n}", s) for n, s in state["states"].items()]:
+        tensors[f"{prefix}/cpu"] = cpu.clone()
+        if cuda is not None:
+            tensors[f"{prefix}/cuda"] = cuda.clone()
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    return tensors, {"numpy": [kind, keys.tolist(), pos, has_gauss, gauss], "python": [version, list(internal),
+                                                                                     gauss_next]}
+
+
+def _rng_restore(path: Path) -> bool:
+    """Restore this rank's RNG states from its file; False when the file has none (converted checkpoints)."""
+    with safe_open(str(path), framework="pt") as f:
+        if "rng" not in (f.metadata() or {}):
+            return False
+        tensors = {k: f.get_tensor(k) for k in f.keys() if k.startswith("rng/")}
+        extra = json.loads(f.metadata()["rng"])
+
+    def pair(prefix):
+        return tensors[f"{prefix}/cpu"], tensors.get(f"{prefix}/cuda")
+    names = {k.split("/")[2] for k in tensors if k.startswith("rng/tracker/")}
+    TRACKER.load_state_dict({"states": {n: pair(f"rng/tracker/{n}") for n in names}, "default": pair("rng/default")})
+    kind, keys, pos, has_gauss, gauss = extra["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    version, internal, gauss_next = extra["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    return True
+
+
+class Checkpointer:
+    """Saves and loads the checkpoints of one run (`run.dir/checkpoints`); every rank constructs one."""
+
+    def __init__(self, cfg, topo, named_params, optimizer):
+        self.cfg, self.ck, self.topo, self.optimizer = cfg, cfg.checkpoint, topo, optimizer
+        self.params = dict(named_params)
+        self.root = Path(cfg.run.dir) / "checkpoints"
+        self.mirror = Path(self.ck.mirror_dir) if self.ck.mirror_dir else None
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.group = dist.new_group(backend="gloo") if self.world > 1 else None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            remove_stale_tmp(self.root)
+        self._barrier()
+
+    # ---- coordination: small objects only -------------------------------------------------------
+    def _barrier(self) -> None:
+        if self.group is not None:
+            dist.barrier(group=self.group)
+
+    def _gather(self, obj) -> list:
+        if self.group is None:
+            return [obj]
+        out = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    @property
+    def layout(self) -> dict:
+        t, p = self.topo, self.cfg.parallel
+        return {"tensor": t.tp_size, "pipeline": t.pp_size, "data": t.dp_size, "world_size": self.world,
+                "zero_stage": p.zero_stage, "rank_order": p.rank_order}
+
+    # ---- save ----------------------------------------------------------------------------------------
+    def _owned(self) -> dict:
+        if self.optimizer.replicated_over_dp and self.topo.dp_rank != 0:
+            return {}
+        owned = {}
+        for name, state in self.optimizer.owned_state().items():
+            p = self.params[name]
+            if getattr(p, "pipeline_duplicate", False) or (p.tp_dim is None and self.topo.tp_rank != 0):
+                continue
+            owned[name] = state
+        return owned
+
+    def save(self, step: int, consumed_samples: int) -> Path:
+        """Snapshot now; write now (or in the background with checkpoint.async_save). Returns the final dir."""
+        self.wait()
+        copy = self.ck.async_save  # the live tensors keep changing while a background write runs
+        t = self.topo
+        file = rank_file(t.tp_rank, t.pp_rank, t.dp_rank)
+        tensors, rng_json = _rng_snapshot()
+        entries = {}
+        for name, state in self._owned().items():
+            p, (start, end) = self.params[name], state["range"]
+            if start == end:
+                continue
+            entries[name] = tensor_entry(p.full_shape, p.tp_dim, t.tp_size, p.valid_rows, KEYS)
+            entries[name]["pieces"].append({"file": file, "tp_rank": t.tp_rank if p.tp_dim is not None else 0,
+                                            "start": start, "end": end})
+            for key in KEYS:
+                value = state[key].detach()
+                tensors[f"{key}/{name}"] = value.to("cpu", copy=True) if copy else value.cpu()
+        meta = {"format": FORMAT, "step": step, "consumed_samples": consumed_samples,
+                "adam_step": self.optimizer.adam_step, "scaler": self.optimizer.scaler.state_dict(),
+                "lr_schedule": {"step": step, "total_steps": self.cfg.train.steps}, "layout": self.layout,
+                "config": to_dict(self.cfg)}
+        args = (step, file, tensors, {"rng": json.dumps(rng_json)}, entries, meta)
+        if self.ck.async_save:
+            self._thread = threading.Thread(target=self._write_in_background, args=args, name="checkpoint-writer")
+            self._thread.start()
+        else:
+            self._write(*args)
+        return self.root / step_dir_name(step)
+
+    def _write_in_background(self, *args) -> None:
+        try:
+            self._write(*args)
+        except BaseException as exc:  # surfaced by wait() in the training thread
+            self._error = exc
+
+    def _write(self, step, file, tensors, file_meta, entries, meta) -> None:
+        name = step_dir_name(step)
+        tmp = self.root / (TMP_PREFIX + name)
+        tmp.mkdir(parents=True, exist_ok=True)
+        sha, size = write_safetensors(tmp / file, tensors, file_meta)
+        gathered = self._gather((entries, {file: {"sha256": sha, "bytes": size}}))
+        if self.rank == 0:
+            files = {k: v for _, f in gathered for k, v in f.items()}
+            sha, size = write_json(tmp / METADATA, meta)
+            files[METADATA] = {"sha256": sha, "bytes": size}
+            manifest = {"format": FORMAT, "version": VERSION, "step": step, "files": dict(sorted(files.items())),
+                        "tensors": merge_entries([e for e, _ in gathered])}
+            write_json(tmp / MANIFEST, manifest)
+            commit(tmp, self.root / name)
+            set_latest(self.root, name)
+            apply_retention(self.root, self.ck.keep, self.ck.keep_every)
+            log.info(f"checkpoint: saved step {step} to {self.root / name} ({len(files)} files)")
+            if self.mirror is not None:
+                try:
+                    copy_verified(self.root / name, self.mirror, manifest["files"])
+                    apply_retention(self.mirror, self.ck.keep, self.ck.keep_every)
+                except (OSError, CheckpointError) as exc:  # the primary copy is safe; say so loudly
+                    log.error(f"checkpoint: mirror copy to {self.mirror} failed: {exc}")
+        self._barrier()
+
+    def wait(self) -> None:
+        """Block until a background save has finished; re-raise its error here."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CheckpointError(f"background checkpoint save failed: {error}") from error
+
+    # ---- load ----------------------------------------------------------------------------------------
+    def _candidates(self) -> list[Path]:
+        """The checkpoint to resume from first, then (with checkpoint.fallback) older ones and mirror copies."""
+        roots = [self.root] + ([self.mirror] if self.mirror else [])
+        latest = read_latest(self.root) or (read_latest(self.mirror) if self.mirror else None)  # primary lost
+        if latest is None and self.ck.load:
+            given = Path(self.ck.load)
+            if (given / MANIFEST).is_file():
+                return [given]
+            if not (given / LATEST).is_file():
+                raise CheckpointError(f"checkpoint.load={given} is neither a checkpoint directory (with {MANIFEST}) "
+                                      f"nor a checkpoints directory with a '{LATEST}' file")
+            latest, roots = read_latest(given), [given]
+        if latest is None:
+            return []
+        found = [latest]
+        if self.ck.fallback:
+            older = [d for root in roots for d in step_dirs(root) if d.name <= latest.name and d != latest]
+            found += sorted(older, key=lambda d: d.name, reverse=True)
+        return found
+
+    def problems(self, path: Path) -> list[str]:
+        """Each rank checks a share of the files; all ranks get the union of the problems."""
+        try:
+            manifest = load_json(path / MANIFEST, "checkpoint manifest")
+            mine = sorted(manifest["files"])[self.rank::self.world]
+            problems = verify(path, manifest, mine, checksums=self.ck.verify)
+        except (CheckpointError, KeyError, TypeError) as exc:
+            problems = [str(exc)]
+        return sorted({p for ps in self._gather(problems) for p in ps})
+
+    def resume(self) -> dict | None:
+        """Load the newest intact checkpoint (own run first, else checkpoint.load); None when there is none."""
+        candidates = self._candidates()
+        for path in candidates:
+            problems = self.problems(path)
+            if not problems:
+                return self.load(path)
+            message = f"checkpoint {path} is unusable: {'; '.join(problems)}"
+            if not self.ck.fallback:
+                raise CheckpointError(message + ". Set checkpoint.fallback=true to fall back to the previous intact "
+                                                "checkpoint (or checkpoint.verify=false to skip checksums)")
+            log.warning(message + "; trying the previous checkpoint")
+        if candidates:
+            raise CheckpointError(f"no intact checkpoint among {', '.join(map(str, candidates))}")
+        return None
+
+    def load(self, path: Path) -> dict:
+        """Restore optimizer state (and with it the weights), loss scaler and RNG; returns the metadata."""
+        reader = CheckpointReader(path)
+        source = {n: getattr(p, "init_name", n) if getattr(p, "pipeline_duplicate", False) else n
+                  for n, p in self.params.items()}
+        reader.check_model({n: global_shape(p.full_shape, p.valid_rows) for n, p in self.params.items()
+                            if source[n] == n})
+        t = self.topo
+
+        def read(name, key, start, end):
+            p = self.params[name]
+            if not reader.has(source[name], key):
+                if key == "master":
+                    raise CheckpointError(f"{path} has no weights for {source[name]}")
+                return torch.zeros(end - start)  # weights-only checkpoint (e.g. converted from Hugging Face)
+            return reader.read_local(source[name], key, p.full_shape, p.tp_dim, t.tp_size, t.tp_rank, start, end)
+
+        meta = reader.metadata
+        self.optimizer.adam_step = meta["adam_step"]
+        self.optimizer.load_owned_state(read)
+        if meta.get("scaler"):
+            self.optimizer.scaler.load_state_dict(meta["scaler"])
+        own = path / rank_file(t.tp_rank, t.pp_rank, t.dp_rank)
+        same_layout = all(meta["layout"].get(k) == v for k, v in self.layout.items() if k != "zero_stage")
+        if not (same_layout and own.is_file() and _rng_restore(own)):
+            # another layout: per-rank streams cannot carry over, so re-seed deterministically from the step
+            seed_all(self.cfg.train.seed + meta["step"], t.tp_rank, t.pp_rank)
+        reader.close()
+        self._barrier()
+        log.info(f"checkpoint: resumed from {path} at step {meta['step']} "
+                 f"({meta['consumed_samples']} samples consumed, saved at {meta['layout']})")
+        return meta

@@ -1,0 +1,162 @@
+"""Checkpoint verification, fallback, retention, mirror, async snapshots, and the reshard matrix."""
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from engine.checkpoint_io import CheckpointError, read_latest, step_dirs
+from engine.config import load_config
+from engine.train import Trainer
+from parallel.distributed import DistEnv
+from tests.distributed import WorkerPool
+from tests.test_train import launch
+
+TINY = "launch/configs/tiny.yaml"
+torch.set_num_threads(1)
+
+
+def trainer(run_dir, *overrides, env=None) -> Trainer:
+    return Trainer(load_config(TINY, [f"run.dir={run_dir}", *overrides]), env or DistEnv())
+
+
+def train(t: Trainer, steps: int) -> list[float]:
+    return [t.train_step()["loss"] for _ in range(steps)]
+
+
+def saved_run(run_dir, *overrides, steps=2) -> Trainer:
+    t = trainer(run_dir, "checkpoint.interval=1", *overrides)
+    for _ in range(steps):
+        t.train_step()
+        t.save_checkpoint()
+    t.checkpointer.wait()
+    return t
+
+
+def flip_byte(path, offset=-5):
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_corrupt_file_is_named_and_fallback_loads_previous(tmp_path):
+    saved_run(tmp_path)
+    bad = tmp_path / "checkpoints" / "step_00000002" / "tp00-pp00-dp000.safetensors"
+    flip_byte(bad)
+    with pytest.raises(CheckpointError, match=r"tp00-pp00-dp000\.safetensors: SHA-256 differs.*fallback=true"):
+        trainer(tmp_path)
+    resumed = trainer(tmp_path, "checkpoint.fallback=true")
+    assert resumed.step == 1 and resumed.consumed_samples == 8
+
+
+def test_truncated_file_is_caught_even_without_checksums(tmp_path):
+    saved_run(tmp_path)
+    path = tmp_path / "checkpoints" / "step_00000002" / "metadata.json"
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(CheckpointError, match=r"metadata\.json: .* bytes, manifest says .*truncated"):
+        trainer(tmp_path, "checkpoint.verify=false")
+
+
+def test_retention_keeps_last_k_and_every_nth_and_mirror_is_verified_copy(tmp_path):
+    mirror = tmp_path / "mirror"
+    saved_run(tmp_path / "run", "checkpoint.keep=2", "checkpoint.keep_every=2", f"checkpoint.mirror_dir={mirror}",
+              steps=5)
+    names = ["step_00000005", "step_00000004", "step_00000002"]
+    for root in (tmp_path / "run" / "checkpoints", mirror):
+        assert [d.name for d in step_dirs(root)] == names
+        assert read_latest(root).name == "step_00000005"
+    for name in names:
+        primary = tmp_path / "run" / "checkpoints" / name
+        assert (primary / "manifest.json").read_bytes() == (mirror / name / "manifest.json").read_bytes()
+    flip_byte(tmp_path / "run" / "checkpoints" / "step_00000005" / "metadata.json", offset=3)
+    resumed = trainer(tmp_path / "run", f"checkpoint.mirror_dir={mirror}", "checkpoint.fallback=true")
+    assert resumed.step == 5  # the mirror's intact copy of the same step, not an older one
+    shutil.rmtree(tmp_path / "run" / "checkpoints")  # primary storage lost: the mirror alone resumes the run
+    assert trainer(tmp_path / "run", f"checkpoint.mirror_dir={mirror}").step == 5
+
+
+def test_async_save_writes_the_snapshot_not_later_state(tmp_path):
+    t = trainer(tmp_path, "checkpoint.async_save=true")
+    train(t, 2)
+    expected = {n: s["master"].clone() for n, s in t.optimizer.owned_state().items()}
+    path = t.save_checkpoint()
+    train(t, 1)  # runs while the background thread writes
+    t.checkpointer.wait()
+    with safe_open(str(path / "tp00-pp00-dp000.safetensors"), "pt") as f:
+        for name, value in expected.items():
+            assert torch.equal(f.get_tensor(f"master/{name}"), value), name
+    assert json.loads((path / "metadata.json").read_text())["adam_step"] == 2
+
+
+def test_model_shape_mismatch_is_a_clear_error(tmp_path):
+    saved_run(tmp_path, steps=1)
+    with pytest.raises(CheckpointError, match=r"mlp\.up_proj\.weight: checkpoint \[128, 64\] vs model \[96, 64\]"):
+        trainer(tmp_path, "model.ffn_hidden_size=96")
+
+
+# Reshard matrix: saved at SAVE_AT on 4 ranks, loaded at each LOAD_AT; the next step's loss must agree.
+SAVE_AT = ["parallel.tensor=2"]
+LOAD_AT = {"tp4-kv-replicated": ["parallel.tensor=4"], "dp4": [], "tp2-dp2": ["parallel.tensor=2"]}
+LAUNCH_LOAD_AT = {"tp2-dp1": (2, ["parallel.tensor=2"])}  # other world sizes: new processes via the launcher
+STEPS_BEFORE_SAVE = 3
+
+
+def _env(rank, world):
+    return DistEnv(rank, world, 0, torch.device("cpu"), "gloo")
+
+
+def _save_and_continue(rank, world, run_dir):
+    torch.set_num_threads(1)
+    t = trainer(run_dir, *SAVE_AT, env=_env(rank, world))
+    train(t, STEPS_BEFORE_SAVE)
+    t.save_checkpoint()
+    return train(t, 1)[0]
+
+
+def _load_and_step(rank, world, run_dir, source, overrides):
+    torch.set_num_threads(1)
+    t = trainer(run_dir, f"checkpoint.load={source}", *overrides, env=_env(rank, world))
+    assert t.step == STEPS_BEFORE_SAVE
+    return train(t, 1)[0]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    workers = WorkerPool(4)
+    yield workers
+    workers.close()
+
+
+def test_reshard_matrix_gives_the_same_next_step_loss(pool, tmp_path):
+    reference = pool.run(_save_and_continue, str(tmp_path / "src"))[0]
+    source = tmp_path / "src" / "checkpoints"
+    losses = {name: pool.run(_load_and_step, str(tmp_path / name), str(source), overrides)[0]
+              for name, overrides in LOAD_AT.items()}
+    single = trainer(tmp_path / "single", f"checkpoint.load={source}")
+    assert single.step == STEPS_BEFORE_SAVE and single.consumed_samples == STEPS_BEFORE_SAVE * 8
+    losses["single"] = train(single, 1)[0]
+    for name, (nproc, overrides) in LAUNCH_LOAD_AT.items():
+        records = launch(tmp_path / name, f"checkpoint.load={source}", f"checkpoint.exit_after={STEPS_BEFORE_SAVE + 1}",
+                         *overrides, nproc=nproc)
+        assert [r["step"] for r in records] == [STEPS_BEFORE_SAVE + 1]
+        losses[name] = records[0]["loss"]
+    for name, loss in losses.items():
+        assert abs(loss - reference) <= 1e-5, (name, loss, reference)
+
+
+# Saved at TP×PP×DP = 2×2×2 with ZeRO-3 (8 processes), loaded at other layouts and stages.
+THREE_D_LOAD_AT = {"1x1x1": (1, []), "4x1x2": (8, ["parallel.tensor=4"]),
+                   "1x4x2-zero1": (8, ["parallel.pipeline=4", "parallel.zero_stage=1"])}
+
+
+def test_reshard_from_3d_zero3(tmp_path):
+    saved = launch(tmp_path / "src", "parallel.tensor=2", "parallel.pipeline=2", "parallel.zero_stage=3",
+                   "checkpoint.interval=3", "checkpoint.exit_after=4", nproc=8)
+    reference = saved[-1]["loss"]
+    source = tmp_path / "src" / "checkpoints" / "step_00000003"
+    for name, (nproc, overrides) in THREE_D_LOAD_AT.items():
+        records = launch(tmp_path / name, f"checkpoint.load={source}", "checkpoint.exit_after=4", *overrides,
+                         nproc=nproc)
+        assert [r["step"] for r in records] == [4], name
+        assert abs(records[0]["loss"] - reference) <= 1e-5, (name, records[0]["loss"], reference)

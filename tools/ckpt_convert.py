@@ -1,0 +1,302 @@
+"""Convert checkpoints offline, in one plain process (no torch.distributed: it works on global tensors).
+
+    # Trilith checkpoint (any layout) -> Hugging Face Llama directory
+    python tools/ckpt_convert.py --load-dir runs/x/checkpoints --save-dir hf/x --to hf [--dtype bf16]
+    # Hugging Face Llama directory -> Trilith checkpoint at a layout, for continued pretraining
+    python tools/ckpt_convert.py --load-dir hf/llama --save-dir runs/y/checkpoints --from hf --tensor 2
+    # Trilith layout A -> layout B (optimizer state included)
+    python tools/ckpt_convert.py --load-dir runs/x/checkpoints --save-dir runs/z/checkpoints --tensor 4
+
+`--load-dir` may be a checkpoint (`step_XXXXXXXX/`) or a checkpoints directory (its `latest` is used).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from engine.checkpoint_io import (TMP_PREFIX, CheckpointError, commit, read_latest, set_latest,  # noqa: E402
+                                  step_dir_name, write_json, write_safetensors)
+from engine.checkpoint_manifest import (FORMAT, KEYS, MANIFEST, METADATA, VERSION, CheckpointReader,  # noqa: E402
+                                        global_shape, local_from_global, merge_entries, rank_file, tensor_entry)
+from engine.config import Config, ConfigError, ModelConfig, from_dict, to_dict, validate  # noqa: E402
+from engine.model import CausalLM  # noqa: E402
+from parallel.tensor import TensorParallel  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+SPECIAL_TOKENS = {"bos_token": ("<s>", "<|begin_of_text|>", "<bos>", "<|bos|>"),
+                  "eos_token": ("</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>", "<|eos|>"),
+                  "unk_token": ("<unk>", "<|unk|>"), "pad_token": ("<pad>", "<|pad|>")}
+
+
+def resolve(path: str | Path) -> Path:
+    path = Path(path)
+    if (path / MANIFEST).is_file():
+        return path
+    latest = read_latest(path)
+    if latest is None:
+        raise CheckpointError(f"{path} is neither a Trilith checkpoint (with {MANIFEST}) nor a checkpoints "
+                              f"directory with a 'latest' file")
+    return latest
+
+
+def layout_params(model: ModelConfig, tp_size: int, tp_rank: int) -> dict:
+    """The parameters (with their TP attributes) that one TP rank holds; built on the meta device."""
+    with torch.device("meta"):
+        net = CausalLM(model, TensorParallel(size=tp_size, rank=tp_rank))
+    return dict(net.named_parameters())
+
+
+def stage_of(name: str, model: ModelConfig, pp: int) -> int:
+    """Which pipeline stage's files hold a tensor (an even split; loading works by name, any split loads)."""
+    match = re.match(r"model\.layers\.(\d+)\.", name)
+    if match:
+        return int(match.group(1)) * pp // model.num_layers
+    return 0 if name.startswith("model.embed_tokens") else pp - 1
+
+
+def write_trilith(save_root: Path, model: ModelConfig, read_global, keys, meta: dict, tp: int, pp: int) -> Path:
+    """Write a checkpoint as the ranks of a (tp, pp, dp=1) layout would, committed atomically."""
+    per_rank = [layout_params(model, tp, r) for r in range(tp)]
+    name = step_dir_name(meta["step"])
+    save_root.mkdir(parents=True, exist_ok=True)
+    tmp = save_root / (TMP_PREFIX + name)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    files, entries = {}, []
+    for stage in range(pp):
+        tensors: list[dict] = [{} for _ in range(tp)]
+        stage_entries: list[dict] = [{} for _ in range(tp)]
+        for pname in [n for n in per_rank[0] if stage_of(n, model, pp) == stage]:
+            for key in keys:
+                full = read_global(pname, key)
+                for r in range(tp):
+                    p = per_rank[r][pname]
+                    if p.tp_dim is None and r > 0:
+                        continue
+                    local = local_from_global(full, p.full_shape, p.tp_dim, tp, r).reshape(-1).clone()
+                    tensors[r][f"{key}/{pname}"] = local
+                    entry = stage_entries[r].setdefault(pname, tensor_entry(p.full_shape, p.tp_dim, tp, p.valid_rows,
+                                                                            keys))
+                    if not entry["pieces"]:
+                        entry["pieces"].append({"file": rank_file(r, stage, 0), "tp_rank": r if p.tp_dim is not None
+                                                else 0, "start": 0, "end": local.numel()})
+        for r in range(tp):
+            sha, size = write_safetensors(tmp / rank_file(r, stage, 0), tensors[r], {"format": "pt"})
+            files[rank_file(r, stage, 0)] = {"sha256": sha, "bytes": size}
+            entries.append(stage_entries[r])
+    sha, size = write_json(tmp / METADATA, meta)
+    files[METADATA] = {"sha256": sha, "bytes": size}
+    write_json(tmp / MANIFEST, {"format": FORMAT, "version": VERSION, "step": meta["step"],
+                                "files": dict(sorted(files.items())), "tensors": merge_entries(entries)})
+    commit(tmp, save_root / name)
+    set_latest(save_root, name)
+    return save_root / name
+
+
+def retarget(cfg: Config, tp: int, pp: int) -> dict:
+    cfg = copy.deepcopy(cfg)
+    cfg.parallel.tensor, cfg.parallel.pipeline, cfg.data.mock = tp, pp, True
+    try:
+        validate(cfg, tp * pp)
+    except ConfigError as exc:
+        raise SystemExit(f"ckpt_convert: layout TP={tp} PP={pp} does not fit this model: {exc}")
+    return {"tensor": tp, "pipeline": pp, "data": 1, "world_size": tp * pp, "zero_stage": 0,
+            "rank_order": cfg.parallel.rank_order}
+
+
+# ---- Hugging Face ---------------------------------------------------------------------------------------
+def llama_config(model: ModelConfig, tokens: dict):
+    from transformers import LlamaConfig
+    if model.position_embedding != "rope":
+        raise SystemExit(f"ckpt_convert: model.position_embedding={model.position_embedding} has no Hugging Face "
+                         f"Llama equivalent (Llama uses RoPE); only rope models export")
+    return LlamaConfig(vocab_size=model.vocab_size, hidden_size=model.hidden_size,
+                       intermediate_size=model.ffn_hidden_size, num_hidden_layers=model.num_layers,
+                       num_attention_heads=model.num_attention_heads, num_key_value_heads=model.kv_heads,
+                       max_position_embeddings=model.seq_length, rms_norm_eps=model.norm_eps,
+                       rope_theta=model.rope_theta, tie_word_embeddings=model.tie_embeddings, hidden_act="silu",
+                       attention_bias=False, mlp_bias=False, architectures=["LlamaForCausalLM"],
+                       bos_token_id=tokens.get("bos_token_id"), eos_token_id=tokens.get("eos_token_id"),
+                       pad_token_id=tokens.get("pad_token_id"))
+
+
+def parse_size(text: str) -> int:
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMG]?B?)", text.strip().upper())
+    if not match:
+        raise SystemExit(f"ckpt_convert: --max-shard-size {text!r} must look like 5GB, 500MB or a byte count")
+    scale = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "M": 2**20, "MB": 2**20, "G": 2**30, "GB": 2**30}[match[2]]
+    return int(float(match[1]) * scale)
+
+
+def save_hf_weights(tensors: dict[str, torch.Tensor], out: Path, max_bytes: int) -> list[str]:
+    from safetensors.torch import save_file
+    shards: list[dict] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t.contiguous()
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], out / "model.safetensors", metadata={"format": "pt"})
+        return ["model.safetensors"]
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for fname, shard in zip(names, shards):
+        save_file(shard, out / fname, metadata={"format": "pt"})
+        weight_map.update({k: fname for k in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                  "weight_map": weight_map}, indent=2))
+    return names
+
+
+def save_tokenizer(path: str, out: Path) -> dict:
+    """Write Hugging Face tokenizer files from data.tokenizer; returns the special token ids found."""
+    src = Path(path)
+    if not src.is_file():
+        raise SystemExit(f"ckpt_convert: tokenizer {src} does not exist; pass --tokenizer FILE or --tokenizer ''")
+    if src.suffix != ".json":
+        shutil.copy(src, out / "tokenizer.model")  # SentencePiece: transformers' LlamaTokenizer reads it
+        (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+        return {}
+    from transformers import PreTrainedTokenizerFast
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(src))
+    vocab = tok.get_vocab()
+    found = {role: next(t for t in options if t in vocab) for role, options in SPECIAL_TOKENS.items()
+             if any(t in vocab for t in options)}
+    tok.add_special_tokens(found)
+    tok.save_pretrained(out)
+    return {f"{role}_id": vocab[t] for role, t in found.items()}
+
+
+def to_hf(args) -> None:
+    from transformers import GenerationConfig
+    reader = CheckpointReader(resolve(args.load_dir))
+    model = ModelConfig(**reader.metadata["config"]["model"])
+    out = Path(args.save_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = args.tokenizer if args.tokenizer is not None else reader.metadata["config"]["data"]["tokenizer"]
+    tokens = save_tokenizer(tokenizer, out) if tokenizer else {}
+    config = llama_config(model, tokens)
+    config.dtype = DTYPES[args.dtype]
+    tensors = {n: reader.global_tensor(n, "master").to(DTYPES[args.dtype]) for n in reader.tensors}
+    files = save_hf_weights(tensors, out, parse_size(args.max_shard_size))
+    config.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
+    print(f"ckpt_convert: wrote {out} ({len(tensors)} tensors in {len(files)} file(s), step "
+          f"{reader.metadata['step']})")
+
+
+def load_hf_weights(src: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    index = src / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return {k: v for f in files for k, v in load_file(src / f).items()}
+    if (src / "model.safetensors").is_file():
+        return load_file(src / "model.safetensors")
+    if (src / "pytorch_model.bin").is_file():
+        return torch.load(src / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise SystemExit(f"ckpt_convert: {src} has no model.safetensors, model.safetensors.index.json or "
+                     f"pytorch_model.bin")
+
+
+def model_from_hf(hf: dict, seq_length: int) -> ModelConfig:
+    if hf.get("model_type") != "llama":
+        raise SystemExit(f"ckpt_convert: unsupported architecture {hf.get('architectures') or hf.get('model_type')}: "
+                         f"only Llama checkpoints (model_type 'llama', LlamaForCausalLM) convert")
+    heads = hf["num_attention_heads"]
+    unsupported = {"hidden_act": hf.get("hidden_act", "silu") != "silu", "attention_bias": hf.get("attention_bias"),
+                   "mlp_bias": hf.get("mlp_bias"), "rope_scaling": hf.get("rope_scaling"),
+                   "head_dim": hf.get("head_dim") not in (None, hf["hidden_size"] // heads)}
+    bad = [k for k, v in unsupported.items() if v]
+    if bad:
+        raise SystemExit(f"ckpt_convert: this Llama uses {', '.join(f'{k}={hf.get(k)!r}' for k in bad)}, which "
+                         f"Trilith's model does not implement")
+    return ModelConfig(hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"], num_attention_heads=heads,
+                       num_kv_heads=hf.get("num_key_value_heads") or heads, ffn_hidden_size=hf["intermediate_size"],
+                       vocab_size=hf["vocab_size"], seq_length=seq_length or hf.get("max_position_embeddings", 2048),
+                       rope_theta=float(hf.get("rope_theta", 10000.0)), norm_eps=hf.get("rms_norm_eps", 1e-6),
+                       tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+
+
+def from_hf(args) -> None:
+    src = Path(args.load_dir)
+    if not (src / "config.json").is_file():
+        raise SystemExit(f"ckpt_convert: {src} has no config.json; --from hf needs a Hugging Face model directory")
+    model = model_from_hf(json.loads((src / "config.json").read_text()), args.seq_length)
+    weights = {k: v for k, v in load_hf_weights(src).items() if not k.endswith("rotary_emb.inv_freq")}
+    if model.tie_embeddings:
+        weights.pop("lm_head.weight", None)
+    expected = {n: global_shape(p.full_shape, p.valid_rows) for n, p in layout_params(model, 1, 0).items()}
+    missing, unknown = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
+    wrong = [f"{n}: {list(weights[n].shape)} vs {s}" for n, s in expected.items()
+             if n in weights and list(weights[n].shape) != s]
+    if missing or unknown or wrong:
+        raise SystemExit(f"ckpt_convert: {src} does not match its config.json: missing {missing[:5]}, unexpected "
+                         f"{unknown[:5]}, shape mismatches (file vs config) {wrong[:5]}")
+    cfg = Config(model=model)
+    meta = {"format": FORMAT, "step": 0, "consumed_samples": 0, "adam_step": 0, "scaler": None,
+            "lr_schedule": {"step": 0}, "layout": retarget(cfg, args.tensor, args.pipeline),
+            "config": to_dict(cfg), "source": str(src.resolve())}
+    meta["config"]["parallel"].update(tensor=args.tensor, pipeline=args.pipeline)
+    path = write_trilith(Path(args.save_dir), model, lambda n, k: weights[n].float(), ("master",), meta,
+                         args.tensor, args.pipeline)
+    print(f"ckpt_convert: wrote {path} (TP={args.tensor}, PP={args.pipeline}, weights only: optimizer starts fresh)")
+
+
+def reshard(args) -> None:
+    reader = CheckpointReader(resolve(args.load_dir))
+    cfg = from_dict(reader.metadata["config"])
+    meta = copy.deepcopy(reader.metadata)
+    meta["layout"] = retarget(cfg, args.tensor, args.pipeline)
+    meta["config"]["parallel"].update(tensor=args.tensor, pipeline=args.pipeline)
+    keys = [k for k in KEYS if all(k in e["keys"] for e in reader.tensors.values())]
+    path = write_trilith(Path(args.save_dir), cfg.model, reader.global_tensor, keys, meta, args.tensor, args.pipeline)
+    print(f"ckpt_convert: wrote {path} at TP={args.tensor}, PP={args.pipeline} from {reader.dir}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="tools/ckpt_convert.py", description=__doc__.split("\n")[0])
+    parser.add_argument("--load-dir", required=True)
+    parser.add_argument("--save-dir", required=True)
+    direction = parser.add_mutually_exclusive_group()
+    direction.add_argument("--to", choices=["hf"], help="export a Trilith checkpoint")
+    direction.add_argument("--from", dest="source", choices=["hf"], help="import into a Trilith checkpoint")
+    parser.add_argument("--tensor", type=int, default=1, help="target tensor-parallel size (Trilith output)")
+    parser.add_argument("--pipeline", type=int, default=1, help="target pipeline size (Trilith output)")
+    parser.add_argument("--seq-length", type=int, default=0, help="--from hf: model.seq_length (default: "
+                                                                  "max_position_embeddings)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="--to hf: weight dtype")
+    parser.add_argument("--max-shard-size", default="5GB", help="--to hf: split weights above this size")
+    parser.add_argument("--tokenizer", default=None, help="--to hf: tokenizer file (default: data.tokenizer)")
+    args = parser.parse_args(argv)
+    try:
+        if args.to == "hf":
+            to_hf(args)
+        elif args.source == "hf":
+            from_hf(args)
+        else:
+            reshard(args)
+    except CheckpointError as exc:
+        print(f"ckpt_convert: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
