@@ -173,25 +173,25 @@ class Trainer:
 
     def train(self, metrics: MetricsLog, control: StopControl | None = None) -> list[dict]:
         history = []
-        gpu, stop = control.check(self.step) if control else (None, 0)
-        while self.step < self.cfg.train.steps and not stop:
-            try:
+        try:
+            gpu, stop = control.check(self.step) if control else (None, 0)
+            while self.step < self.cfg.train.steps and not stop:
                 record = self.train_step()
                 gpu, stop = control.check(self.step) if control else (None, 0)
-            except Exception as exc:
-                if self.env.world_size > 1:  # a dead or hung peer: say who we are and where we waited
-                    print(describe_failure(exc, self.env, self.step), file=sys.stderr, flush=True)
-                raise
-            if gpu is not None:
-                record["gpu"] = gpu
-            history.append(record)
-            if self.step % self.cfg.train.log_interval == 0 or self.step == self.cfg.train.steps or stop:
-                metrics.write(record)
-            if stop:  # preemption or GPU health: save now, whatever the interval says
-                self.save_checkpoint()
-            elif self._checkpoint_after_step():
-                break
-        self.checkpointer.wait()
+                if gpu is not None:
+                    record["gpu"] = gpu
+                history.append(record)
+                if self.step % self.cfg.train.log_interval == 0 or self.step == self.cfg.train.steps or stop:
+                    metrics.write(record)
+                if stop:  # preemption or GPU health: save now, whatever the interval says
+                    self.save_checkpoint()
+                elif self._checkpoint_after_step():
+                    break
+            self.checkpointer.wait()
+        except Exception as exc:
+            if self.env.world_size > 1:  # a dead or hung peer: say who we are and where we waited
+                print(describe_failure(exc, self.env, self.step), file=sys.stderr, flush=True)
+            raise
         if stop:
             control.barrier()
             log.info(control.message(stop, self.step))

@@ -80,9 +80,9 @@ def _rank_of(pid: int) -> str:
     return next((e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"RANK=")), "")
 
 
-def _start_and_pick_rank1(run_dir: Path, timeout_minutes: float) -> tuple[subprocess.Popen, int]:
+def _start_and_pick_rank1(run_dir: Path, timeout_minutes: float, *extra: str) -> tuple[subprocess.Popen, int]:
     cmd = script("--nproc", "2", run_dir=run_dir)[:-1] + ["train.steps=100000",
-                                                          f"parallel.timeout_minutes={timeout_minutes}"]
+                                                          f"parallel.timeout_minutes={timeout_minutes}", *extra]
     proc = popen(cmd)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 120
@@ -92,8 +92,8 @@ def _start_and_pick_rank1(run_dir: Path, timeout_minutes: float) -> tuple[subpro
     return proc, next(p for p in _children(proc.pid) if _rank_of(p) == "1")
 
 
-def test_killed_rank_ends_the_job_with_its_name(tmp_path):
-    proc, victim = _start_and_pick_rank1(tmp_path, 0.5)
+def test_killed_rank_ends_the_job_with_its_name_and_the_last_checkpoint_loads(tmp_path):
+    proc, victim = _start_and_pick_rank1(tmp_path, 0.5, "checkpoint.interval=2")
     try:
         os.kill(victim, signal.SIGKILL)
         out, _ = proc.communicate(timeout=90)  # the survivor sees the closed connection at once
@@ -105,6 +105,11 @@ def test_killed_rank_ends_the_job_with_its_name(tmp_path):
     assert "rank      : 1" in out and "Signal 9 (SIGKILL)" in out, out[-3000:]  # torchrun's summary: the dead one
     # The survivor says where it waited: the gradient reduction (comm wrapper or its async bucket wait).
     assert re.search(r"trilith: rank 0 of 2 on \S+ failed in \w+ \((called from )?parallel/", out), out[-3000:]
+    latest = (tmp_path / "checkpoints" / "latest").read_text().strip()
+    step = int(re.search(r"(\d+)$", latest).group(1))
+    resumed = subprocess.run(script(run_dir=tmp_path)[:-1] + [f"train.steps={step + 1}"], cwd=ROOT, env=ENV,
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0 and f"at step {step}" in resumed.stdout, resumed.stdout[-3000:] + resumed.stderr
 
 
 def test_hung_rank_times_out_in_the_named_collective(tmp_path):
@@ -122,7 +127,7 @@ def test_hung_rank_times_out_in_the_named_collective(tmp_path):
             proc.kill()
             proc.wait()
     assert proc.returncode != 0
-    assert "trilith: rank 0 of 2" in out and "failed in all_reduce" in out and "Timed out" in out, out[-3000:]
+    assert re.search(r"trilith: rank 0 of 2 on \S+ failed in \w+ \(.*([Tt]imed out|timeout)", out), out[-3000:]
 
 
 def test_preflight_passes_a_sound_config_and_fails_an_exploding_one(tmp_path):

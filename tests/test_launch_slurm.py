@@ -3,6 +3,7 @@
 Skips, with the reason printed, only when Debian's SLURM packages cannot be installed here.
 """
 import json
+import re
 import subprocess
 import sys
 import time
@@ -62,8 +63,8 @@ def test_sbatch_four_ranks_trains(cluster, tmp_path):
     assert len(got) == 6 and max(abs(a - b) for a, b in zip(ref, got)) <= 1e-4, (ref, got)
 
 
-def test_preemption_signal_stops_requeues_and_reruns(cluster, tmp_path):
-    run_dir, out, steps = tmp_path / "run", tmp_path / "job.out", 80
+def test_preemption_signal_checkpoints_requeues_and_resumes(cluster, tmp_path):
+    run_dir, out, steps = tmp_path / "run", tmp_path / "job.out", 60
     job = cluster.sbatch([*FOUR_RANKS, f"--output={out}", "launch/run_pretrain.sh", "--config", TINY,
                           f"run.dir={run_dir}", f"train.steps={steps}"], cwd=ROOT, env=ENV)
     deadline = time.monotonic() + 180
@@ -78,6 +79,12 @@ def test_preemption_signal_stops_requeues_and_reruns(cluster, tmp_path):
     assert (state, code) == ("COMPLETED", "0:0"), text[-3000:] + cluster.logs()
     assert "received SIGUSR1" in text and f"requeueing job {job}" in text, text[-3000:]
     assert "Restarts=1" in cluster.run(["scontrol", "show", "job", job]).stdout
-    first, second = steps_per_attempt(run_dir)
-    assert 3 <= first[-1]["step"] < steps, "every rank stopped together after the signal, before the end"
-    assert second[-1]["step"] == steps
+    stopped = int(re.search(r"stopped at step (\d+): received SIGUSR1", text).group(1))
+    assert 3 <= stopped < steps, "every rank stopped together after the signal, before the end"
+    assert f"resumed from {run_dir / 'checkpoints'}" in text and f"at step {stopped}" in text, text[-3000:]
+    # One attempt stopped at `stopped`, the requeued one continued from there: every step exactly once,
+    # on the loss curve of an uninterrupted run.
+    records = steps_per_attempt(run_dir)[0]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    ref = reference_losses(tmp_path / "single", steps)
+    assert max(abs(a - r["loss"]) for a, r in zip(ref, records)) <= 1e-4, (ref, [r["loss"] for r in records])
