@@ -1,5 +1,7 @@
 from setuptools import find_packages, setup
 
+MPI = ["mpi4py", "mpich"]  # the mpich wheel ships mpiexec (Hydra) and the library mpi4py loads
+
 setup(
     name="trilith",
     version="0.1.0",
@@ -12,7 +14,8 @@ setup(
                       "zstandard", "tqdm"],
     extras_require={
         "gpu": ["flash-attn", "nvidia-ml-py"],
-        "mpi": ["mpi4py", "mpich"],
-        "dev": ["pytest", "transformers", "safetensors"],
+        "mpi": MPI,
+        # The suite launches real mpiexec jobs, so `make test` (which installs .[dev]) brings the MPI extra.
+        "dev": ["pytest", "transformers", "safetensors", *MPI],
     },
 )

@@ -127,6 +127,9 @@ class CheckpointConfig:
 @dataclass
 class RunConfig:
     dir: str = "runs/default"
+    health_interval: int = 100  # steps between GPU health readings (NVML); 0 disables them
+    max_ecc_errors_per_hour: int = 5  # more new ECC errors than this on one GPU within an hour stops the run
+    max_gpu_temperature: int = 0  # °C above which the run stops; 0 = no temperature limit
 
 
 @dataclass

@@ -17,13 +17,15 @@ import torch
 
 from engine.checkpoint import Checkpointer
 from engine.config import Config, ConfigError, data_parallel_size, load_config, save_config, validate
+from engine.health import HealthMonitor
 from engine.lr_schedule import lr_at
 from engine.metrics import H100_BF16_PEAK_FLOPS, MetricsLog, flops_per_token, peak_memory_gb
 from engine.mock_data import MockBatchLoader
 from engine.model import CausalLM, num_parameters
+from engine.stop import StopControl, StopRun, exit_status
 from engine.zero_optimizer import build_data_parallel
 from parallel import comm
-from parallel.distributed import DistEnv, init_distributed
+from parallel.distributed import DistEnv, describe_failure, init_distributed, shutdown
 from parallel.p2p import PipelineComm
 from parallel.pipeline_schedules import forward_backward_pipeline
 from parallel.random import seed_all
@@ -169,16 +171,31 @@ class Trainer:
             log.info(f"checkpoint.exit_after={ck.exit_after}: stopping after step {self.step}")
         return stop
 
-    def train(self, metrics: MetricsLog) -> list[dict]:
+    def train(self, metrics: MetricsLog, control: StopControl | None = None) -> list[dict]:
         history = []
-        while self.step < self.cfg.train.steps:
-            record = self.train_step()
-            history.append(record)
-            if self.step % self.cfg.train.log_interval == 0 or self.step == self.cfg.train.steps:
-                metrics.write(record)
-            if self._checkpoint_after_step():
-                break
-        self.checkpointer.wait()
+        try:
+            gpu, stop = control.check(self.step) if control else (None, 0)
+            while self.step < self.cfg.train.steps and not stop:
+                record = self.train_step()
+                gpu, stop = control.check(self.step) if control else (None, 0)
+                if gpu is not None:
+                    record["gpu"] = gpu
+                history.append(record)
+                if self.step % self.cfg.train.log_interval == 0 or self.step == self.cfg.train.steps or stop:
+                    metrics.write(record)
+                if stop:  # preemption or GPU health: save now, whatever the interval says
+                    self.save_checkpoint()
+                elif self._checkpoint_after_step():
+                    break
+            self.checkpointer.wait()
+        except Exception as exc:
+            if self.env.world_size > 1:  # a dead or hung peer: say who we are and where we waited
+                print(describe_failure(exc, self.env, self.step), file=sys.stderr, flush=True)
+            raise
+        if stop:
+            control.barrier()
+            log.info(control.message(stop, self.step))
+            raise StopRun(stop, control.message(stop, self.step))
         return history
 
 
@@ -215,25 +232,31 @@ def run(cfg: Config, env: DistEnv) -> list[dict]:
              f"on {env.device} ({env.backend}); model {num_parameters(cfg.model) / 1e6:.2f}M parameters")
     trainer = Trainer(cfg, env)
     metrics = MetricsLog(run_dir, enabled=env.rank == 0, console=log.info)
+    control = StopControl(env, HealthMonitor(cfg.run, run_dir, console=log.info) if env.local_rank == 0 else None)
     try:
-        return trainer.train(metrics)
+        return trainer.train(metrics, control)
     finally:
         trainer.checkpointer.wait()  # also on errors: never exit with a background save half-written
         metrics.close()
+        control.restore()
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    clean = False
     try:
         cfg = load_config(args.config, args.overrides)
         env = init_distributed(cfg.train.device, cfg.parallel.backend, cfg.parallel.timeout_minutes)
         run(cfg, env)
+        clean = True
     except ConfigError as exc:
         print(f"trilith: configuration error: {exc}", file=sys.stderr)
         return 2
+    except StopRun as stop:  # preemption or GPU health: checkpointed, exit code tells the launcher why
+        clean = True
+        return exit_status(stop.code)
     finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        shutdown(clean)
     return 0
 
 

@@ -1,30 +1,107 @@
 #!/usr/bin/env bash
-# Start Trilith pretraining.
-#   launch/run_pretrain.sh --config FILE [section.key=value ...]             one process
-#   launch/run_pretrain.sh --nproc N --config FILE [overrides]               N local processes (gloo/nccl)
+# Start Trilith pretraining: one script for local, torchrun, SLURM and MPI runs.
+#   launch/run_pretrain.sh --config FILE [section.key=value ...]               one process
+#   launch/run_pretrain.sh --nproc N --config FILE [overrides]                 N local processes (gloo/nccl)
+#   launch/run_pretrain.sh --nproc N --nnodes M --node-rank R --master-addr HOST --config FILE   node R of M
+#   sbatch launch/run_pretrain.sh --config FILE                                SLURM batch (defaults below)
+#   srun launch/run_pretrain.sh --config FILE                                  one task per rank in an allocation
+#   mpirun -np N launch/run_pretrain.sh --config FILE                          Open MPI / MPICH
+#   launch/run_pretrain.sh --preflight [--nproc N] --config FILE               scaled-down check, pass/fail report
+# Exit status: 0 done, 2 configuration error, 3 preempted after a checkpoint (a SLURM batch job requeues
+# itself), 4 stopped by a GPU-health threshold after a checkpoint, anything else: failure.
+#
+# SLURM defaults: edit, or override on the sbatch command line (sbatch --nodes=4 ...).
+#SBATCH --job-name=trilith
+#SBATCH --nodes=1
+#SBATCH --ntasks=8                   # one rank per task (per GPU); multi-node: --nodes=N --ntasks-per-node=8
+##SBATCH --gpus-per-node=8        # GPU clusters: remove one # (one rank per GPU)
+#SBATCH --cpus-per-task=8
+#SBATCH --time=24:00:00
+#SBATCH --signal=USR1@180
+#SBATCH --requeue
+#SBATCH --output=slurm-%j.out
 set -euo pipefail
 
+# sbatch runs a spooled copy of this file: find the checkout from TRILITH_ROOT or the submit directory.
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [[ -n "${TRILITH_ROOT:-}" ]]; then ROOT="$TRILITH_ROOT"
+elif [[ ! -f "$ROOT/engine/train.py" && -f "${SLURM_SUBMIT_DIR:-}/engine/train.py" ]]; then ROOT="$SLURM_SUBMIT_DIR"
+fi
+if [[ ! -f "$ROOT/engine/train.py" ]]; then
+  echo "run_pretrain.sh: cannot find the Trilith checkout (looked in $ROOT); set TRILITH_ROOT" >&2; exit 2
+fi
 if [[ -n "${TRILITH_PYTHON:-}" ]]; then PY="$TRILITH_PYTHON"
 elif [[ -x "$ROOT/.venv/bin/python" ]]; then PY="$ROOT/.venv/bin/python"
 else PY="python3"; fi
 
-NPROC=1
-ARGS=()
+NPROC=1 NNODES=1 NODE_RANK=0 MASTER="" PORT="" MODULE=engine.train
+ARGS=() MODE=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --nproc) NPROC="$2"; shift 2 ;;
+    --nproc|--nnodes|--node-rank|--master-addr|--master-port)
+      [[ $# -ge 2 ]] || { echo "run_pretrain.sh: $1 needs a value" >&2; exit 2; }
+      case "$1" in
+        --nproc) NPROC="$2" ;; --nnodes) NNODES="$2" ;; --node-rank) NODE_RANK="$2" ;;
+        --master-addr) MASTER="$2" ;; --master-port) PORT="$2" ;;
+      esac
+      shift 2 ;;
     --nproc=*) NPROC="${1#*=}"; shift ;;
+    --nnodes=*) NNODES="${1#*=}"; shift ;;
+    --node-rank=*) NODE_RANK="${1#*=}"; shift ;;
+    --master-addr=*) MASTER="${1#*=}"; shift ;;
+    --master-port=*) PORT="${1#*=}"; shift ;;
+    --preflight) MODULE=engine.preflight; MODE=(--preflight); shift ;;
     *) ARGS+=("$1"); shift ;;
   esac
+done
+for v in "$NPROC" "$NNODES" "$NODE_RANK"; do
+  [[ "$v" =~ ^[0-9]+$ ]] || { echo "run_pretrain.sh: --nproc/--nnodes/--node-rank must be integers, got '$v'" >&2; exit 2; }
 done
 
 cd "$ROOT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-if [[ "$NPROC" -gt 1 ]]; then
+
+# sbatch: this is the batch shell, not a rank. Start one rank per task with srun; requeue on preemption.
+if [[ -n "${SLURM_JOB_ID:-}" && -z "${SLURM_STEP_ID:-}" && -z "${RANK:-}" && "$NPROC" -eq 1 ]]; then
+  # Ranks report an early stop here (rank 0 runs on this, the first, node) and exit 0 so that
+  # --kill-on-bad-exit does not cut the others short; see engine/stop.py.
+  export TRILITH_STOP_FILE="${TMPDIR:-/tmp}/trilith-stop-$SLURM_JOB_ID"
+  rm -f "$TRILITH_STOP_FILE"
+  set +e
+  srun --kill-on-bad-exit=1 --export=ALL bash "$ROOT/launch/run_pretrain.sh" "${MODE[@]}" "${ARGS[@]}"
+  status=$?
+  set -e
+  if [[ "$status" -eq 0 && -s "$TRILITH_STOP_FILE" ]]; then status="$(cat "$TRILITH_STOP_FILE")"; fi
+  rm -f "$TRILITH_STOP_FILE"
+  if [[ "$status" -eq 3 && "${TRILITH_REQUEUE:-1}" == 1 ]]; then
+    echo "run_pretrain.sh: preempted (exit 3); requeueing job $SLURM_JOB_ID to resume from run.dir" >&2
+    scontrol requeue "$SLURM_JOB_ID"
+  fi
+  exit "$status"
+fi
+
+# srun task: the rendezvous host is the first node of the job (Python parses the list without scontrol).
+if [[ -n "${SLURM_PROCID:-}" && -z "${MASTER_ADDR:-}" && -z "${RANK:-}" ]] && command -v scontrol >/dev/null; then
+  MASTER_ADDR="$(scontrol show hostnames "${SLURM_STEP_NODELIST:-$SLURM_JOB_NODELIST}" | head -n 1)"
+  export MASTER_ADDR
+fi
+# One CPU share per rank: SLURM says how many; under MPI split the cores between the node's ranks.
+LOCAL_RANKS="${OMPI_COMM_WORLD_LOCAL_SIZE:-${MPI_LOCALNRANKS:-}}"
+if [[ -n "${SLURM_CPUS_PER_TASK:-}" ]]; then export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$SLURM_CPUS_PER_TASK}"
+elif [[ "$LOCAL_RANKS" =~ ^[1-9][0-9]*$ ]]; then
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / LOCAL_RANKS > 0 ? $(nproc) / LOCAL_RANKS : 1 ))}"
+fi
+
+if [[ "$NPROC" -gt 1 || "$NNODES" -gt 1 ]]; then
   # Share the cores between ranks instead of every rank spawning one thread per core.
   CORES=$(nproc)
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( CORES / NPROC > 0 ? CORES / NPROC : 1 ))}"
-  exec "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -m engine.train "${ARGS[@]}"
+  if [[ "$NNODES" -eq 1 ]]; then
+    RDZV=(--standalone)
+  else
+    [[ -n "$MASTER" ]] || { echo "run_pretrain.sh: --nnodes $NNODES needs --master-addr (node 0's address)" >&2; exit 2; }
+    RDZV=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --master-addr "$MASTER" --master-port "${PORT:-29500}")
+  fi
+  exec "$PY" -m torch.distributed.run "${RDZV[@]}" --nproc-per-node "$NPROC" -m "$MODULE" "${ARGS[@]}"
 fi
-exec "$PY" -m engine.train "${ARGS[@]}"
+exec "$PY" -m "$MODULE" "${ARGS[@]}"

@@ -1,12 +1,49 @@
-"""Start torch.distributed from whatever launched us (torchrun-style variables, SLURM, MPI) or run alone."""
+"""Start torch.distributed from whatever launched us: torchrun, SLURM's srun, Open MPI, MPICH/Hydra, or nothing.
+
+`discover()` reads the launcher's variables in a fixed priority order (first complete set wins):
+
+    1. torchrun / launch/run_pretrain.sh --nproc   RANK, WORLD_SIZE, LOCAL_RANK
+    2. Open MPI (mpirun)                           OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK
+    3. MPICH / Hydra (mpiexec)                     PMI_RANK, PMI_SIZE, MPI_LOCALRANKID
+    4. SLURM (srun)                                SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID
+
+MPI comes before SLURM because `mpirun` inside an allocation inherits the batch step's SLURM_PROCID=0.
+The rendezvous (MASTER_ADDR/MASTER_PORT) is taken from the environment when set; otherwise SLURM runs use
+the first host of SLURM_JOB_NODELIST and a port derived from the job id, MPI runs let rank 0 pick its
+address and a free port and broadcast them with mpi4py.
+"""
 from __future__ import annotations
 
 import datetime
 import os
+import re
+import socket
+import traceback
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from parallel import comm
+
+SCHEDULERS = (  # (name, rank, world size, local rank) in priority order
+    ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK"),
+    ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+    ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+)
+
+
+class LaunchError(RuntimeError):
+    """The launcher's environment is incomplete or inconsistent; the message names the variables."""
+
+
+@dataclass
+class Launch:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    source: str = "single"  # which launcher the numbers came from
 
 
 @dataclass
@@ -16,14 +53,95 @@ class DistEnv:
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
     backend: str = "gloo"
+    source: str = "single"
 
 
-def discover() -> tuple[int, int, int]:
-    """(rank, world size, local rank) from the launcher's variables; (0, 1, 0) when started by hand."""
-    e = os.environ
-    if "RANK" in e and "WORLD_SIZE" in e:
-        return int(e["RANK"]), int(e["WORLD_SIZE"]), int(e.get("LOCAL_RANK", 0))
-    return 0, 1, 0
+def _int(env, name: str) -> int:
+    try:
+        return int(env[name])
+    except ValueError:
+        raise LaunchError(f"{name}={env[name]!r} is not an integer") from None
+
+
+def discover(environ=None) -> Launch:
+    """Rank, world size and local rank from the first launcher whose variables are set; one process if none."""
+    env = os.environ if environ is None else environ
+    for name, rank_var, size_var, local_var in SCHEDULERS:
+        if rank_var not in env and size_var not in env:
+            continue
+        missing = [v for v in (rank_var, size_var) if v not in env]
+        if missing:
+            raise LaunchError(f"{name} launch detected but {', '.join(missing)} is not set (found "
+                              f"{rank_var if rank_var in env else size_var}); a {name} rank needs {rank_var} and "
+                              f"{size_var}, optionally {local_var}")
+        rank, world = _int(env, rank_var), _int(env, size_var)
+        local = _int(env, local_var) if local_var in env else _local_rank_fallback(env, rank)
+        if not 0 <= rank < world:
+            raise LaunchError(f"{rank_var}={rank} is outside [0, {size_var}={world})")
+        return Launch(rank, world, local, name)
+    return Launch()
+
+
+def _local_rank_fallback(env, rank: int) -> int:
+    # Without a local-rank variable, assume ranks are packed per node (LOCAL_WORLD_SIZE, SLURM tasks per node).
+    per_node = env.get("LOCAL_WORLD_SIZE") or env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
+    return rank % int(per_node) if per_node.isdigit() and int(per_node) > 0 else 0
+
+
+def looked_for() -> str:
+    return "; ".join(f"{n}: {r}/{s}/{lr}" for n, r, s, lr in SCHEDULERS)
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """SLURM's compressed host list ("gpu[01-03,07],login1") as host names, in order."""
+    hosts: list[str] = []
+    for item in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", nodelist):
+        match = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", item)
+        if not match:
+            hosts.append(item)
+            continue
+        prefix, ranges, suffix = match.groups()
+        for part in ranges.split(","):
+            lo, _, hi = part.partition("-")
+            for n in range(int(lo), int(hi or lo) + 1):
+                hosts.append(f"{prefix}{str(n).zfill(len(lo))}{suffix}")
+    return hosts
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _mpi_rendezvous() -> tuple[str, str]:
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise LaunchError("started by mpirun/mpiexec without MASTER_ADDR/MASTER_PORT, and mpi4py is not "
+                          "installed to share them: pip install -e '.[mpi]' (or set both variables)") from exc
+    info = (socket.gethostname(), str(_free_port())) if MPI.COMM_WORLD.Get_rank() == 0 else None
+    return MPI.COMM_WORLD.bcast(info, root=0)
+
+
+def rendezvous(launch: Launch, environ=None) -> tuple[str, str]:
+    """MASTER_ADDR and MASTER_PORT for a multi-process run, from the environment or the scheduler."""
+    env = os.environ if environ is None else environ
+    addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
+    if addr and port:
+        return addr, port
+    if launch.source == "slurm":
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+        if not nodelist:
+            raise LaunchError("SLURM run without MASTER_ADDR and without SLURM_JOB_NODELIST to pick the first "
+                              "host from; set MASTER_ADDR")
+        # The port must agree on every rank without communication: derive it from the job id.
+        return addr or expand_nodelist(nodelist)[0], port or str(20000 + int(env.get("SLURM_JOB_ID", 0)) % 20000)
+    if launch.source in ("openmpi", "mpich"):
+        mpi_addr, mpi_port = _mpi_rendezvous()
+        return addr or mpi_addr, port or mpi_port
+    raise LaunchError(f"MASTER_ADDR/MASTER_PORT not set for a {launch.source} run of {launch.world_size} ranks: "
+                      "start multi-process runs with launch/run_pretrain.sh or torchrun, which set them")
 
 
 def pick_device(requested: str, local_rank: int) -> torch.device:
@@ -36,15 +154,60 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
 
 
 def init_distributed(device: str = "auto", backend: str = "auto", timeout_minutes: float = 10.0) -> DistEnv:
-    rank, world_size, local_rank = discover()
-    dev = pick_device(device, local_rank)
+    launch = discover()
+    dev = pick_device(device, launch.local_rank)
     chosen = backend if backend != "auto" else ("nccl" if dev.type == "cuda" else "gloo")
-    if world_size > 1 and not dist.is_initialized():
-        for var in ("MASTER_ADDR", "MASTER_PORT"):
-            if var not in os.environ:
-                raise RuntimeError(f"{var} is not set: start multi-process runs with launch/run_pretrain.sh "
-                                   "(or torchrun), which sets the rendezvous address")
-        dist.init_process_group(chosen, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(minutes=timeout_minutes),
+    global _TIMEOUT
+    if launch.world_size > 1 and not dist.is_initialized():
+        _TIMEOUT = datetime.timedelta(minutes=timeout_minutes)
+        addr, port = rendezvous(launch)
+        os.environ.update(MASTER_ADDR=addr, MASTER_PORT=port)
+        # NCCL otherwise hangs on a dead peer; with async error handling the watchdog aborts at the timeout.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        dist.init_process_group(chosen, rank=launch.rank,
+                                world_size=launch.world_size, timeout=_TIMEOUT,
                                 device_id=dev if dev.type == "cuda" else None)
-    return DistEnv(rank, world_size, local_rank, dev, chosen)
+        comm.register_group(dist.group.WORLD, "world")
+    return DistEnv(launch.rank, launch.world_size, launch.local_rank, dev, chosen, launch.source)
+
+
+_TIMEOUT: datetime.timedelta | None = None
+
+
+def collective_timeout() -> datetime.timedelta | None:
+    """The timeout given to init_distributed, for every process group built later (None: torch's default)."""
+    return _TIMEOUT
+
+
+def world_group():
+    """The default group for job-wide agreement (stop flags), or None when running alone."""
+    return dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
+
+
+def shutdown(clean: bool) -> None:
+    """Leave torch.distributed. After a clean run, first wait for every rank, so that no rank closes its
+    connections while a peer's transport threads still use them (seen as an abort at exit under gloo)."""
+    if not dist.is_initialized():
+        return
+    if clean and world_group() is not None:
+        comm.all_reduce(torch.zeros(1, device=f"cuda:{torch.cuda.current_device()}" if
+                                    dist.get_backend() == "nccl" else "cpu"), world_group())
+    dist.destroy_process_group()
+
+
+def describe_failure(exc: BaseException, env: DistEnv, step: int) -> str:
+    """One line naming this rank, its host, the failed collective and its caller, for a dead or hung peer."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    comm_frames = [i for i, f in enumerate(frames) if f.filename.endswith(os.path.join("parallel", "comm.py"))
+                   or "torch/distributed" in f.filename]
+    if comm_frames:
+        first = comm_frames[0]
+        op = frames[first].name
+        caller = frames[first - 1] if first > 0 else frames[first]
+        where = f"{op} (called from {os.path.relpath(caller.filename)}:{caller.lineno} in {caller.name})"
+    else:
+        where = f"{frames[-1].name} ({os.path.relpath(frames[-1].filename)}:{frames[-1].lineno})" if frames else "?"
+    return (f"trilith: rank {env.rank} of {env.world_size} on {socket.gethostname()} failed in {where} during "
+            f"step {step + 1}: {type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+            " -- a peer rank died or hung (collectives time out after parallel.timeout_minutes); the launcher's "
+            "summary names a dead one")

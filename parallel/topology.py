@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from parallel.distributed import collective_timeout
+
 DIMS = ("tp", "dp", "pp")
 
 
@@ -94,7 +96,8 @@ class Topology:
     def _new_group(self, ranks: list[int]):
         if len(ranks) == 1 or not dist.is_initialized():
             return None
-        return dist.new_group(ranks)
+        # Sub-groups otherwise get torch's 30-minute default, not the job's parallel.timeout_minutes.
+        return dist.new_group(ranks, timeout=collective_timeout())
 
     def _build(self, name: str, rank_lists: list[list[int]]) -> None:
         from parallel.comm import register_group

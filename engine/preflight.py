@@ -1,0 +1,143 @@
+"""Pre-flight: the run's own configuration, scaled down, for ~100 steps before the big run.
+
+    launch/run_pretrain.sh --preflight [--nproc N | sbatch/srun/mpirun as usual] --config FILE [overrides]
+
+Same launcher, parallel layout, precision, optimizer, schedule shape and data (a slice of it: the first
+steps × global-batch samples) as the real run; only the model is shrunk (head dimension 16, the fewest
+layers and heads the layout allows) and the step count cut. Checks, reported as PASS/FAIL lines on rank 0:
+finite loss and gradient norm, gradient norm neither vanishing nor exploding relative to the first step,
+loss falling, and memory (max over ranks) not growing from the early steps to the last ones. Exit status
+0 when every check passes, 1 otherwise (2 for configuration errors, like training).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from engine.config import Config, ConfigError, data_parallel_size, load_config, validate
+from engine.train import Trainer, configure_logging, log, setup_run_dir
+from parallel import comm
+from parallel.distributed import DistEnv, init_distributed, shutdown, world_group
+
+STEPS = 100
+VANISHING_RATIO = 1e-3  # gradient norm below this fraction of the first step's
+EXPLODING_RATIO = 100.0  # ... or above this multiple of it
+MEMORY_SLACK_MB, MEMORY_SLACK_FRACTION = 32.0, 0.10  # allowed growth from the early to the late steps
+
+
+def shrink(cfg: Config, world_size: int, steps: int) -> Config:
+    """The run's config with a tiny model of the same family and layout, trained for `steps` steps."""
+    small = copy.deepcopy(cfg)
+    m, p, t = small.model, small.parallel, small.train
+    heads = p.tensor * max(1, 4 // p.tensor)
+    kv = math.gcd(cfg.model.kv_heads, heads)
+    m.num_attention_heads, m.num_kv_heads, m.hidden_size = heads, kv, 16 * heads
+    m.ffn_hidden_size = 32 * heads
+    m.num_layers = max(2, p.pipeline * p.virtual_stages)
+    p.stage_layers = []  # the user's split was for the full depth; the shrunk model splits evenly
+    seq_cap = max(p.tensor, 64 // p.tensor * p.tensor)
+    m.seq_length = min(m.seq_length, seq_cap) if m.seq_length % p.tensor == 0 else seq_cap
+    dp = data_parallel_size(small, world_size)
+    t.micro_batch_size = min(t.micro_batch_size, 4)
+    t.global_batch_size = t.micro_batch_size * dp * (p.pipeline if p.pipeline > 1 else 2)
+    t.steps, t.log_interval = steps, max(1, steps // 10)
+    small.optim.warmup_steps = min(small.optim.warmup_steps, steps // 10)
+    small.checkpoint.interval = 0
+    small.run.dir = str(Path(cfg.run.dir) / "preflight")
+    return small
+
+
+def memory_mb(device: torch.device) -> float:
+    """Memory in use now (not the peak): CUDA tensors, or this process's resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / 2**20
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+
+
+def memory_growth(series: list[float]) -> float:
+    """MB grown from the early steps (after optimizer state exists) to the last ones, medians of 10 steps."""
+    window = max(1, min(10, len(series) // 4))
+    early = statistics.median(series[window:2 * window] or series[:window])
+    return statistics.median(series[-window:]) - early
+
+
+def verdicts(history: list[dict], growth_mb: float, base_mb: float) -> list[tuple[bool, str]]:
+    losses = [r["loss"] for r in history]
+    taken = [r for r in history if not r["skipped"]]
+    norms = [r["grad_norm"] for r in taken]
+    bad = [r["step"] for r in history if not math.isfinite(r["loss"])] + \
+          [r["step"] for r in taken if not math.isfinite(r["grad_norm"])]
+    out = [(not bad and bool(taken), "loss and grad norm finite on every step" if not bad and taken else
+            f"NaN/Inf at steps {bad[:5]}" if bad else "every step was skipped (overflow)")]
+    if norms and not bad:
+        first, low, high = norms[0], min(norms), max(norms)
+        out.append((low >= VANISHING_RATIO * first, f"grad norm not vanishing: min {low:.3g} vs first {first:.3g} "
+                    f"(limit ×{VANISHING_RATIO:g})"))
+        out.append((high <= EXPLODING_RATIO * first, f"grad norm not exploding: max {high:.3g} vs first {first:.3g} "
+                    f"(limit ×{EXPLODING_RATIO:g})"))
+    if not bad:
+        k = max(1, len(losses) // 10)
+        start, end = sum(losses[:k]) / k, sum(losses[-k:]) / k
+        out.append((end < start, f"loss falls: {start:.4f} → {end:.4f} (means of first/last {k} steps)"))
+    limit = MEMORY_SLACK_MB + MEMORY_SLACK_FRACTION * base_mb
+    out.append((growth_mb <= limit, f"memory steady: grew {growth_mb:.1f} MB after warm-up (limit {limit:.1f} MB)"))
+    return out
+
+
+def preflight(cfg: Config, env: DistEnv, steps: int = STEPS) -> bool:
+    small = shrink(cfg, env.world_size, steps)
+    validate(small, env.world_size)
+    run_dir = setup_run_dir(small, env.rank)
+    configure_logging(run_dir, env.rank)
+    m = small.model
+    log.info(f"pre-flight: {env.world_size} ranks, TP {small.parallel.tensor} × PP {small.parallel.pipeline}, "
+             f"model {m.num_layers}×{m.hidden_size} (heads {m.num_attention_heads}/{m.num_kv_heads}), seq "
+             f"{m.seq_length}, global batch {small.train.global_batch_size}, {steps} steps, {small.train.precision}")
+    trainer = Trainer(small, env)
+    history, memory = [], []
+    for _ in range(steps):
+        record = trainer.train_step()
+        history.append(record)
+        memory.append(memory_mb(env.device))
+        if trainer.step % small.train.log_interval == 0:
+            log.info(f"pre-flight step {trainer.step}: loss {record['loss']:.4f} grad_norm {record['grad_norm']:.3g}")
+    numbers = torch.tensor([memory_growth(memory), memory[0]], dtype=torch.float64, device=env.device)
+    comm.all_reduce(numbers, world_group(), op=dist.ReduceOp.MAX)  # the worst rank decides
+    checks = verdicts(history, numbers[0].item(), numbers[1].item())
+    passed = all(ok for ok, _ in checks)
+    log.info("pre-flight report:\n" + "\n".join(f"  {'PASS' if ok else 'FAIL'}  {text}" for ok, text in checks)
+             + f"\nPRE-FLIGHT {'PASSED' if passed else 'FAILED'}")
+    return passed
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Trilith pre-flight check", prog="python -m engine.preflight")
+    parser.add_argument("--config", required=True, help="the YAML configuration of the real run")
+    parser.add_argument("--steps", type=int, default=STEPS, help=f"steps to run (default {STEPS})")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides, as for training")
+    args = parser.parse_args(argv)
+    clean = False
+    try:
+        cfg = load_config(args.config, args.overrides)
+        env = init_distributed(cfg.train.device, cfg.parallel.backend, cfg.parallel.timeout_minutes)
+        validate(cfg, env.world_size)  # the real run's configuration must be valid too
+        passed = preflight(cfg, env, args.steps)
+        clean = True
+        return 0 if passed else 1
+    except ConfigError as exc:
+        print(f"trilith: configuration error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        shutdown(clean)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Stopping a run early and cleanly: preemption signals and GPU-health thresholds, agreed by every rank.
+
+SIGTERM or SIGUSR1 (what SLURM sends before preemption or the time limit; `#SBATCH --signal=USR1@120`)
+only sets a flag: the current step finishes, then all ranks agree (one MAX all-reduce of a small integer
+per step) to stop at the same step, save a checkpoint and exit with PREEMPTED_EXIT, which
+launch/run_pretrain.sh turns into a SLURM requeue. A GPU-health stop exits with HEALTH_EXIT and is not
+requeued: someone should look at the card named in the log first.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from engine.health import HealthMonitor
+from parallel import comm
+from parallel.distributed import DistEnv, world_group
+
+PREEMPTED_EXIT = 3
+HEALTH_EXIT = 4
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def exit_status(code: int) -> int:
+    """The process exit status for a stop. Under the sbatch wrapper (TRILITH_STOP_FILE set) every rank exits 0,
+    so srun's --kill-on-bad-exit cannot race the others, and rank 0 leaves the code in the file instead."""
+    path = os.environ.get("TRILITH_STOP_FILE")
+    if not path:
+        return code
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        Path(path).write_text(f"{code}\n")
+    return 0
+
+
+class StopRun(Exception):
+    """Raised after the checkpoint of an early stop; `code` is the process exit status."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class StopControl:
+    def __init__(self, env: DistEnv, health: HealthMonitor | None = None):
+        self.env, self.health = env, health
+        self.signal_name = ""
+        # Python only lets the main thread install handlers (run() may be called from a worker thread).
+        self.installed = threading.current_thread() is threading.main_thread()
+        for sig in STOP_SIGNALS if self.installed else ():
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.signal_name = signal.Signals(signum).name
+
+    def check(self, step: int) -> tuple[list | None, int]:
+        """After `step` steps: (GPU readings if read now, exit code every rank agreed on; 0 = keep going)."""
+        local, readings = 0, None
+        if self.signal_name:
+            local = PREEMPTED_EXIT
+        if self.health is not None and self.health.due(step):
+            readings, reason = self.health.check(step)
+            if reason:
+                print(f"trilith: rank {self.env.rank}: GPU health threshold crossed: {reason}; stopping after "
+                      f"a checkpoint", file=sys.stderr, flush=True)
+                local = HEALTH_EXIT
+        flag = torch.tensor([local], dtype=torch.int32, device=self.env.device)
+        comm.all_reduce(flag, world_group(), op=dist.ReduceOp.MAX)
+        return readings, int(flag.item())
+
+    def message(self, code: int, step: int) -> str:
+        if code == PREEMPTED_EXIT:
+            why = f"received {self.signal_name}" if self.signal_name else "another rank received a stop signal"
+            return f"trilith: stopped at step {step}: {why}; exit {code} (requeue and rerun to resume)"
+        return f"trilith: stopped at step {step}: GPU health threshold crossed (see stderr / logs/health-*.jsonl)" \
+               f"; exit {code}"
+
+    def barrier(self) -> None:
+        """Every rank has saved its part before anyone exits (a launcher may kill the rest on the first exit)."""
+        comm.all_reduce(torch.zeros(1, device=self.env.device), world_group())
+
+    def restore(self) -> None:
+        for sig in STOP_SIGNALS if self.installed else ():
+            signal.signal(sig, signal.SIG_DFL)

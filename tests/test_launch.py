@@ -1,0 +1,143 @@
+"""launch/run_pretrain.sh started the ways users start it: two "nodes" on localhost, mpiexec, a killed rank.
+
+Every multi-rank run must follow the single-process loss curve (≤ 1e-4 per step): same data, same model.
+"""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.distributed import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = "launch/configs/tiny.yaml"
+STEPS = 6
+BIN = Path(sys.executable).parent
+ENV = {"TRILITH_PYTHON": sys.executable, "PATH": f"{BIN}:/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+
+
+def script(*args: str, run_dir: Path) -> list[str]:
+    return ["bash", "launch/run_pretrain.sh", *args, "--config", TINY, f"run.dir={run_dir}", f"train.steps={STEPS}"]
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def finish(proc: subprocess.Popen, timeout: float = 240) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def popen(cmd: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("single")
+    finish(popen(script(run_dir=run_dir)))
+    return losses(run_dir)
+
+
+def assert_same_curve(reference: list[float], run_dir: Path) -> None:
+    got = losses(run_dir)
+    assert len(got) == STEPS
+    assert max(abs(a - b) for a, b in zip(reference, got)) <= 1e-4, (reference, got)
+
+
+def test_two_nodes_on_localhost_two_ranks_each(reference, tmp_path):
+    port = str(free_port())
+    nodes = [popen(script("--nproc", "2", "--nnodes", "2", "--node-rank", str(r), "--master-addr", "127.0.0.1",
+                          "--master-port", port, run_dir=tmp_path)) for r in (0, 1)]
+    out = [finish(p) for p in nodes]
+    assert "4 ranks = TP 1 × PP 1 × DP 4" in out[0]
+    assert_same_curve(reference, tmp_path)
+
+
+def test_mpiexec_four_ranks(reference, tmp_path):
+    mpiexec = BIN / "mpiexec"
+    assert mpiexec.exists(), f"{mpiexec} missing: install the MPI extra with pip install -e '.[mpi]'"
+    out = finish(popen([str(mpiexec), "-n", "4", *script(run_dir=tmp_path)]))
+    assert "4 ranks = TP 1 × PP 1 × DP 4" in out
+    assert_same_curve(reference, tmp_path)
+
+
+def _children(pid: int) -> list[int]:
+    kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(k) for k in kids] + [g for k in kids for g in _children(int(k))]
+
+
+def _rank_of(pid: int) -> str:
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return next((e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"RANK=")), "")
+
+
+def _start_and_pick_rank1(run_dir: Path, timeout_minutes: float, *extra: str) -> tuple[subprocess.Popen, int]:
+    cmd = script("--nproc", "2", run_dir=run_dir)[:-1] + ["train.steps=100000",
+                                                          f"parallel.timeout_minutes={timeout_minutes}", *extra]
+    proc = popen(cmd)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        time.sleep(0.2)
+    return proc, next(p for p in _children(proc.pid) if _rank_of(p) == "1")
+
+
+def test_killed_rank_ends_the_job_with_its_name_and_the_last_checkpoint_loads(tmp_path):
+    proc, victim = _start_and_pick_rank1(tmp_path, 0.5, "checkpoint.interval=2")
+    try:
+        os.kill(victim, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=90)  # the survivor sees the closed connection at once
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0
+    assert "rank      : 1" in out and "Signal 9 (SIGKILL)" in out, out[-3000:]  # torchrun's summary: the dead one
+    # The survivor says where it waited: a comm collective and its caller, or an async bucket wait.
+    assert re.search(r"trilith: rank 0 of 2 on \S+ failed in \w+ \((called from )?\S+\.py:\d+", out), out[-3000:]
+    latest = (tmp_path / "checkpoints" / "latest").read_text().strip()
+    step = int(re.search(r"(\d+)$", latest).group(1))
+    resumed = subprocess.run(script(run_dir=tmp_path)[:-1] + [f"train.steps={step + 1}"], cwd=ROOT, env=ENV,
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0 and f"at step {step}" in resumed.stdout, resumed.stdout[-3000:] + resumed.stderr
+
+
+def test_hung_rank_times_out_in_the_named_collective(tmp_path):
+    proc, victim = _start_and_pick_rank1(tmp_path, 0.2)  # 12 s collective timeout, data-parallel group included
+    try:
+        os.kill(victim, signal.SIGSTOP)
+        rank0 = [p for p in _children(proc.pid) if _rank_of(p) == "0"]
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and all(Path(f"/proc/{p}").exists() for p in rank0):
+            time.sleep(0.5)
+        os.kill(victim, signal.SIGCONT)  # let the stopped rank take torchrun's SIGTERM and exit
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0
+    assert re.search(r"trilith: rank 0 of 2 on \S+ failed in \w+ \(.*([Tt]imed out|timeout)", out), out[-3000:]
+
+
+def test_preflight_passes_a_sound_config_and_fails_an_exploding_one(tmp_path):
+    ok = subprocess.run(["bash", "launch/run_pretrain.sh", "--preflight", "--nproc", "2", "--config", TINY,
+                         f"run.dir={tmp_path / 'good'}", "--steps", "40"], cwd=ROOT, env=ENV, capture_output=True,
+                        text=True, timeout=300)
+    assert ok.returncode == 0 and "PRE-FLIGHT PASSED" in ok.stdout, ok.stdout[-3000:] + ok.stderr[-3000:]
+    assert ok.stdout.count("  PASS  ") == 5 and "2 ranks" in ok.stdout
+    bad = subprocess.run(["bash", "launch/run_pretrain.sh", "--preflight", "--config", TINY, "--steps", "40",
+                          f"run.dir={tmp_path / 'bad'}", "optim.lr=30", "optim.clip_grad=0"], cwd=ROOT, env=ENV,
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1 and "PRE-FLIGHT FAILED" in bad.stdout, bad.stdout[-3000:] + bad.stderr[-3000:]
+    assert "FAIL  grad norm not exploding" in bad.stdout
