@@ -77,10 +77,11 @@ class MixedPrecisionAdamW:
             m.grad = p.grad.float() if p.grad is not None else torch.zeros_like(m)
 
     def global_grad_norm(self) -> float:
-        total = torch.zeros(1, dtype=torch.float64, device=self.master[0].device)
-        for p, m in zip(self.params, self.master):
-            if counts_in_norm(p, self.topo.tp_rank):
-                total += m.grad.double().pow(2).sum()
+        counted = [m.grad for p, m in zip(self.params, self.master) if counts_in_norm(p, self.topo.tp_rank)]
+        # One multi-tensor kernel for the per-tensor norms; their squares are summed in fp64.
+        norms = torch._foreach_norm(counted) if counted else []
+        total = torch.stack(norms).double().pow(2).sum().reshape(1) if norms else \
+            torch.zeros(1, dtype=torch.float64, device=self.master[0].device)
         comm.all_reduce(total, self.topo.mp_group)
         return math.sqrt(total.item())
 
@@ -88,18 +89,16 @@ class MixedPrecisionAdamW:
     def step(self, lr: float) -> tuple[float, bool]:
         """Unscale, clip, update; returns (gradient norm before clipping, whether the step was skipped)."""
         self._gather_master_grads()
+        grads = [m.grad for m in self.master]
         if self.scaler.enabled:
-            for m in self.master:
-                m.grad.div_(self.scaler.scale)
+            torch._foreach_div_(grads, self.scaler.scale)
         norm = self.global_grad_norm()
         overflow = not math.isfinite(norm)
         self.scaler.update(overflow)
         if overflow:
             return norm, True
         if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad:
-            factor = self.cfg.clip_grad / (norm + 1e-6)
-            for m in self.master:
-                m.grad.mul_(factor)
+            torch._foreach_mul_(grads, self.cfg.clip_grad / (norm + 1e-6))
         for group in self.inner.param_groups:
             group["lr"] = lr
         self.inner.step()

@@ -87,6 +87,10 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, chunk_tokens: int 
     if chunk_tokens < 0:
         raise ValueError(f"chunk_tokens={chunk_tokens} must be ≥ 0 (0 = one chunk)")
     vocab_size = vocab_start + logits.shape[-1] if vocab_size is None else vocab_size
+    unsplit = all_reduce is None and vocab_start == 0 and vocab_size == logits.shape[-1]
+    if unsplit and (chunk_tokens == 0 or labels.numel() <= chunk_tokens):
+        # One chunk holds everything: torch's fused log-softmax kernel costs the same memory and is faster.
+        return cross_entropy_reference(logits, labels)
     return _ChunkedCrossEntropy.apply(logits, labels, chunk_tokens, vocab_start, vocab_size,
                                       all_reduce or _no_reduce)
 

@@ -144,8 +144,8 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, labels: torch.Tenso
     (max, target logit, sum of exponentials); `chunk_tokens` > 0 bounds the fp32 working set to that many
     rows (kernels/cross_entropy.py), 0 processes all tokens at once."""
     vocab_start = tp.rank * local_logits.shape[-1]
-    return cross_entropy(local_logits, labels, chunk_tokens, vocab_start, vocab_size,
-                         functools.partial(_all_reduce_over, tp.group))
+    reduce = functools.partial(_all_reduce_over, tp.group) if tp.group is not None else None
+    return cross_entropy(local_logits, labels, chunk_tokens, vocab_start, vocab_size, reduce)
 
 
 def _all_reduce_over(group, tensor: torch.Tensor, op: str) -> None:

@@ -216,7 +216,7 @@ def test_adamw_implementations_agree_with_the_plain_loop():
 
 
 def test_adamw_selection():
-    assert adamw.select_implementation("auto", on_cuda=False) == "foreach"
+    assert adamw.select_implementation("auto", on_cuda=False) == "fused"
     assert adamw.select_implementation("auto", on_cuda=True) == "fused"
     with pytest.raises(RuntimeError, match="implementation=apex needs"):
         adamw.select_implementation("apex", on_cuda=False)
