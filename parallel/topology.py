@@ -18,7 +18,7 @@ DIMS = ("tp", "dp", "pp")
 
 
 class LayoutError(ValueError):
-    pass
+    """A parallel layout that cannot be built; the message has the sizes and the fix."""
 
 
 @dataclass(frozen=True)

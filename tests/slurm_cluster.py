@@ -23,7 +23,7 @@ BINARIES = ("slurmctld", "slurmd", "munged", "sbatch", "scontrol", "squeue", "sc
 
 
 class SlurmUnavailable(RuntimeError):
-    pass
+    """The Debian SLURM packages could not be installed or started on this machine."""
 
 
 def _have_binaries() -> bool:

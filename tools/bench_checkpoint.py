@@ -50,9 +50,9 @@ def raw_bandwidth(directory: Path, nbytes: int) -> tuple[float, float]:
     drop_cache(path)
     start = time.perf_counter()
     with open(path, "rb") as f:
-        while f.read(BLOCK):
-            pass
+        got = sum(len(block) for block in iter(lambda: f.read(BLOCK), b""))
     read = nbytes / (time.perf_counter() - start)
+    assert got == nbytes, f"read back {got} of {nbytes} bytes"
     path.unlink()
     return write, read
 

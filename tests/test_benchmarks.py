@@ -1,0 +1,40 @@
+"""The benchmark tools run and print their ratios against a baseline measured in the same run.
+
+Speed itself is never asserted (README "Benchmarks"); these prove the scripts work on CPU."""
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tool(*args: str) -> str:
+    out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    return out.stdout
+
+
+def test_bench_train_prints_ratio():
+    out = tool("tools/bench_train.py", "--hidden", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--ffn",
+               "64", "--vocab", "64", "--seq", "16", "--batch", "2", "--steps", "2", "--warmup", "1")
+    assert re.search(r"^trilith\s+[\d,]+ tokens/s$", out, re.M)
+    assert re.search(r"^transformers\s+[\d,]+ tokens/s$", out, re.M)
+    assert float(re.search(r"ratio trilith/transformers: ([\d.]+)", out).group(1)) > 0
+
+
+def test_bench_checkpoint_prints_ratios(tmp_path):
+    out = tool("tools/bench_checkpoint.py", "--dir", str(tmp_path), "--hidden", "32", "--layers", "1", "--vocab",
+               "100", "--repeat", "1")
+    assert float(re.search(r"save: .* ratio ([\d.]+) of raw write", out).group(1)) > 0
+    assert float(re.search(r"load: .* ratio ([\d.]+) of raw read", out).group(1)) > 0
+
+
+def test_bench_preprocess_checks_identical_output(tmp_path):
+    tool("tools/stdlib_corpus.py", "--output", str(tmp_path / "c.jsonl"), "--limit", "20")
+    tool("tools/train_tokenizer.py", "--input", str(tmp_path / "c.jsonl"), "--output-dir", str(tmp_path / "tok"),
+         "--vocab-size", "400")
+    out = tool("tools/bench_preprocess.py", "--input", str(tmp_path / "c.jsonl"), "--tokenizer-model",
+               str(tmp_path / "tok" / "tokenizer.json"), "--workers", "1")
+    assert "outputs identical: True" in out
+    assert float(re.search(r"speed-up: ([\d.]+)x", out).group(1)) > 0
