@@ -103,7 +103,7 @@ class Checkpointer:
 
     # ---- save ----------------------------------------------------------------------------------------
     def _owned(self) -> dict:
-        if self.optimizer.replicated_over_dp and self.topo.dp_rank != 0:
+        if not self.optimizer.writes_state:  # an exact replica of a rank that writes
             return {}
         owned = {}
         for name, state in self.optimizer.owned_state().items():

@@ -61,6 +61,8 @@ class MixedPrecisionAdamW:
                            cfg.implementation)
         self.scaler = LossScaler(precision == "fp16")
         self._adam_step = 0
+        # Checkpoint interface: every DP rank holds the same state, so only DP rank 0 writes it.
+        self.writes_state = topo.dp_rank == 0
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -122,7 +124,6 @@ class MixedPrecisionAdamW:
                     p.copy_(m)
 
     # Checkpoint interface (README "Checkpoints"): optimizer state per parameter name as flat fp32 ranges.
-    replicated_over_dp = True  # every DP rank holds the same state, so only DP rank 0 writes it
 
     @property
     def adam_step(self) -> int:

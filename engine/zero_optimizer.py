@@ -19,10 +19,10 @@ from parallel.fsdp import ShardedDataParallel
 
 
 class ZeroAdamW:
-    replicated_over_dp = False
-
     def __init__(self, sdp: ShardedDataParallel, cfg, topo, precision: str):
         self.sdp, self.cfg, self.topo = sdp, cfg, topo
+        # Checkpoint interface: each shard is written once; under HSDP only the first replica group writes.
+        self.writes_state = comm.group_rank(sdp.replicate_group) == 0
         self.master = [u.param_shard.detach().float().clone() for u in sdp.units]
         self.exp_avg = [torch.zeros_like(m) for m in self.master]
         self.exp_avg_sq = [torch.zeros_like(m) for m in self.master]

@@ -160,3 +160,16 @@ def test_reshard_from_3d_zero3(tmp_path):
                          nproc=nproc)
         assert [r["step"] for r in records] == [4], name
         assert abs(records[0]["loss"] - reference) <= 1e-5, (name, records[0]["loss"], reference)
+
+
+def test_hsdp_checkpoint_is_written_once_and_resumes(tmp_path):
+    """ZeRO-3 sharded within pairs, replicated across them: only the first replica group writes."""
+    hsdp = ["parallel.zero_stage=3", "parallel.hsdp_group_size=2"]
+    straight = launch(tmp_path / "a", *hsdp, "checkpoint.interval=2", "checkpoint.exit_after=3", nproc=4)
+    step2 = tmp_path / "a" / "checkpoints" / "step_00000002"
+    for dp in range(4):  # every rank saves its RNG; optimizer state comes from the first replica group only
+        with safe_open(str(step2 / f"tp00-pp00-dp{dp:03d}.safetensors"), "pt") as f:
+            has_state = any(not key.startswith("rng/") for key in f.keys())
+        assert has_state == (dp < 2), dp
+    resumed = launch(tmp_path / "b", *hsdp, f"checkpoint.load={step2}", "checkpoint.exit_after=3", nproc=4)
+    assert resumed[0]["step"] == 3 and resumed[0]["loss"] == straight[-1]["loss"]
