@@ -7,6 +7,7 @@ A failure on any rank raises here with that rank's traceback; a rank that hangs 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import socket
@@ -78,3 +79,14 @@ class WorkerPool:
             p.join(timeout=0 if force else 20)
             if p.is_alive():
                 p.kill()
+
+
+@contextlib.contextmanager
+def worker_pools(*sizes: int):
+    """{size: WorkerPool(size)} for a module's tests, all closed afterwards."""
+    made = {n: WorkerPool(n) for n in sizes}
+    try:
+        yield made
+    finally:
+        for pool in made.values():
+            pool.close()

@@ -11,7 +11,7 @@ from engine.config import ConfigError, from_dict, validate
 from engine.train import Trainer
 from parallel import comm
 from parallel.distributed import DistEnv
-from tests.distributed import WorkerPool
+from tests.distributed import worker_pools
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
@@ -56,10 +56,8 @@ def train_run(rank, world, base, parallel):
 
 @pytest.fixture(scope="module")
 def pools():
-    made = {2: WorkerPool(2), 4: WorkerPool(4)}
-    yield made
-    for p in made.values():
-        p.close()
+    with worker_pools(2, 4) as made:
+        yield made
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from engine.model import CausalLM
 from parallel import comm
 from parallel.tensor import TensorParallel, allreduce_replicated_grads, local_slice
 from parallel.topology import Layout, LayoutError, Topology
-from tests.distributed import WorkerPool
+from tests.distributed import worker_pools
 
 TOL = 1e-5
 SHAPES = {
@@ -22,10 +22,8 @@ SHAPES = {
 
 @pytest.fixture(scope="module")
 def pools():
-    made = {2: WorkerPool(2), 4: WorkerPool(4)}
-    yield made
-    for p in made.values():
-        p.close()
+    with worker_pools(2, 4) as made:
+        yield made
 
 
 def _padded(ref: torch.Tensor, shape) -> torch.Tensor:

@@ -7,7 +7,7 @@
     # Trilith layout A -> layout B (optimizer state included)
     python tools/ckpt_convert.py --load-dir runs/x/checkpoints --save-dir runs/z/checkpoints --tensor 4
 
-`--load-dir` may be a checkpoint (`step_XXXXXXXX/`) or a checkpoints directory (its `latest` is used).
+`--load-dir` may be a checkpoint (`step_<8-digit step>/`) or a checkpoints directory (its `latest` is used).
 """
 from __future__ import annotations
 
