@@ -109,6 +109,12 @@ class DataConfig:
     mock: bool = False  # deterministic random tokens instead of files (tests, benchmarks)
     split: str = "98,2,0"
     cache_dir: str = ""
+    # Documents packed into one sample (data/documents.py): keep attention/positions inside each document,
+    # and skip the loss after an end-of-document token. Megatron-LM's switches of the same names.
+    reset_attention_mask: bool = False
+    reset_position_ids: bool = False
+    eod_mask_loss: bool = False
+    eod_token_id: int = -1  # -1: the end-of-document token of data.tokenizer
 
 
 @dataclass
@@ -355,6 +361,15 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"the interleaved schedule needs the number of micro-batches ({micro_batches} = "
                           f"global_batch_size / (micro_batch_size × dp)) to be a multiple of parallel.pipeline="
                           f"{p.pipeline}")
+    d = cfg.data
+    if (d.reset_attention_mask or d.reset_position_ids or d.eod_mask_loss) and d.eod_token_id < 0 and not d.tokenizer:
+        raise ConfigError("data.reset_attention_mask / reset_position_ids / eod_mask_loss need the end-of-document "
+                          "token: set data.tokenizer (its <|endoftext|> or </s> is used) or data.eod_token_id")
+    if d.eod_token_id >= m.vocab_size:
+        raise ConfigError(f"data.eod_token_id={d.eod_token_id} is outside model.vocab_size={m.vocab_size}")
+    if d.reset_position_ids and m.position_embedding != "rope":
+        raise ConfigError("data.reset_position_ids needs model.position_embedding=rope (ALiBi has no positions; "
+                          "use data.reset_attention_mask to keep documents apart)")
     if not cfg.data.mock and not cfg.data.paths:
         raise ConfigError("data.paths is empty: give dataset prefixes made by tools/preprocess_data.py, "
                           "or set data.mock=true for synthetic tokens")

@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from engine.config import ModelConfig
-from kernels.attention import alibi_bias, alibi_slopes, causal_attention
+from kernels.attention import alibi_slopes, causal_attention
 from kernels.norm import rms_norm
 from kernels.recompute import check_mode, recompute
 from kernels.rope import apply_rope_fused, rope_cos_sin
@@ -83,9 +83,17 @@ class Attention(nn.Module):
             self.v_proj = ReplicatedRowsLinear(cfg.hidden_size, kv * d, tp, residual_std, rows)
         self.o_proj = RowParallelLinear(heads * d, cfg.hidden_size, tp, residual_std)
         self.recompute_core = False  # selective recomputation: keep no attention-core activations
-        if cfg.position_embedding == "alibi":
-            first = tp.rank * self.local_heads
-            self.register_buffer("slopes", alibi_slopes(heads)[first:first + self.local_heads], persistent=False)
+        # ALiBi slopes of this rank's heads, kept in fp32 (not a buffer: model.to(bf16) would round them).
+        first = tp.rank * self.local_heads
+        self.slopes = alibi_slopes(heads)[first:first + self.local_heads] \
+            if cfg.position_embedding == "alibi" else None
+
+    def _apply(self, fn, recurse=True):
+        # model.to(device, dtype) moves the ALiBi slopes to the device but keeps them in fp32.
+        super()._apply(fn, recurse)
+        if self.slopes is not None:
+            self.slopes = self.slopes.to(fn(torch.empty(0)).device)
+        return self
 
     def forward(self, x, rope, segment_ids=None):
         x = self.tp.enter(x)
@@ -94,15 +102,14 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, s, self.local_heads, d).transpose(1, 2)
         k = self.k_proj(x).view(b, s, self.local_kv_heads, d).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.local_kv_heads, d).transpose(1, 2)
-        bias = slopes = None
+        slopes = None
         if self.cfg.position_embedding == "rope":
             cos, sin = rope
             q, k = apply_rope_fused(q, cos, sin), apply_rope_fused(k, cos, sin)
         else:
             slopes = self.slopes
-            bias = alibi_bias(slopes, s, device=x.device)
         p = self.cfg.attention_dropout if self.training else 0.0
-        core = functools.partial(causal_attention, bias=bias, dropout_p=p, backend=self.cfg.attention_backend,
+        core = functools.partial(causal_attention, dropout_p=p, backend=self.cfg.attention_backend,
                                  slopes=slopes, window=self.cfg.attention_window, segment_ids=segment_ids)
         # The tracker is forked outside the recomputed region, so the replay restores the forked state.
         with TRACKER.fork() if p > 0 else contextlib.nullcontext():
@@ -204,9 +211,12 @@ class CausalLM(nn.Module):
             self._rope_cache = {key: rope_cos_sin(seq_length, self.cfg.head_dim, self.cfg.rope_theta, device, dtype)}
         return self._rope_cache[key]
 
-    def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None, segment_ids=None):
-        """inputs: token ids [b, s] on the first stage, else hidden states [b, s(/tp), h]; segment_ids: optional
-        document ids [b, s] of packed sequences (attention never crosses a document boundary).
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None, segment_ids=None,
+                position_ids=None, loss_mask=None):
+        """inputs: token ids [b, s] on the first stage, else hidden states [b, s(/tp), h]. Optional, for
+        documents packed into one sample (data/documents.py), each [b, s] over the full sequence:
+        segment_ids (attention never crosses a document boundary), position_ids (RoPE positions),
+        loss_mask (1 = trained on; the loss is the mean over those tokens).
 
         Returns hidden states (not last stage), this rank's logits slice [b, s, V_padded/tp] (no labels), or
         the mean token loss (labels given)."""
@@ -217,6 +227,8 @@ class CausalLM(nn.Module):
         full_seq = x.shape[1] * (self.tp.size if self.tp.sequence_parallel else 1)
         dtype = x.dtype if x.is_floating_point() else torch.float32
         rope = self._rope(full_seq, x.device, dtype) if self.cfg.position_embedding == "rope" else None
+        if rope is not None and position_ids is not None:  # per-token angles, broadcast over the heads
+            rope = tuple(table[position_ids].unsqueeze(1) for table in rope)
         for layer in self.model.layers.values():
             x = layer(x, rope, segment_ids)
         if not self.post_process:
@@ -224,8 +236,11 @@ class CausalLM(nn.Module):
         logits = F.linear(self.tp.enter(self.model.norm(x)), self.output_weight())
         if labels is None:
             return logits
-        return vocab_parallel_cross_entropy(logits, labels, self.tp, self.cfg.vocab_size,
-                                            chunk_tokens=self.cfg.loss_chunk_tokens).mean()
+        losses = vocab_parallel_cross_entropy(logits, labels, self.tp, self.cfg.vocab_size,
+                                              chunk_tokens=self.cfg.loss_chunk_tokens)
+        if loss_mask is None:
+            return losses.mean()
+        return (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
 
     def full_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
         """Gather the vocabulary slices and drop the padding (generation, evaluation, tests)."""

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from data.documents import document_ids, loss_mask, positions_within_documents
+from data.eod import eod_id_from_tokenizer
 from engine.checkpoint import Checkpointer
 from engine.config import Config, ConfigError, data_parallel_size, load_config, save_config, validate
 from engine.health import HealthMonitor
@@ -29,7 +31,7 @@ from parallel.distributed import DistEnv, describe_failure, init_distributed, sh
 from parallel.p2p import PipelineComm
 from parallel.pipeline_schedules import forward_backward_pipeline
 from parallel.random import seed_all
-from parallel.schedules import forward_backward_no_pipeline
+from parallel.schedules import MicroBatch, forward_backward_no_pipeline
 from parallel.stage_layers import chunk_roles, stage_layer_ids
 from parallel.tensor import TensorParallel
 from parallel.topology import Layout, Topology
@@ -49,6 +51,19 @@ def build_loader(cfg: Config, topo: Topology, consumed_samples: int):
                               cache_dir=cfg.data.cache_dir or None)
     return DistributedBatchLoader(datasets["train"], t.micro_batch_size, t.global_batch_size, topo.dp_rank,
                                   topo.dp_size, consumed_samples=consumed_samples, seed=t.seed)
+
+
+def resolve_eod_id(cfg: Config) -> int | None:
+    """The end-of-document id when documents are treated separately (data.reset_* / eod_mask_loss), else None."""
+    d = cfg.data
+    if not (d.reset_attention_mask or d.reset_position_ids or d.eod_mask_loss):
+        return None
+    if d.eod_token_id >= 0:
+        return d.eod_token_id
+    try:
+        return eod_id_from_tokenizer(d.tokenizer)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 def build_model_chunks(cfg: Config, topo: Topology, tp: TensorParallel) -> list[CausalLM]:
@@ -92,6 +107,7 @@ class Trainer:
         self.pipe = PipelineComm.for_model(self.topo, cfg.model, cfg.train.micro_batch_size, p.sequence_parallel,
                                            self.dtype, env.device) if self.topo.pp_size > 1 else None
         self.schedule_trace = None  # a parallel.pipeline_schedules.ScheduleTrace to record the schedule
+        self.eod_id = resolve_eod_id(cfg)
         self.flops_per_token = flops_per_token(num_parameters(cfg.model), cfg.model.num_layers,
                                                cfg.model.hidden_size, cfg.model.seq_length)
 
@@ -99,8 +115,21 @@ class Trainer:
     def consumed_samples(self) -> int:
         return self.loader.consumed_samples
 
+    def micro_batch(self, tokens: torch.Tensor) -> MicroBatch:
+        """The token batch [b, s + 1] with the document extras that data.reset_* / eod_mask_loss ask for."""
+        d = self.cfg.data
+        if self.eod_id is None:
+            return MicroBatch(tokens)
+        inputs = tokens[:, :-1]
+        docs = document_ids(inputs, self.eod_id)
+        return MicroBatch(tokens, segment_ids=docs if d.reset_attention_mask else None,
+                          position_ids=positions_within_documents(docs) if d.reset_position_ids else None,
+                          loss_mask=loss_mask(inputs, self.eod_id) if d.eod_mask_loss else None)
+
     def forward_backward(self, micro_batches: list) -> torch.Tensor:
-        """Gradients of the step's mean loss; returns that loss (on every pipeline stage)."""
+        """Gradients of the step's mean loss; returns that loss (on every pipeline stage).
+        `micro_batches`: token tensors [b, s + 1] of this rank's share of the global batch."""
+        micro_batches = [self.micro_batch(tokens) for tokens in micro_batches]
         if self.pipe is None:
             return forward_backward_no_pipeline(self.chunks[0], micro_batches, self.optimizer.scaler.scale)
         # tied embedding gradients are summed over the embedding group by data_parallel.finish_gradients()

@@ -2,7 +2,8 @@
 
 All take q [b, hq, s, d] and k, v [b, hkv, s, d] (grouped-query when hkv < hq) and return [b, hq, s, d].
 Optional extras, honoured by every backend:
-  - `bias` [h, s, s]: additive (ALiBi; flash-attn gets the same information as `slopes`);
+  - `slopes` [h] (ALiBi): flash-attn applies them itself; the other backends build the additive bias from
+    them unless `bias` [h, s, s] is given;
   - `window` > 0: sliding window, each query sees itself and the `window - 1` tokens before it;
   - `segment_ids` [b, s]: document ids of packed sequences; a query never sees another document
     (flash-attn runs its varlen kernel on the documents, the others mask).
@@ -134,8 +135,10 @@ def causal_attention(q, k, v, bias=None, dropout_p: float = 0.0, backend: str = 
                      window: int = 0, segment_ids=None):
     """Causal attention through the chosen backend; see the module docstring for the arguments."""
     chosen = select_backend(backend, q)
-    if chosen == "flash":
-        return attention_flash(q, k, v, dropout_p, slopes, window, segment_ids)
+    if chosen == "flash":  # flash-attn applies ALiBi from the slopes itself and wants them in fp32
+        return attention_flash(q, k, v, dropout_p, None if slopes is None else slopes.float(), window, segment_ids)
+    if bias is None and slopes is not None:  # built only here: [h, s, s] is large and flash never needs it
+        bias = alibi_bias(slopes, q.shape[2], q.device)
     if chosen == "sdpa":
         return attention_sdpa(q, k, v, bias, dropout_p, window, segment_ids)
     return attention_reference(q, k, v, bias, dropout_p, window, segment_ids)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from parallel import comm
+from parallel.schedules import MicroBatch
 
 
 @dataclass
@@ -46,10 +47,10 @@ class _Steps:
         self.losses: list[torch.Tensor] = []
 
     def forward(self, chunk_id: int, mb: int, received):
-        chunk, tokens = self.chunks[chunk_id], self.micro_batches[mb]
+        chunk = self.chunks[chunk_id]
         start = time.time()
-        inputs = tokens[:, :-1] if chunk.pre_process else received
-        out = chunk(inputs, tokens[:, 1:] if chunk.post_process else None)
+        args, kwargs = self.micro_batches[mb].forward_args(chunk.pre_process, chunk.post_process, received)
+        out = chunk(*args, **kwargs)
         if chunk.post_process:
             self.losses.append(out.detach().float())
             out = out * self.weight
@@ -198,14 +199,16 @@ SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved}
 
 def forward_backward_pipeline(schedule: str, chunks, micro_batches: list, pipe, loss_scale: float = 1.0,
                               trace: ScheduleTrace | None = None) -> torch.Tensor:
-    """Run one step's schedule; returns the mean micro-batch loss, broadcast from the last stage."""
+    """Run one step's schedule; returns the mean micro-batch loss, broadcast from the last stage.
+    `micro_batches`: MicroBatch objects or plain token tensors [b, s + 1], the same on every stage."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
     if schedule != "interleaved" and len(chunks) != 1:
         raise ValueError(f"{len(chunks)} model chunks per rank need the interleaved schedule, not {schedule!r}")
+    micro_batches = [MicroBatch.of(mb) for mb in micro_batches]
     steps = _Steps(chunks, micro_batches, loss_scale, trace)
     SCHEDULES[schedule](steps, pipe)
-    device = micro_batches[0].device
+    device = micro_batches[0].tokens.device
     loss = torch.stack(steps.losses).mean() if steps.losses else torch.zeros((), device=device)
     comm.broadcast(loss, src=pipe.last_rank, group=pipe.group)
     return loss

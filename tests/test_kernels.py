@@ -57,6 +57,8 @@ def test_sdpa_matches_reference(dtype, shape, variant):
     kw = {"window": {"window": 3}, "documents": {"segment_ids": segments(b, s)},
           "alibi": {"bias": attention.alibi_bias(attention.alibi_slopes(hq), s)}}.get(variant, {})
     want = run_with_grads(lambda *t: attention.attention_reference(*t, **kw), q, k, v)
+    if variant == "alibi":  # what the model passes: the slopes; the bias is built only for non-flash backends
+        kw = {"slopes": attention.alibi_slopes(hq)}
     low = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
     got = run_with_grads(lambda *t: attention.causal_attention(*t, backend="sdpa", **kw), *low)
     assert_close(got, want, dtype, f"sdpa {variant}")
@@ -84,16 +86,20 @@ def test_gqa_equals_repeated_heads():
 
 
 @needs_flash
-@pytest.mark.parametrize("variant", ["causal", "window", "documents"])
+@pytest.mark.parametrize("variant", ["causal", "window", "documents", "alibi"])
 def test_flash_matches_reference_on_cuda(variant):
     b, hq, hkv, s, d = 2, 8, 2, 64, 64
     q, k, v = rand(b, hq, s, d, seed=1), rand(b, hkv, s, d, seed=2), rand(b, hkv, s, d, seed=3)
     ids = segments(b, s)
-    kw = {"window": {"window": 16}, "documents": {"segment_ids": ids}}.get(variant, {})
+    slopes = attention.alibi_slopes(hq)
+    kw = {"window": {"window": 16}, "documents": {"segment_ids": ids},
+          "alibi": {"bias": attention.alibi_bias(slopes, s)}}.get(variant, {})
     want = run_with_grads(lambda *t: attention.attention_reference(*t, **kw), q, k, v)
     low = [t.detach().cuda().to(torch.bfloat16).requires_grad_() for t in (q, k, v)]
     if variant == "documents":
         kw = {"segment_ids": ids.cuda()}
+    if variant == "alibi":  # bf16 slopes on purpose: flash-attn needs fp32 ones, causal_attention converts
+        kw = {"slopes": slopes.cuda().to(torch.bfloat16)}
     got = run_with_grads(lambda *t: attention.causal_attention(*t, backend="flash", **kw), *low)
     assert_close([g.cpu() for g in got], want, torch.bfloat16, f"flash {variant}")
 

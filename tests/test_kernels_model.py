@@ -12,6 +12,7 @@ import torch
 
 from engine.config import ConfigError, ModelConfig, load_config, validate
 from engine.model import CausalLM
+from kernels.attention import alibi_slopes
 from engine.train import Trainer
 from parallel.distributed import DistEnv
 from parallel.random import seed_all
@@ -176,3 +177,9 @@ def test_tensor_parallel_with_recompute_compile_and_chunked_loss():
         assert max(pool.run(tp_kernels_match_single_process)) <= 1e-5
     finally:
         pool.close()
+
+
+def test_alibi_slopes_stay_fp32_in_a_bf16_model():
+    model = make(dataclasses.replace(CFG, position_embedding="alibi"), torch.bfloat16)
+    slopes = next(iter(model.model.layers.values())).self_attn.slopes
+    assert slopes.dtype == torch.float32 and torch.equal(slopes, alibi_slopes(CFG.num_attention_heads))

@@ -27,6 +27,8 @@ import sys
 
 import numpy as np
 
+from data.eod import EOD_NAMES
+
 # Python's `\s` and Oniguruma's `\s` agree on these four; other characters that Python calls
 # whitespace (str.isspace) send the document to the plain encoder.
 SAFE_SPACES = " \t\n\r"
@@ -48,7 +50,6 @@ _JOIN_CHARS = 16384
 HF_TYPES = ("HuggingFaceTokenizer", "HFTokenizer", "PretrainedFromHF")
 SP_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
 GPT2_TYPES = ("GPT2BPETokenizer",)
-EOD_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
 
 
 class _Growable:
