@@ -114,12 +114,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _mpi_rendezvous() -> tuple[str, str]:
+def _mpi_rendezvous(source: str) -> tuple[str, str]:
+    if source == "openmpi":
+        # mpi4py's PyPI wheel carries both the MPICH and the Open MPI ABI and, with the mpich wheel also
+        # installed (the .[mpi] extra), would load MPICH's library, which aborts under Open MPI's PMIx.
+        os.environ.setdefault("MPI4PY_MPIABI", "openmpi")
     try:
         from mpi4py import MPI
     except ImportError as exc:
         raise LaunchError("started by mpirun/mpiexec without MASTER_ADDR/MASTER_PORT, and mpi4py is not "
                           "installed to share them: pip install -e '.[mpi]' (or set both variables)") from exc
+    except RuntimeError as exc:  # mpi4py found no MPI library of the launcher's kind
+        raise LaunchError(f"mpi4py could not load the {source} MPI library ({str(exc).splitlines()[0]}); set "
+                          f"MPI4PY_LIBMPI to the launcher's libmpi.so (or MASTER_ADDR and MASTER_PORT)") from exc
     info = (socket.gethostname(), str(_free_port())) if MPI.COMM_WORLD.Get_rank() == 0 else None
     return MPI.COMM_WORLD.bcast(info, root=0)
 
@@ -138,7 +145,7 @@ def rendezvous(launch: Launch, environ=None) -> tuple[str, str]:
         # The port must agree on every rank without communication: derive it from the job id.
         return addr or expand_nodelist(nodelist)[0], port or str(20000 + int(env.get("SLURM_JOB_ID", 0)) % 20000)
     if launch.source in ("openmpi", "mpich"):
-        mpi_addr, mpi_port = _mpi_rendezvous()
+        mpi_addr, mpi_port = _mpi_rendezvous(launch.source)
         return addr or mpi_addr, port or mpi_port
     raise LaunchError(f"MASTER_ADDR/MASTER_PORT not set for a {launch.source} run of {launch.world_size} ranks: "
                       "start multi-process runs with launch/run_pretrain.sh or torchrun, which set them")
