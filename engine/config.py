@@ -85,6 +85,8 @@ class TrainConfig:
     recompute_after_switch: str = "full"
     micro_batch_size_after_switch: int = 0  # micro batch from the switch step on (0 = unchanged)
     compile: bool = False  # torch.compile each transformer block
+    eval_interval: int = 0  # steps between validation losses (and at the last step); 0 = no evaluation
+    eval_iters: int = 10  # global batches of the validation split per evaluation (the same ones each time)
 
 
 @dataclass
@@ -352,6 +354,9 @@ def validate(cfg: Config, world_size: int) -> None:
         if t.recompute_switch_step < 1:
             raise ConfigError("train.micro_batch_size_after_switch needs train.recompute_switch_step ≥ 1 "
                               "(the step at which the micro batch changes)")
+    if t.eval_interval < 0 or t.eval_iters < 1:
+        raise ConfigError(f"train.eval_interval={t.eval_interval} must be ≥ 0 (0 = off) and train.eval_iters="
+                          f"{t.eval_iters} at least 1")
     if t.recompute_switch_step < 0:
         raise ConfigError(f"train.recompute_switch_step={t.recompute_switch_step} must be ≥ 0 (0 = never switch)")
     if m.attention_window < 0 or m.loss_chunk_tokens < 0:

@@ -40,6 +40,8 @@ class MetricsLog:
         self.file.write(json.dumps(record) + "\n")
         parts = [f"step {record['step']:>6}", f"loss {record['loss']:.4f}", f"lr {record['lr']:.3e}",
                  f"grad_norm {record['grad_norm']:.3f}", f"{record['tokens_per_s']:,.0f} tok/s"]
+        if "eval_loss" in record:
+            parts.append(f"eval loss {record['eval_loss']:.4f} (ppl {record['eval_ppl']:.1f})")
         if record.get("mfu") is not None:
             parts.append(f"MFU {100 * record['mfu']:.1f}%")
         if record.get("skipped"):

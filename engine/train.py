@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import sys
 import time
 from pathlib import Path
@@ -29,9 +30,9 @@ from engine.zero_optimizer import build_data_parallel
 from parallel import comm
 from parallel.distributed import DistEnv, describe_failure, init_distributed, shutdown
 from parallel.p2p import PipelineComm
-from parallel.pipeline_schedules import forward_backward_pipeline
+from parallel.pipeline_schedules import forward_backward_pipeline, forward_only_pipeline
 from parallel.random import seed_all
-from parallel.schedules import MicroBatch, forward_backward_no_pipeline
+from parallel.schedules import MicroBatch, forward_backward_no_pipeline, forward_only_no_pipeline
 from parallel.stage_layers import chunk_roles, stage_layer_ids
 from parallel.tensor import TensorParallel
 from parallel.topology import Layout, Topology
@@ -40,17 +41,37 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 log = logging.getLogger("trilith")
 
 
-def build_loader(cfg: Config, topo: Topology, consumed_samples: int):
-    t = cfg.train
+def build_split_datasets(cfg: Config) -> dict | None:
+    """The train/valid/test datasets of data.paths (None for synthetic data), long enough for train.steps
+    and, when evaluating, for train.eval_iters global batches of validation."""
     if cfg.data.mock:
+        return None
+    from data.loader import build_datasets
+    t = cfg.train
+    num_samples = {"train": t.steps * t.global_batch_size}
+    if t.eval_interval > 0:
+        num_samples["valid"] = t.eval_iters * t.global_batch_size
+    return build_datasets(cfg.data.paths, cfg.model.seq_length, t.seed, split=cfg.data.split,
+                          num_samples=num_samples, cache_dir=cfg.data.cache_dir or None)
+
+
+def build_loader(cfg: Config, topo: Topology, consumed_samples: int, datasets: dict | None = None,
+                 split: str = "train"):
+    """This rank's loader of `split`, starting at global sample `consumed_samples`."""
+    t = cfg.train
+    if cfg.data.mock:  # held-out synthetic samples: the same rule from other starting points (another seed)
+        seed = t.seed if split == "train" else t.seed + 1
         return MockBatchLoader(cfg.model.vocab_size, cfg.model.seq_length, t.micro_batch_size, t.global_batch_size,
-                               topo.dp_rank, topo.dp_size, consumed_samples, seed=t.seed)
-    from data.loader import DistributedBatchLoader, build_datasets
-    datasets = build_datasets(cfg.data.paths, cfg.model.seq_length, t.seed, split=cfg.data.split,
-                              num_samples={"train": t.steps * t.global_batch_size},
-                              cache_dir=cfg.data.cache_dir or None)
-    return DistributedBatchLoader(datasets["train"], t.micro_batch_size, t.global_batch_size, topo.dp_rank,
-                                  topo.dp_size, consumed_samples=consumed_samples, seed=t.seed)
+                               topo.dp_rank, topo.dp_size, consumed_samples, seed=seed)
+    from data.loader import DistributedBatchLoader
+    datasets = datasets or build_split_datasets(cfg)
+    if datasets[split] is None:
+        raise ConfigError(f"data.split={cfg.data.split!r} leaves no documents for the {split} split of data.paths; "
+                          f"give it a share (e.g. \"98,2,0\")" + (" or set train.eval_interval=0"
+                                                                  if split == "valid" else ""))
+    return DistributedBatchLoader(datasets[split], t.micro_batch_size, t.global_batch_size, topo.dp_rank,
+                                  topo.dp_size, consumed_samples=consumed_samples, seed=t.seed,
+                                  prefetch=2 if split == "train" else 0)
 
 
 def resolve_eod_id(cfg: Config) -> int | None:
@@ -103,7 +124,10 @@ class Trainer:
         resumed = self.checkpointer.resume()
         self.step = resumed["step"] if resumed else 0
         self.micro_batch_size = cfg.train.micro_batch_size
-        self.loader = build_loader(cfg, self.topo, consumed_samples=resumed["consumed_samples"] if resumed else 0)
+        self.datasets = build_split_datasets(cfg)
+        if cfg.train.eval_interval > 0:  # a missing validation split fails now, not at the first evaluation
+            build_loader(cfg, self.topo, 0, self.datasets, split="valid")
+        self.loader = build_loader(cfg, self.topo, resumed["consumed_samples"] if resumed else 0, self.datasets)
         self.pipe = PipelineComm.for_model(self.topo, cfg.model, cfg.train.micro_batch_size, p.sequence_parallel,
                                            self.dtype, env.device) if self.topo.pp_size > 1 else None
         self.schedule_trace = None  # a parallel.pipeline_schedules.ScheduleTrace to record the schedule
@@ -153,11 +177,36 @@ class Trainer:
         if micro != self.micro_batch_size:
             # Same global batch and data order, fewer and larger micro-batches: the gradient is unchanged.
             self.micro_batch_size = micro
-            cfg = dataclasses.replace(self.cfg, train=dataclasses.replace(t, micro_batch_size=micro))
-            self.loader = build_loader(cfg, self.topo, consumed_samples=self.consumed_samples)
+            self.loader = build_loader(self._loader_config(), self.topo, self.consumed_samples, self.datasets)
             if self.pipe is not None:  # the stages exchange activations of the new micro-batch shape
                 self.pipe = PipelineComm.for_model(self.topo, self.cfg.model, micro, self.cfg.parallel.sequence_parallel,
                                                    self.dtype, self.env.device)
+
+    def _loader_config(self) -> Config:
+        """The configuration with the micro batch in use now (it changes at train.recompute_switch_step)."""
+        return dataclasses.replace(self.cfg, train=dataclasses.replace(self.cfg.train,
+                                                                       micro_batch_size=self.micro_batch_size))
+
+    def evaluate(self) -> float:
+        """Mean loss over the first train.eval_iters global batches of the validation split: the same samples
+        at every evaluation, dropout off, no gradients, on any layout."""
+        loader = build_loader(self._loader_config(), self.topo, 0, self.datasets, split="valid")
+        for chunk in self.chunks:
+            chunk.eval()
+        total = 0.0
+        for _ in range(self.cfg.train.eval_iters):
+            micro_batches = [self.micro_batch(mb.to(self.env.device)) for mb in loader.next_global_batch()]
+            if self.pipe is None:
+                loss = forward_only_no_pipeline(self.chunks[0], micro_batches)
+            else:
+                loss = forward_only_pipeline(self.chunks, micro_batches, self.pipe)
+            comm.all_reduce(loss, self.topo.dp_group)
+            total += loss.item() / self.topo.dp_size
+        return total / self.cfg.train.eval_iters
+
+    def _evaluation_due(self) -> bool:
+        interval = self.cfg.train.eval_interval
+        return interval > 0 and (self.step % interval == 0 or self.step == self.cfg.train.steps)
 
     def train_step(self) -> dict:
         start = time.perf_counter()
@@ -206,11 +255,16 @@ class Trainer:
             gpu, stop = control.check(self.step) if control else (None, 0)
             while self.step < self.cfg.train.steps and not stop:
                 record = self.train_step()
+                evaluated = self._evaluation_due()
+                if evaluated:
+                    record["eval_loss"] = self.evaluate()
+                    record["eval_ppl"] = math.exp(min(record["eval_loss"], 100.0))
                 gpu, stop = control.check(self.step) if control else (None, 0)
                 if gpu is not None:
                     record["gpu"] = gpu
                 history.append(record)
-                if self.step % self.cfg.train.log_interval == 0 or self.step == self.cfg.train.steps or stop:
+                if (self.step % self.cfg.train.log_interval == 0 or self.step == self.cfg.train.steps or stop
+                        or evaluated):
                     metrics.write(record)
                 if stop:  # preemption or GPU health: save now, whatever the interval says
                     self.save_checkpoint()

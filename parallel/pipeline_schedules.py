@@ -212,3 +212,28 @@ def forward_backward_pipeline(schedule: str, chunks, micro_batches: list, pipe, 
     loss = torch.stack(steps.losses).mean() if steps.losses else torch.zeros((), device=device)
     comm.broadcast(loss, src=pipe.last_rank, group=pipe.group)
     return loss
+
+
+@torch.no_grad()
+def forward_only_pipeline(chunks, micro_batches: list, pipe) -> torch.Tensor:
+    """Evaluation: the mean micro-batch loss without gradients, broadcast from the last stage.
+
+    Each micro-batch runs through this rank's chunks in model order, receiving from the previous stage and
+    sending to the next. Every rank's operations follow one global chain (micro-batch, chunk, stage), so the
+    blocking exchanges cannot deadlock, and without an interleaved ring the stages overlap across
+    micro-batches as in GPipe's forward half."""
+    micro_batches = [MicroBatch.of(mb) for mb in micro_batches]
+    losses = []
+    for mb in micro_batches:
+        for chunk in chunks:
+            received = None if chunk.pre_process else pipe.communicate(recv_prev=True)[0]
+            args, kwargs = mb.forward_args(chunk.pre_process, chunk.post_process, received)
+            out = chunk(*args, **kwargs)
+            if chunk.post_process:
+                losses.append(out.float())
+            else:
+                pipe.communicate(send_next=out)
+    device = micro_batches[0].tokens.device
+    loss = torch.stack(losses).mean() if losses else torch.zeros((), device=device)
+    comm.broadcast(loss, src=pipe.last_rank, group=pipe.group)
+    return loss

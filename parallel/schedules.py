@@ -1,4 +1,4 @@
-"""Micro-batches, and forward/backward over the micro-batches of one step when there is no pipeline."""
+"""Micro-batches, and forward(/backward) over the micro-batches of one step when there is no pipeline."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,3 +42,11 @@ def forward_backward_no_pipeline(model, micro_batches: list, loss_scale: float =
         (loss * (loss_scale / m)).backward()
         total += loss.detach().float()
     return total / m
+
+
+@torch.no_grad()
+def forward_only_no_pipeline(model, micro_batches: list) -> torch.Tensor:
+    """Evaluation: the mean of the micro-batches' mean token losses, no gradients."""
+    losses = [model(*args, **kwargs).float() for args, kwargs in
+              (MicroBatch.of(mb).forward_args(first=True, last=True) for mb in micro_batches)]
+    return torch.stack(losses).mean()

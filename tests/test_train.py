@@ -72,10 +72,23 @@ def test_training_on_preprocessed_shards(tmp_path):
         "--vocab-size", "512")
     run("tools/preprocess_data.py", "--input", str(tmp_path / "c.jsonl"), "--output-prefix", str(tmp_path / "d"),
         "--tokenizer-model", str(tmp_path / "tok" / "tokenizer.json"), "--append-eod", "--workers", "1")
-    records = launch(tmp_path / "run", "data.mock=false", f"data.paths=[{tmp_path / 'd_text_document'}]",
-                     "model.vocab_size=512", "train.steps=6", nproc=2)
+    data = ["data.mock=false", f"data.paths=[{tmp_path / 'd_text_document'}]", "model.vocab_size=512",
+            f"data.tokenizer={tmp_path / 'tok' / 'tokenizer.json'}"]
+    # Validation on the held-out documents (split 90,10,0), documents kept apart (EOD id from the tokenizer).
+    records = launch(tmp_path / "run", *data, "train.steps=6", "data.split=90,10,0", "train.eval_interval=3",
+                     "train.eval_iters=2", "data.reset_attention_mask=true", "data.reset_position_ids=true",
+                     "data.eod_mask_loss=true", nproc=2)
     assert len(records) == 6 and records[-1]["loss"] < records[0]["loss"]
     assert records[-1]["consumed_samples"] == 6 * 8
+    assert [r["step"] for r in records if "eval_loss" in r] == [3, 6]
+    assert records[5]["eval_loss"] < records[2]["eval_loss"]
+
+    no_valid = subprocess.run(["bash", "launch/run_pretrain.sh", "--config", TINY, f"run.dir={tmp_path / 'nv'}",
+                               *data, "data.split=100,0,0", "train.eval_interval=3"], cwd=ROOT, capture_output=True,
+                              text=True, env={"TRILITH_PYTHON": sys.executable, "PATH": "/usr/bin:/bin"})
+    assert no_valid.returncode == 2
+    assert "leaves no documents for the valid split" in no_valid.stderr and "train.eval_interval=0" in no_valid.stderr
+    assert "step      1" not in no_valid.stdout  # refused before training, not at the first evaluation
 
     too_small = subprocess.run(["bash", "launch/run_pretrain.sh", "--config", TINY, f"run.dir={tmp_path / 'bad'}",
                                 "data.mock=false", f"data.paths=[{tmp_path / 'd_text_document'}]",

@@ -38,6 +38,9 @@ rows = [json.loads(l) for l in open("$OUT/run/metrics.jsonl")]
 first, last = rows[0], rows[-1]
 print(f"\nloss fell from {first['loss']:.3f} (step {first['step']}) to {last['loss']:.3f} (step {last['step']})")
 assert last["loss"] < first["loss"], "the demo's loss did not fall"
+evals = [r for r in rows if "eval_loss" in r]
+print("validation loss (held-out files): " + ", ".join(f"{r['eval_loss']:.3f} (step {r['step']})" for r in evals))
+assert evals and evals[-1]["eval_loss"] < evals[0]["eval_loss"], "the demo's validation loss did not fall"
 PYEOF
 
 step "6/6 export to Hugging Face and sample with transformers"
