@@ -138,6 +138,12 @@ class RunConfig:
     health_interval: int = 100  # steps between GPU health readings (NVML); 0 disables them
     max_ecc_errors_per_hour: int = 5  # more new ECC errors than this on one GPU within an hour stops the run
     max_gpu_temperature: int = 0  # °C above which the run stops; 0 = no temperature limit
+    # Training health (engine/monitor.py)
+    grad_norm_alarm: float = 2.0  # warn when the global gradient norm exceeds this; 0 = off
+    monitor_interval: int = 0  # steps between attention-entropy probes; 0 = off
+    attention_entropy_min: float = 0.0  # warn when a layer's mean attention entropy (nats) is below; 0 = off
+    attention_entropy_max: float = 0.0  # ... or above this; 0 = off
+    max_memory_fragmentation: float = 0.3  # CUDA: 1 - peak allocated/reserved above which cached blocks are freed
 
 
 @dataclass
@@ -384,6 +390,13 @@ def validate(cfg: Config, world_size: int) -> None:
     if ck.interval < 0 or ck.keep < 1 or ck.keep_every < 0 or ck.exit_after < 0:
         raise ConfigError(f"checkpoint.interval={ck.interval}, keep={ck.keep}, keep_every={ck.keep_every}, "
                           f"exit_after={ck.exit_after}: keep must be ≥ 1 and the others ≥ 0")
+    r = cfg.run
+    if r.monitor_interval < 0 or r.grad_norm_alarm < 0 or not 0.0 <= r.max_memory_fragmentation < 1.0:
+        raise ConfigError(f"run.monitor_interval={r.monitor_interval} and run.grad_norm_alarm={r.grad_norm_alarm} "
+                          f"must be ≥ 0, run.max_memory_fragmentation={r.max_memory_fragmentation} within [0, 1)")
+    if r.attention_entropy_max and r.attention_entropy_max <= r.attention_entropy_min:
+        raise ConfigError(f"run.attention_entropy_max={r.attention_entropy_max} must exceed "
+                          f"run.attention_entropy_min={r.attention_entropy_min} (0 = no upper bound)")
     if cfg.optim.warmup_steps < 0 or not 0.0 <= cfg.optim.min_lr_ratio <= 1.0:
         raise ConfigError("optim.warmup_steps must be ≥ 0 and optim.min_lr_ratio within [0, 1]")
 

@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from engine.config import ModelConfig
-from kernels.attention import alibi_slopes, causal_attention
+from kernels.attention import alibi_slopes, attention_entropy, causal_attention
 from kernels.norm import rms_norm
 from kernels.recompute import check_mode, recompute
 from kernels.rope import apply_rope_fused, rope_cos_sin
@@ -83,6 +83,7 @@ class Attention(nn.Module):
             self.v_proj = ReplicatedRowsLinear(cfg.hidden_size, kv * d, tp, residual_std, rows)
         self.o_proj = RowParallelLinear(heads * d, cfg.hidden_size, tp, residual_std)
         self.recompute_core = False  # selective recomputation: keep no attention-core activations
+        self.entropy_log: list | None = None  # when a list: (entropy sum, count) of each forward (monitoring)
         # ALiBi slopes of this rank's heads, kept in fp32 (not a buffer: model.to(bf16) would round them).
         first = tp.rank * self.local_heads
         self.slopes = alibi_slopes(heads)[first:first + self.local_heads] \
@@ -108,6 +109,9 @@ class Attention(nn.Module):
             q, k = apply_rope_fused(q, cos, sin), apply_rope_fused(k, cos, sin)
         else:
             slopes = self.slopes
+        if self.entropy_log is not None:
+            self.entropy_log.append(attention_entropy(q, k, window=self.cfg.attention_window,
+                                                      segment_ids=segment_ids, slopes=slopes))
         p = self.cfg.attention_dropout if self.training else 0.0
         core = functools.partial(causal_attention, dropout_p=p, backend=self.cfg.attention_backend,
                                  slopes=slopes, window=self.cfg.attention_window, segment_ids=segment_ids)
@@ -196,6 +200,16 @@ class CausalLM(nn.Module):
         for layer in self.model.layers.values():
             layer.recompute_block = mode == "full"
             layer.self_attn.recompute_core = mode == "selective"
+
+    def capture_attention_entropy(self, on: bool) -> None:
+        """Start (clearing) or stop recording each layer's attention entropy on forward (engine/monitor.py)."""
+        for layer in self.model.layers.values():
+            layer.self_attn.entropy_log = [] if on else None
+
+    def attention_entropy_sums(self) -> dict[int, tuple[float, int]]:
+        """{global layer index: (entropy sum, count)} recorded since capture_attention_entropy(True)."""
+        return {int(i): (sum(e for e, _ in layer.self_attn.entropy_log), sum(c for _, c in layer.self_attn.entropy_log))
+                for i, layer in self.model.layers.items()}
 
     def compile_blocks(self, backend: str = "inductor") -> None:
         """torch.compile each block's body (one graph per block, reused by every layer of the same shape)."""

@@ -25,10 +25,11 @@ from engine.lr_schedule import lr_at
 from engine.metrics import H100_BF16_PEAK_FLOPS, MetricsLog, flops_per_token, peak_memory_gb
 from engine.mock_data import MockBatchLoader
 from engine.model import CausalLM, num_parameters
+from engine.monitor import TrainingMonitor
 from engine.stop import StopControl, StopRun, exit_status
 from engine.zero_optimizer import build_data_parallel
 from parallel import comm
-from parallel.distributed import DistEnv, describe_failure, init_distributed, shutdown
+from parallel.distributed import DistEnv, describe_failure, init_distributed, shutdown, world_group
 from parallel.p2p import PipelineComm
 from parallel.pipeline_schedules import forward_backward_pipeline, forward_only_pipeline
 from parallel.random import seed_all
@@ -132,6 +133,7 @@ class Trainer:
                                            self.dtype, env.device) if self.topo.pp_size > 1 else None
         self.schedule_trace = None  # a parallel.pipeline_schedules.ScheduleTrace to record the schedule
         self.eod_id = resolve_eod_id(cfg)
+        self.monitor = TrainingMonitor(cfg, Path(cfg.run.dir), env.rank, self.topo.dp_size, log.warning)
         self.flops_per_token = flops_per_token(num_parameters(cfg.model), cfg.model.num_layers,
                                                cfg.model.hidden_size, cfg.model.seq_length)
 
@@ -151,7 +153,7 @@ class Trainer:
                           loss_mask=loss_mask(inputs, self.eod_id) if d.eod_mask_loss else None)
 
     def forward_backward(self, micro_batches: list) -> torch.Tensor:
-        """Gradients of the step's mean loss; returns that loss (on every pipeline stage).
+        """Gradients of the step's mean loss; returns each micro-batch's loss [m] (on every pipeline stage).
         `micro_batches`: token tensors [b, s + 1] of this rank's share of the global batch."""
         micro_batches = [self.micro_batch(tokens) for tokens in micro_batches]
         if self.pipe is None:
@@ -213,16 +215,20 @@ class Trainer:
         self.apply_recompute_switch()
         for chunk in self.chunks:
             chunk.train()
+        window_start = self.consumed_samples
         micro_batches = [mb.to(self.env.device, non_blocking=True) for mb in self.loader.next_global_batch()]
         self._check_token_ids(micro_batches)
         self.data_parallel.start_step(len(micro_batches))  # gradients are reduced on the last micro-batch
-        loss = self.forward_backward(micro_batches)
+        micro_losses = self.forward_backward(micro_batches)
         self.data_parallel.finish_gradients()
         lr = lr_at(self.step, self.cfg.train.steps, self.cfg.optim)
         grad_norm, skipped = self.optimizer.step(lr)
         self.optimizer.zero_grad()
-        comm.all_reduce(loss, self.topo.dp_group)
-        loss = loss.item() / self.topo.dp_size
+        # Every rank's micro-batch losses (one small all-reduce, as for the mean alone): NaNs traced by rank.
+        losses_by_rank = torch.zeros(self.topo.dp_size, len(micro_losses), device=micro_losses.device)
+        losses_by_rank[self.topo.dp_rank] = micro_losses
+        comm.all_reduce(losses_by_rank, self.topo.dp_group)
+        loss = losses_by_rank.mean().item()
         self.step += 1
         elapsed = time.perf_counter() - start
         tokens = self.cfg.train.global_batch_size * self.cfg.model.seq_length
@@ -233,7 +239,48 @@ class Trainer:
                   "step_time_s": elapsed, "peak_memory_gb": peak_memory_gb(self.env.device)}
         if self.env.device.type == "cuda":
             record["mfu"] = tokens * self.flops_per_token / elapsed / (H100_BF16_PEAK_FLOPS * self.env.world_size)
+        self._monitor(record, losses_by_rank, window_start, micro_batches[0])
         return record
+
+    def _monitor(self, record: dict, losses_by_rank, window_start: int, first_micro_batch) -> None:
+        """Add the training-health readings of engine/monitor.py to the step's record."""
+        if self.monitor.grad_norm_alarm(self.step, record["grad_norm"]):
+            record["grad_norm_alarm"] = True
+        bad = self.monitor.nonfinite(self.step, losses_by_rank, record["grad_norm"], window_start,
+                                     self.micro_batch_size, self.describe_sample)
+        if bad:
+            record["nonfinite_samples"] = bad
+        record.update(self.monitor.memory(self.step, self.env.device))
+        if self.monitor.entropy_due(self.step):
+            record["attention_entropy"] = self.monitor.attention_entropy(
+                self.step, self.attention_entropy_sums(first_micro_batch))
+
+    def attention_entropy_sums(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[2, num_layers]: attention entropy sums and counts of a no-gradient forward of `tokens`, summed over
+        every rank (heads over TP, layers over PP, samples over DP)."""
+        for chunk in self.chunks:
+            chunk.eval()
+            chunk.capture_attention_entropy(True)
+        if self.pipe is None:
+            forward_only_no_pipeline(self.chunks[0], [self.micro_batch(tokens)])
+        else:
+            forward_only_pipeline(self.chunks, [self.micro_batch(tokens)], self.pipe)
+        sums = torch.zeros(2, self.cfg.model.num_layers, dtype=torch.float64, device=self.env.device)
+        for chunk in self.chunks:
+            for layer, (entropy, count) in chunk.attention_entropy_sums().items():
+                sums[0, layer], sums[1, layer] = entropy, count
+            chunk.capture_attention_entropy(False)
+        comm.all_reduce(sums, world_group())
+        return sums
+
+    def describe_sample(self, index: int) -> dict:
+        """Global training sample `index`: its tokens and, for real data, where each piece comes from."""
+        if self.datasets is None:
+            return {"sample": index, "tokens": self.loader.sample(index).tolist()}
+        from data.loader import sample_provenance
+        dataset = self.datasets["train"]
+        return {"sample": index, "tokens": dataset[index % len(dataset)].tolist(),
+                "pieces": sample_provenance(dataset, index)}
 
     def save_checkpoint(self) -> Path:
         """Save the full training state now (blocks only for the snapshot under checkpoint.async_save)."""

@@ -111,6 +111,25 @@ def attention_flash(q, k, v, dropout_p: float = 0.0, slopes=None, window: int = 
     return out.view(b, s, out.shape[1], out.shape[2]).transpose(1, 2)
 
 
+@torch.no_grad()
+def attention_entropy(q, k, bias=None, window: int = 0, segment_ids=None, slopes=None) -> tuple[float, int]:
+    """(sum over batch, heads and queries of the attention distribution's entropy in nats, number of
+    distributions), with the masks of `causal_attention`. One head at a time: a monitoring probe must not
+    need the [b, h, s, s] scores at once."""
+    groups = q.shape[1] // k.shape[1]
+    if bias is None and slopes is not None:
+        bias = alibi_bias(slopes.float(), q.shape[2], q.device)
+    allowed = allowed_mask(q.shape[2], q.device, window, segment_ids)[:, 0]
+    total = 0.0
+    for h in range(q.shape[1]):
+        scores = (q[:, h].float() @ k[:, h // groups].float().transpose(-2, -1)) / math.sqrt(q.shape[-1])
+        if bias is not None:
+            scores = scores + bias[h].float()
+        log_probs = torch.log_softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+        total += -(log_probs.exp() * log_probs.masked_fill(~allowed, 0.0)).sum().item()
+    return total, q.shape[0] * q.shape[1] * q.shape[2]
+
+
 def select_backend(requested: str, q: torch.Tensor) -> str:
     """The backend that will run for `q`: an explicit request is honoured or refused, `auto` picks."""
     if requested not in BACKENDS:

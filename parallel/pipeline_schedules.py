@@ -199,8 +199,9 @@ SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved}
 
 def forward_backward_pipeline(schedule: str, chunks, micro_batches: list, pipe, loss_scale: float = 1.0,
                               trace: ScheduleTrace | None = None) -> torch.Tensor:
-    """Run one step's schedule; returns the mean micro-batch loss, broadcast from the last stage.
-    `micro_batches`: MicroBatch objects or plain token tensors [b, s + 1], the same on every stage."""
+    """Run one step's schedule; returns each micro-batch's mean token loss ([m], float32, detached),
+    broadcast from the last stage. `micro_batches`: MicroBatch objects or plain token tensors [b, s + 1],
+    the same on every stage."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
     if schedule != "interleaved" and len(chunks) != 1:
@@ -209,9 +210,9 @@ def forward_backward_pipeline(schedule: str, chunks, micro_batches: list, pipe, 
     steps = _Steps(chunks, micro_batches, loss_scale, trace)
     SCHEDULES[schedule](steps, pipe)
     device = micro_batches[0].tokens.device
-    loss = torch.stack(steps.losses).mean() if steps.losses else torch.zeros((), device=device)
-    comm.broadcast(loss, src=pipe.last_rank, group=pipe.group)
-    return loss
+    losses = torch.stack(steps.losses) if steps.losses else torch.zeros(len(micro_batches), device=device)
+    comm.broadcast(losses, src=pipe.last_rank, group=pipe.group)
+    return losses
 
 
 @torch.no_grad()

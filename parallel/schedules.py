@@ -31,17 +31,17 @@ class MicroBatch:
 
 
 def forward_backward_no_pipeline(model, micro_batches: list, loss_scale: float = 1.0) -> torch.Tensor:
-    """Each micro-batch's mean token loss, backpropagated with weight 1/m; returns the mean loss (detached).
-    `micro_batches`: MicroBatch objects or plain token tensors [b, s + 1]."""
+    """Each micro-batch's mean token loss, backpropagated with weight 1/m; returns those losses ([m], float32,
+    detached). `micro_batches`: MicroBatch objects or plain token tensors [b, s + 1]."""
     micro_batches = [MicroBatch.of(mb) for mb in micro_batches]
-    total = torch.zeros((), dtype=torch.float32, device=micro_batches[0].tokens.device)
     m = len(micro_batches)
+    losses = []
     for mb in micro_batches:
         args, kwargs = mb.forward_args(first=True, last=True)
         loss = model(*args, **kwargs)
         (loss * (loss_scale / m)).backward()
-        total += loss.detach().float()
-    return total / m
+        losses.append(loss.detach().float())
+    return torch.stack(losses)
 
 
 @torch.no_grad()

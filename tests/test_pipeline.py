@@ -76,7 +76,7 @@ def pipeline_step(rank, world, pp, schedule, virtual=1, stage_layers=None, tie=F
     pipe = PipelineComm.for_model(topo, cfg.model, MICRO, False, torch.float32, torch.device("cpu"))
     trace = ScheduleTrace()
     with comm.RECORD.capture() as events:
-        loss = forward_backward_pipeline(schedule, chunks, list(mine.split(MICRO)), pipe, trace=trace)
+        loss = forward_backward_pipeline(schedule, chunks, list(mine.split(MICRO)), pipe, trace=trace).mean()
     named = [(n, p) for c in chunks for n, p in c.named_parameters()]
     _sync_gradients(chunks, named, topo)
     comm.all_reduce(loss, topo.dp_group)
@@ -89,7 +89,7 @@ def pipeline_step(rank, world, pp, schedule, virtual=1, stage_layers=None, tie=F
 def _reference(tie: bool):
     model = CausalLM(ModelConfig(**MODEL, tie_embeddings=tie))
     model.init_weights(7)
-    loss = forward_backward_no_pipeline(model, list(_samples().split(MICRO)))
+    loss = forward_backward_no_pipeline(model, list(_samples().split(MICRO))).mean()
     return loss.item(), {n: p.grad for n, p in model.named_parameters()}
 
 

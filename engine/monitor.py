@@ -1,0 +1,115 @@
+"""Training health beyond the loss curve (the seeds' monitoring list).
+
+  - gradient-norm alarm: a warning when the global norm exceeds `run.grad_norm_alarm` (seeds: healthy
+    0.8–1.2, alarm above 2);
+  - non-finite losses traced to their samples: when a micro-batch's loss (or, outside fp16's loss
+    scaling, the gradient norm) is NaN/Inf, the step is skipped and rank 0 writes
+    `run.dir/nonfinite/step_XXXXXXXX.json` naming the global sample indices, their token ids and, for real
+    data, the dataset, document and source file:line of every piece (data.loader.sample_provenance);
+  - attention entropy per layer (every `run.monitor_interval` steps): a no-gradient probe forward of the
+    step's first micro-batch, averaged over heads, queries, TP/PP/DP ranks, with a warning outside
+    [`run.attention_entropy_min`, `run.attention_entropy_max`] (seeds: healthy about 2–5 nats);
+  - GPU memory fragmentation, 1 − peak allocated / peak reserved over the step: above
+    `run.max_memory_fragmentation` the caching allocator's free blocks are released (`empty_cache`).
+
+Every rank runs the same checks (they share collectives); only rank 0 writes and warns.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from engine.config import Config
+
+
+class TrainingMonitor:
+    def __init__(self, cfg: Config, run_dir: Path, rank: int, dp_size: int, console):
+        self.cfg, self.run_dir, self.console = cfg, Path(run_dir), console
+        self.is_reporter = rank == 0
+        self.dp_size = dp_size
+
+    # -- gradient norm ---------------------------------------------------------------------------------
+    def grad_norm_alarm(self, step: int, grad_norm: float) -> bool:
+        limit = self.cfg.run.grad_norm_alarm
+        alarm = limit > 0 and math.isfinite(grad_norm) and grad_norm > limit
+        if alarm and self.is_reporter:
+            self.console(f"WARNING step {step}: grad_norm {grad_norm:.3f} above run.grad_norm_alarm={limit}")
+        return alarm
+
+    # -- non-finite losses -----------------------------------------------------------------------------
+    def nonfinite(self, step: int, losses_by_rank: torch.Tensor, grad_norm: float, window_start: int,
+                  micro_batch_size: int, describe) -> list[int]:
+        """Global sample indices behind a non-finite step (empty if the step is sound). losses_by_rank:
+        [dp, m] micro-batch losses; window_start: the step's first global sample; describe(i): a dict
+        telling where sample i comes from (with its tokens)."""
+        bad = (~torch.isfinite(losses_by_rank)).nonzero().tolist()
+        norm_bad = not math.isfinite(grad_norm) and self.cfg.train.precision != "fp16"
+        if not bad and not norm_bad:
+            return []
+        per_rank = self.cfg.train.global_batch_size // self.dp_size
+        if bad:  # the micro-batches whose loss is not finite
+            groups = [(r, k, window_start + r * per_rank + k * micro_batch_size) for r, k in bad]
+            why = "non-finite loss"
+        else:  # finite losses, non-finite gradients: the whole batch is suspect
+            groups = [(r, k, window_start + r * per_rank + k * micro_batch_size)
+                      for r in range(self.dp_size) for k in range(per_rank // micro_batch_size)]
+            why = "non-finite gradient norm with finite losses"
+        samples = [i for _, _, first in groups for i in range(first, first + micro_batch_size)]
+        if self.is_reporter:
+            report = {"step": step, "reason": why, "grad_norm": str(grad_norm),
+                      "micro_batches": [{"dp_rank": r, "micro_batch": k,
+                                         "loss": str(losses_by_rank[r, k].item()),
+                                         "samples": [describe(i) for i in range(first, first + micro_batch_size)]}
+                                        for r, k, first in groups]}
+            path = self.run_dir / "nonfinite" / f"step_{step:08d}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(report, indent=1, default=lambda v: v.item() if hasattr(v, "item") else str(v)))
+            self.console(f"WARNING step {step}: {why} in samples {_ranges(samples)}; step skipped, "
+                         f"details in {path}")
+        return samples
+
+    # -- attention entropy -----------------------------------------------------------------------------
+    def entropy_due(self, step: int) -> bool:
+        interval = self.cfg.run.monitor_interval
+        return interval > 0 and step % interval == 0
+
+    def attention_entropy(self, step: int, sums: torch.Tensor) -> list[float]:
+        """sums: [2, num_layers] (entropy sums, counts) already summed over every rank."""
+        per_layer = (sums[0] / sums[1].clamp(min=1)).tolist()
+        low, high = self.cfg.run.attention_entropy_min, self.cfg.run.attention_entropy_max
+        outside = [(i, e) for i, e in enumerate(per_layer) if (low > 0 and e < low) or (high > 0 and e > high)]
+        if outside and self.is_reporter:
+            layers = ", ".join(f"layer {i}: {e:.2f}" for i, e in outside)
+            self.console(f"WARNING step {step}: attention entropy outside [{low}, {high}] nats: {layers}")
+        return per_layer
+
+    # -- memory ----------------------------------------------------------------------------------------
+    def memory(self, step: int, device: torch.device) -> dict:
+        """Peak allocated/reserved of the step on CUDA, releasing cached blocks when fragmentation is high."""
+        if device.type != "cuda":
+            return {}
+        allocated, reserved = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+        fragmentation = 1.0 - allocated / reserved if reserved else 0.0
+        limit = self.cfg.run.max_memory_fragmentation
+        if limit > 0 and fragmentation > limit:
+            torch.cuda.empty_cache()
+            if self.is_reporter:
+                self.console(f"WARNING step {step}: memory fragmentation {fragmentation:.2f} above "
+                             f"run.max_memory_fragmentation={limit}; released the allocator's cached blocks")
+        torch.cuda.reset_peak_memory_stats(device)
+        return {"memory_reserved_gb": reserved / 2**30, "memory_fragmentation": fragmentation}
+
+
+def _ranges(indices: list[int]) -> str:
+    """[3, 4, 5, 9] -> "3-5, 9"."""
+    out, start = [], None
+    for i, x in enumerate(indices):
+        if start is None:
+            start = x
+        if i + 1 == len(indices) or indices[i + 1] != x + 1:
+            out.append(f"{start}-{x}" if x != start else f"{x}")
+            start = None
+    return ", ".join(out)

@@ -1,0 +1,134 @@
+"""Training health (engine/monitor.py): a NaN is traced to the samples that caused it, on one process and
+across data- and pipeline-parallel ranks; attention entropy per layer is what the attention does and
+the same on every layout (≤ 1e-5); the gradient-norm alarm fires above its threshold only."""
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import ConfigError, load_config, validate
+from engine.monitor import _ranges
+from engine.train import Trainer
+from parallel.distributed import DistEnv
+from tests.distributed import worker_pools
+
+TINY = "launch/configs/tiny.yaml"
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with worker_pools(4) as made:
+        yield made[4]
+
+
+def make(rank, world, *overrides) -> Trainer:
+    cfg = load_config(TINY, ["model.num_layers=2", *overrides])
+    validate(cfg, world)
+    return Trainer(cfg, DistEnv(rank, world))
+
+
+def poison(trainer: Trainer, sample: torch.Tensor) -> None:
+    """Make the loss NaN for any micro-batch that contains `sample` (a stand-in for a bad batch)."""
+    for chunk in trainer.chunks:
+        if not chunk.post_process:
+            continue
+        forward = chunk.forward
+
+        def poisoned(inputs, labels=None, _forward=forward, **kwargs):
+            out = _forward(inputs, labels, **kwargs)
+            hit = labels is not None and (labels == sample[1:]).all(dim=1).any()
+            return out * float("nan") if hit else out
+        chunk.forward = poisoned
+
+
+def nan_run(rank, world, run_dir, bad_index, *overrides):
+    trainer = make(rank, world, f"run.dir={run_dir}", *overrides)
+    poison(trainer, trainer.loader.sample(bad_index))
+    before = [p.detach().clone() for _, p in trainer.named_params]
+    records = [trainer.train_step() for _ in range(3)]
+    return records, before, trainer
+
+
+def test_a_nan_loss_is_traced_to_its_samples_and_the_step_is_skipped(tmp_path):
+    # Global batch 8, micro-batch 2: sample 13 is the second micro-batch... of step 2 (samples 8-15): 12-13.
+    records, _, trainer = nan_run(0, 1, tmp_path, 13)
+    assert [r["skipped"] for r in records] == [False, True, False]
+    assert records[1]["nonfinite_samples"] == [12, 13] and math.isnan(records[1]["loss"])
+    assert all(math.isfinite(records[i]["loss"]) for i in (0, 2))
+    report = json.loads((tmp_path / "nonfinite" / "step_00000002.json").read_text())
+    assert report["reason"] == "non-finite loss"
+    [entry] = report["micro_batches"]
+    assert (entry["dp_rank"], entry["micro_batch"]) == (0, 2)
+    assert [s["sample"] for s in entry["samples"]] == [12, 13]
+    assert entry["samples"][1]["tokens"] == trainer.loader.sample(13).tolist()
+    assert not (tmp_path / "nonfinite" / "step_00000001.json").exists()
+
+
+def nan_under_layout(rank, world, run_dir):
+    records, before, trainer = nan_run(rank, world, run_dir, 14, "parallel.pipeline=2")
+    return records[1]["nonfinite_samples"], records[1]["skipped"], trainer.topo.dp_rank
+
+
+def test_nan_on_another_data_parallel_rank_is_named_by_rank_0(pool, tmp_path):
+    # PP2 × DP2: step 2's samples 12-15 belong to DP rank 1; 14 is in its second micro-batch (14-15).
+    results = pool.run(nan_under_layout, tmp_path)
+    assert all(r[:2] == ([14, 15], True) for r in results), results
+    [entry] = json.loads((tmp_path / "nonfinite" / "step_00000002.json").read_text())["micro_batches"]
+    assert (entry["dp_rank"], entry["micro_batch"]) == (1, 1)
+
+
+def entropies(rank, world, *overrides):
+    trainer = make(rank, world, "run.monitor_interval=1", "run.dir=/tmp/trilith-monitor-unused", *overrides)
+    return [trainer.train_step()["attention_entropy"] for _ in range(2)]
+
+
+def test_attention_entropy_of_a_fresh_model_is_near_uniform_and_then_moves():
+    first, second = entropies(0, 1)
+    s = 32  # tiny.yaml's seq_length: a query at position i sees i + 1 keys
+    uniform = sum(math.log(i + 1) for i in range(s)) / s
+    assert len(first) == 2 and all(abs(e - uniform) <= 0.05 for e in first), (first, uniform)
+    assert first != second
+
+
+def test_attention_entropy_is_the_same_on_every_layout(pool):
+    # Data parallelism is left out: each DP rank probes its own first micro-batch, so DP=2 averages two.
+    reference = entropies(0, 1)
+    for layout in (["parallel.tensor=2", "parallel.pipeline=2", "parallel.sequence_parallel=true"],
+                   ["parallel.tensor=4"]):  # 4 query heads, 2 KV heads: KV replicated over TP
+        for got in pool.run(entropies, *layout):
+            worst = max(abs(a - b) for step_a, step_b in zip(got, reference) for a, b in zip(step_a, step_b))
+            assert worst <= 1e-5, (layout, got, reference)
+
+
+def test_entropy_warning_and_grad_norm_alarm(tmp_path):
+    warnings = []
+    trainer = make(0, 1, f"run.dir={tmp_path}", "run.monitor_interval=1", "run.attention_entropy_min=2.8",
+                   "run.grad_norm_alarm=0.01")
+    trainer.monitor.console = warnings.append
+    record = trainer.train_step()
+    assert record["grad_norm_alarm"] is True
+    assert any("grad_norm" in w and "run.grad_norm_alarm=0.01" in w for w in warnings)
+    assert any("attention entropy outside [2.8, 0.0]" in w and "layer 0" in w for w in warnings)
+    quiet = make(0, 1, f"run.dir={tmp_path / 'q'}", "run.grad_norm_alarm=0")
+    quiet.monitor.console = warnings.append
+    before = len(warnings)
+    assert "grad_norm_alarm" not in quiet.train_step() and len(warnings) == before
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="memory fragmentation is read from the CUDA allocator")
+def test_memory_fragmentation_is_reported_on_cuda(tmp_path):
+    trainer = make(0, 1, f"run.dir={tmp_path}", "train.device=cuda")
+    record = trainer.train_step()
+    assert 0.0 <= record["memory_fragmentation"] < 1.0 and record["memory_reserved_gb"] > 0
+
+
+def test_ranges_and_validation():
+    assert _ranges([3, 4, 5, 9, 11, 12]) == "3-5, 9, 11-12"
+    for overrides, message in ((["run.monitor_interval=-1"], "monitor_interval=-1"),
+                               (["run.attention_entropy_min=3", "run.attention_entropy_max=2"], "must exceed"),
+                               (["run.max_memory_fragmentation=1.5"], "within")):
+        with pytest.raises(ConfigError, match=message):
+            validate(load_config(TINY, overrides), 1)
+    assert Path(TINY).exists()
