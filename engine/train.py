@@ -24,7 +24,7 @@ from engine.mock_data import MockBatchLoader
 from engine.model import CausalLM, num_parameters
 from engine.stop import StopControl, StopRun, exit_status
 from engine.zero_optimizer import build_data_parallel
-from parallel import comm
+from parallel import comm, heartbeat
 from parallel.distributed import DistEnv, describe_failure, init_distributed, shutdown
 from parallel.p2p import PipelineComm
 from parallel.pipeline_schedules import forward_backward_pipeline
@@ -87,6 +87,7 @@ class Trainer:
         self.checkpointer = Checkpointer(cfg, self.topo, self.named_params, self.optimizer)
         resumed = self.checkpointer.resume()
         self.step = resumed["step"] if resumed else 0
+        heartbeat.set_step(self.step)
         self.micro_batch_size = cfg.train.micro_batch_size
         self.loader = build_loader(cfg, self.topo, consumed_samples=resumed["consumed_samples"] if resumed else 0)
         self.pipe = PipelineComm.for_model(self.topo, cfg.model, cfg.train.micro_batch_size, p.sequence_parallel,
@@ -146,6 +147,7 @@ class Trainer:
         comm.all_reduce(loss, self.topo.dp_group)
         loss = loss.item() / self.topo.dp_size
         self.step += 1
+        heartbeat.set_step(self.step)
         elapsed = time.perf_counter() - start
         tokens = self.cfg.train.global_batch_size * self.cfg.model.seq_length
         record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": skipped,
@@ -191,6 +193,8 @@ class Trainer:
         except Exception as exc:
             if self.env.world_size > 1:  # a dead or hung peer: say who we are and where we waited
                 print(describe_failure(exc, self.env, self.step), file=sys.stderr, flush=True)
+                print(f"trilith: rank {self.env.rank}: {heartbeat.peer_report(self.env.world_size, self.env.rank)}",
+                      file=sys.stderr, flush=True)
             raise
         if stop:
             control.barrier()

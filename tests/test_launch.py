@@ -120,8 +120,10 @@ def test_killed_rank_ends_the_job_with_its_name_and_the_last_checkpoint_loads(tm
             proc.wait()
     assert proc.returncode != 0
     assert "rank      : 1" in out and "Signal 9 (SIGKILL)" in out, out[-3000:]  # torchrun's summary: the dead one
-    # The survivor says where it waited: a comm collective and its caller, or an async bucket wait.
+    # The survivor says where it waited: a comm collective and its caller, or an async bucket wait; then,
+    # from the heartbeats, that its peer went silent.
     assert re.search(r"trilith: rank 0 of 2 on \S+ failed in \w+ \((called from )?\S+\.py:\d+", out), out[-3000:]
+    assert re.search(r"trilith: rank 0: heartbeats: rank 1 on host \S+ silent for \d+ s", out), out[-3000:]
     _resume_one_step(tmp_path, _latest_step(tmp_path))
 
 
@@ -142,6 +144,9 @@ def test_hung_rank_times_out_in_the_named_collective(tmp_path):
             proc.wait()
     assert proc.returncode != 0
     assert re.search(r"trilith: rank 0 of 2 on \S+ failed in \w+ \(.*([Tt]imed out|timeout)", out), out[-3000:]
+    # The stopped rank stopped beating when it stopped: silent for about the collective timeout.
+    silent = re.search(r"trilith: rank 0: heartbeats: rank 1 on host \S+ silent for (\d+) s", out)
+    assert silent and int(silent.group(1)) >= 10, out[-3000:]
 
 
 def test_sigterm_to_the_launcher_stops_every_rank_with_a_checkpoint_and_exit_3(tmp_path):
