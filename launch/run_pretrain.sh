@@ -110,17 +110,19 @@ if [[ "$NPROC" -gt 1 || "$NNODES" -gt 1 ]]; then
   trap 'rm -f "$TRILITH_STOP_FILE"' EXIT
   "$PY" -m torch.distributed.run "${RDZV[@]}" --nproc-per-node "$NPROC" -m "$MODULE" "${ARGS[@]}" &
   TORCHRUN=$!
-  # A stop signal goes to the ranks (torchrun's children) themselves: torchrun would answer it by killing
-  # them 30 s later and failing. Before the ranks exist, it just ends torchrun.
-  stop_ranks() {
+  # Signals for the job go to the ranks (torchrun's children) themselves: SIGTERM/SIGUSR1 stop them after
+  # a checkpoint (torchrun would kill them 30 s later and fail); SIGINT interrupts them as it would one
+  # process (a Ctrl-C reaches torchrun too, which then does the same). Before the ranks exist, torchrun is
+  # just ended.
+  signal_ranks() {
     local ranks
     ranks="$(cat /proc/"$TORCHRUN"/task/*/children 2>/dev/null || true)"
     if [[ -n "$ranks" ]]; then kill -s "$1" $ranks 2>/dev/null || true
     else kill -s TERM "$TORCHRUN" 2>/dev/null || true; fi
   }
-  trap 'stop_ranks TERM' TERM
-  trap 'stop_ranks USR1' USR1
-  trap 'kill -s INT "$TORCHRUN" 2>/dev/null || true' INT  # interrupt: torchrun tears the ranks down
+  trap 'signal_ranks TERM' TERM
+  trap 'signal_ranks USR1' USR1
+  trap 'signal_ranks INT' INT
   # A trapped signal interrupts `wait` while torchrun still runs: wait again until it has exited.
   while kill -0 "$TORCHRUN" 2>/dev/null; do wait "$TORCHRUN" || true; done
   status=0
