@@ -28,7 +28,7 @@ from engine.model import CausalLM, num_parameters
 from engine.monitor import TrainingMonitor
 from engine.stop import StopControl, StopRun, exit_status
 from engine.zero_optimizer import build_data_parallel
-from parallel import comm
+from parallel import comm, heartbeat
 from parallel.distributed import DistEnv, describe_failure, init_distributed, shutdown, world_group
 from parallel.p2p import PipelineComm
 from parallel.pipeline_schedules import forward_backward_pipeline, forward_only_pipeline
@@ -124,6 +124,7 @@ class Trainer:
         self.checkpointer = Checkpointer(cfg, self.topo, self.named_params, self.optimizer)
         resumed = self.checkpointer.resume()
         self.step = resumed["step"] if resumed else 0
+        heartbeat.set_step(self.step)
         self.micro_batch_size = cfg.train.micro_batch_size
         self.datasets = build_split_datasets(cfg)
         if cfg.train.eval_interval > 0:  # a missing validation split fails now, not at the first evaluation
@@ -230,6 +231,7 @@ class Trainer:
         comm.all_reduce(losses_by_rank, self.topo.dp_group)
         loss = losses_by_rank.mean().item()
         self.step += 1
+        heartbeat.set_step(self.step)
         elapsed = time.perf_counter() - start
         tokens = self.cfg.train.global_batch_size * self.cfg.model.seq_length
         record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": skipped,
@@ -321,6 +323,8 @@ class Trainer:
         except Exception as exc:
             if self.env.world_size > 1:  # a dead or hung peer: say who we are and where we waited
                 print(describe_failure(exc, self.env, self.step), file=sys.stderr, flush=True)
+                print(f"trilith: rank {self.env.rank}: {heartbeat.peer_report(self.env.world_size, self.env.rank)}",
+                      file=sys.stderr, flush=True)
             raise
         if stop:
             control.barrier()

@@ -102,6 +102,32 @@ if [[ "$NPROC" -gt 1 || "$NNODES" -gt 1 ]]; then
     [[ -n "$MASTER" ]] || { echo "run_pretrain.sh: --nnodes $NNODES needs --master-addr (node 0's address)" >&2; exit 2; }
     RDZV=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --master-addr "$MASTER" --master-port "${PORT:-29500}")
   fi
-  exec "$PY" -m torch.distributed.run "${RDZV[@]}" --nproc-per-node "$NPROC" -m "$MODULE" "${ARGS[@]}"
+  # torchrun reports any non-zero rank exit as its own failure (1), so the ranks exit 0 from an early stop
+  # and rank 0 leaves the code (3 preempted, 4 GPU health) here; see engine/stop.py. With --nnodes > 1
+  # only node 0's launcher holds rank 0 and returns the code; the other nodes return 0.
+  TRILITH_STOP_FILE="$(mktemp "${TMPDIR:-/tmp}/trilith-stop.XXXXXX")"
+  export TRILITH_STOP_FILE
+  trap 'rm -f "$TRILITH_STOP_FILE"' EXIT
+  "$PY" -m torch.distributed.run "${RDZV[@]}" --nproc-per-node "$NPROC" -m "$MODULE" "${ARGS[@]}" &
+  TORCHRUN=$!
+  # Signals for the job go to the ranks (torchrun's children) themselves: SIGTERM/SIGUSR1 stop them after
+  # a checkpoint (torchrun would kill them 30 s later and fail); SIGINT interrupts them as it would one
+  # process (a Ctrl-C reaches torchrun too, which then does the same). Before the ranks exist, torchrun is
+  # just ended.
+  signal_ranks() {
+    local ranks
+    ranks="$(cat /proc/"$TORCHRUN"/task/*/children 2>/dev/null || true)"
+    if [[ -n "$ranks" ]]; then kill -s "$1" $ranks 2>/dev/null || true
+    else kill -s TERM "$TORCHRUN" 2>/dev/null || true; fi
+  }
+  trap 'signal_ranks TERM' TERM
+  trap 'signal_ranks USR1' USR1
+  trap 'signal_ranks INT' INT
+  # A trapped signal interrupts `wait` while torchrun still runs: wait again until it has exited.
+  while kill -0 "$TORCHRUN" 2>/dev/null; do wait "$TORCHRUN" || true; done
+  status=0
+  wait "$TORCHRUN" || status=$?
+  if [[ -s "$TRILITH_STOP_FILE" ]]; then status="$(cat "$TRILITH_STOP_FILE")"; fi
+  exit "$status"
 fi
 exec "$PY" -m "$MODULE" "${ARGS[@]}"

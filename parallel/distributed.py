@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from parallel import comm
+from parallel import comm, heartbeat
 
 SCHEDULERS = (  # (name, rank, world size, local rank) in priority order
     ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK"),
@@ -175,6 +175,7 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_minute
                                 world_size=launch.world_size, timeout=_TIMEOUT,
                                 device_id=dev if dev.type == "cuda" else None)
         comm.register_group(dist.group.WORLD, "world")
+        heartbeat.start(launch.rank)  # lets a rank whose collective fails name a dead or frozen peer
     return DistEnv(launch.rank, launch.world_size, launch.local_rank, dev, chosen, launch.source)
 
 
@@ -194,6 +195,7 @@ def world_group():
 def shutdown(clean: bool) -> None:
     """Leave torch.distributed. After a clean run, first wait for every rank, so that no rank closes its
     connections while a peer's transport threads still use them (seen as an abort at exit under gloo)."""
+    heartbeat.stop()
     if not dist.is_initialized():
         return
     if clean and world_group() is not None:
@@ -216,5 +218,5 @@ def describe_failure(exc: BaseException, env: DistEnv, step: int) -> str:
         where = f"{frames[-1].name} ({os.path.relpath(frames[-1].filename)}:{frames[-1].lineno})" if frames else "?"
     return (f"trilith: rank {env.rank} of {env.world_size} on {socket.gethostname()} failed in {where} during "
             f"step {step + 1}: {type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
-            " -- a peer rank died or hung (collectives time out after parallel.timeout_minutes); the launcher's "
-            "summary names a dead one")
+            " -- a peer rank died or hung (collectives time out after parallel.timeout_minutes); the next line "
+            "names silent peers, the launcher's summary a dead one")

@@ -1,4 +1,5 @@
-"""launch/run_pretrain.sh started the ways users start it: two "nodes" on localhost, mpiexec, a killed rank.
+"""launch/run_pretrain.sh started the ways users start it: two "nodes" on localhost, mpiexec, a killed rank, a
+hung rank, a preempted launcher.
 
 Every multi-rank run must follow the single-process loss curve (≤ 1e-4 per step): same data, same model.
 """
@@ -36,8 +37,9 @@ def finish(proc: subprocess.Popen, timeout: float = 240) -> str:
     return out
 
 
-def popen(cmd: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def popen(cmd: list[str], **env: str) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=ROOT, env={**ENV, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
 
 
 @pytest.fixture(scope="module")
@@ -80,22 +82,37 @@ def _rank_of(pid: int) -> str:
     return next((e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"RANK=")), "")
 
 
-def _start_and_pick_rank1(run_dir: Path, timeout_minutes: float, *extra: str) -> tuple[subprocess.Popen, int]:
+def _start_two_ranks(run_dir: Path, timeout_minutes: float, *extra: str, **env: str) -> subprocess.Popen:
+    """A long --nproc 2 run, returned once it has logged three steps."""
     cmd = script("--nproc", "2", run_dir=run_dir)[:-1] + ["train.steps=100000",
                                                           f"parallel.timeout_minutes={timeout_minutes}", *extra]
-    proc = popen(cmd)
+    proc = popen(cmd, **env)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
         assert proc.poll() is None, proc.communicate()[0][-3000:]
         time.sleep(0.2)
-    return proc, next(p for p in _children(proc.pid) if _rank_of(p) == "1")
+    return proc
+
+
+def _rank_pid(proc: subprocess.Popen, rank: str) -> int:
+    return next(p for p in _children(proc.pid) if _rank_of(p) == rank)
+
+
+def _latest_step(run_dir: Path) -> int:
+    return int(re.search(r"(\d+)$", (run_dir / "checkpoints" / "latest").read_text().strip()).group(1))
+
+
+def _resume_one_step(run_dir: Path, step: int) -> None:
+    resumed = subprocess.run(script(run_dir=run_dir)[:-1] + [f"train.steps={step + 1}"], cwd=ROOT, env=ENV,
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0 and f"at step {step}" in resumed.stdout, resumed.stdout[-3000:] + resumed.stderr
 
 
 def test_killed_rank_ends_the_job_with_its_name_and_the_last_checkpoint_loads(tmp_path):
-    proc, victim = _start_and_pick_rank1(tmp_path, 0.5, "checkpoint.interval=2")
+    proc = _start_two_ranks(tmp_path, 0.5, "checkpoint.interval=2")
     try:
-        os.kill(victim, signal.SIGKILL)
+        os.kill(_rank_pid(proc, "1"), signal.SIGKILL)
         out, _ = proc.communicate(timeout=90)  # the survivor sees the closed connection at once
     finally:
         if proc.poll() is None:
@@ -103,17 +120,16 @@ def test_killed_rank_ends_the_job_with_its_name_and_the_last_checkpoint_loads(tm
             proc.wait()
     assert proc.returncode != 0
     assert "rank      : 1" in out and "Signal 9 (SIGKILL)" in out, out[-3000:]  # torchrun's summary: the dead one
-    # The survivor says where it waited: a comm collective and its caller, or an async bucket wait.
+    # The survivor says where it waited: a comm collective and its caller, or an async bucket wait; then,
+    # from the heartbeats, that its peer went silent.
     assert re.search(r"trilith: rank 0 of 2 on \S+ failed in \w+ \((called from )?\S+\.py:\d+", out), out[-3000:]
-    latest = (tmp_path / "checkpoints" / "latest").read_text().strip()
-    step = int(re.search(r"(\d+)$", latest).group(1))
-    resumed = subprocess.run(script(run_dir=tmp_path)[:-1] + [f"train.steps={step + 1}"], cwd=ROOT, env=ENV,
-                             capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0 and f"at step {step}" in resumed.stdout, resumed.stdout[-3000:] + resumed.stderr
+    assert re.search(r"trilith: rank 0: heartbeats: rank 1 on host \S+ silent for \d+ s", out), out[-3000:]
+    _resume_one_step(tmp_path, _latest_step(tmp_path))
 
 
 def test_hung_rank_times_out_in_the_named_collective(tmp_path):
-    proc, victim = _start_and_pick_rank1(tmp_path, 0.2)  # 12 s collective timeout, data-parallel group included
+    proc = _start_two_ranks(tmp_path, 0.2)  # 12 s collective timeout, data-parallel group included
+    victim = _rank_pid(proc, "1")
     try:
         os.kill(victim, signal.SIGSTOP)
         rank0 = [p for p in _children(proc.pid) if _rank_of(p) == "0"]
@@ -128,6 +144,29 @@ def test_hung_rank_times_out_in_the_named_collective(tmp_path):
             proc.wait()
     assert proc.returncode != 0
     assert re.search(r"trilith: rank 0 of 2 on \S+ failed in \w+ \(.*([Tt]imed out|timeout)", out), out[-3000:]
+    # The stopped rank stopped beating when it stopped: silent for about the collective timeout.
+    silent = re.search(r"trilith: rank 0: heartbeats: rank 1 on host \S+ silent for (\d+) s", out)
+    assert silent and int(silent.group(1)) >= 10, out[-3000:]
+
+
+def test_sigterm_to_the_launcher_stops_every_rank_with_a_checkpoint_and_exit_3(tmp_path):
+    scratch = tmp_path / "tmp"  # where the launcher keeps its stop-code file
+    scratch.mkdir()
+    proc = _start_two_ranks(tmp_path, 1, "checkpoint.interval=100000", TMPDIR=str(scratch))
+    try:
+        proc.send_signal(signal.SIGTERM)  # to the launcher script, as `kill` or a scheduler would
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 3, out[-3000:]
+    assert not list(scratch.glob("trilith-stop*"))
+    assert "ChildFailedError" not in out and "Traceback" not in out, out[-3000:]
+    stopped = re.search(r"trilith: stopped at step (\d+): received SIGTERM; exit 3", out)
+    assert stopped, out[-3000:]
+    assert _latest_step(tmp_path) == int(stopped.group(1))
+    _resume_one_step(tmp_path, int(stopped.group(1)))
 
 
 def test_preflight_passes_a_sound_config_and_fails_an_exploding_one(tmp_path):
