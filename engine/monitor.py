@@ -9,6 +9,9 @@
   - attention entropy per layer (every `run.monitor_interval` steps): a no-gradient probe forward of the
     step's first micro-batch, averaged over heads, queries, TP/PP/DP ranks, with a warning outside
     [`run.attention_entropy_min`, `run.attention_entropy_max`] (seeds: healthy about 2–5 nats);
+  - per-head gradient-variance ratio per layer (same interval): the variance of each query head's slice of
+    the reduced q_proj gradient, max over min within the layer, with a warning above
+    `run.head_grad_variance_alarm` (seeds: about 1 when heads learn evenly; a head 5× off has failed);
   - GPU memory fragmentation, 1 − peak allocated / peak reserved over the step: above
     `run.max_memory_fragmentation` the caching allocator's free blocks are released (`empty_cache`).
 
@@ -85,6 +88,39 @@ class TrainingMonitor:
             layers = ", ".join(f"layer {i}: {e:.2f}" for i, e in outside)
             self.console(f"WARNING step {step}: attention entropy outside [{low}, {high}] nats: {layers}")
         return per_layer
+
+    # -- per-head gradient variance -------------------------------------------------------------------
+    def head_gradient_sums(self, owned, tp_rank: int, device) -> torch.Tensor:
+        """[num_layers, heads, 3] float64 (count, sum, sum of squares) of each query head's q_proj gradient
+        elements in `owned` (data_parallel.owned_gradients()); summed over every rank it covers each once."""
+        m = self.cfg.model
+        local_heads = m.num_attention_heads // self.cfg.parallel.tensor
+        sums = torch.zeros(m.num_layers, m.num_attention_heads, 3, dtype=torch.float64, device=device)
+        for name, _, start, grad in owned:
+            parts = name.split(".")
+            if not name.endswith("self_attn.q_proj.weight") or "layers" not in parts:
+                continue
+            layer = int(parts[parts.index("layers") + 1])
+            index = torch.arange(start, start + grad.numel(), device=grad.device)
+            head = tp_rank * local_heads + index // (m.head_dim * m.hidden_size)
+            g = grad.detach().double()
+            for k, values in enumerate((torch.ones_like(g), g, g * g)):
+                sums[layer, :, k] += torch.bincount(head, weights=values, minlength=m.num_attention_heads)[
+                    :m.num_attention_heads].to(device)
+        return sums
+
+    def head_variance_ratios(self, step: int, sums: torch.Tensor) -> list[float]:
+        """Per layer: largest over smallest per-head gradient variance (sums already over every rank)."""
+        count = sums[..., 0].clamp(min=1)
+        variance = sums[..., 2] / count - (sums[..., 1] / count) ** 2
+        ratios = (variance.max(dim=1).values / variance.min(dim=1).values.clamp(min=1e-300)).tolist()
+        limit = self.cfg.run.head_grad_variance_alarm
+        high = [(i, r) for i, r in enumerate(ratios) if limit > 0 and r > limit]
+        if high and self.is_reporter:
+            layers = ", ".join(f"layer {i}: {r:.1f}" for i, r in high)
+            self.console(f"WARNING step {step}: per-head gradient variance ratio above "
+                         f"run.head_grad_variance_alarm={limit}: {layers}")
+        return ratios
 
     # -- memory ----------------------------------------------------------------------------------------
     def memory(self, step: int, device: torch.device) -> dict:

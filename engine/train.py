@@ -222,6 +222,11 @@ class Trainer:
         self.data_parallel.start_step(len(micro_batches))  # gradients are reduced on the last micro-batch
         micro_losses = self.forward_backward(micro_batches)
         self.data_parallel.finish_gradients()
+        head_sums = None
+        if self.monitor.entropy_due(self.step + 1):  # before the optimizer consumes the gradients
+            head_sums = self.monitor.head_gradient_sums(self.data_parallel.owned_gradients(), self.topo.tp_rank,
+                                                        self.env.device)
+            comm.all_reduce(head_sums, world_group())
         lr = lr_at(self.step, self.cfg.train.steps, self.cfg.optim)
         grad_norm, skipped = self.optimizer.step(lr)
         self.optimizer.zero_grad()
@@ -242,6 +247,8 @@ class Trainer:
         if self.env.device.type == "cuda":
             record["mfu"] = tokens * self.flops_per_token / elapsed / (H100_BF16_PEAK_FLOPS * self.env.world_size)
         self._monitor(record, losses_by_rank, window_start, micro_batches[0])
+        if head_sums is not None:
+            record["head_grad_variance_ratio"] = self.monitor.head_variance_ratios(self.step, head_sums)
         return record
 
     def _monitor(self, record: dict, losses_by_rank, window_start: int, first_micro_batch) -> None:

@@ -46,6 +46,7 @@ class BucketedDDP:
     def __init__(self, named_params: list, dp_group, tp: TensorParallel, chunks: list, bucket_mb: float = 25.0,
                  fp32_names=(), hierarchy=None, tied_group=None):
         self.dp_group, self.tp, self.chunks, self.hierarchy = dp_group, tp, chunks, hierarchy
+        self.named_params = named_params
         self.tied_group = tied_group
         self.tied = tied_embedding_weights(chunks) if tied_group is not None else []
         self.dp_size = comm.group_size(dp_group)
@@ -133,6 +134,15 @@ class BucketedDDP:
             allreduce_replicated_grads(chunk, self.tp)
         for p in self.tied:  # the embedding and its output-layer copy on the last pipeline stage
             comm.all_reduce(p.grad, self.tied_group)
+
+    def owned_gradients(self):
+        """(name, parameter, 0, flat reduced gradient) after finish_gradients, from DP rank 0 only: the
+        gradients are replicated, and each element must be counted once over the DP group."""
+        if comm.group_rank(self.dp_group) != 0:
+            return
+        for name, p in self.named_params:
+            if p.grad is not None:
+                yield name, p, 0, p.grad.reshape(-1)
 
     def grad_bytes(self) -> int:
         return sum(p.grad.numel() * p.grad.element_size() for p in self.calls if p.grad is not None)

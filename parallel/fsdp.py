@@ -367,6 +367,17 @@ class ShardedDataParallel:
             v.copy_(flat[offset:offset + v.numel()])
             offset += v.numel()
 
+    def owned_gradients(self):
+        """(name, parameter, first flattened index, reduced gradient piece) of this rank's shards after
+        finish_gradients; over the DP group each element appears once (HSDP: first replica group only)."""
+        if comm.group_rank(self.replicate_group) != 0:
+            return
+        for unit in self.units:
+            if unit.grad_shard is None:
+                continue
+            for name, p, start, _, lo, hi in unit.shard_ranges:
+                yield name, p, start, self._grad_view(unit, lo, hi)
+
     @staticmethod
     def _grad_view(unit: Unit, lo: int, hi: int) -> torch.Tensor:
         a, b = unit.fp32_local

@@ -102,15 +102,41 @@ def test_attention_entropy_is_the_same_on_every_layout(pool):
             assert worst <= 1e-5, (layout, got, reference)
 
 
+def head_ratios(rank, world, *overrides):
+    trainer = make(rank, world, "run.monitor_interval=1", "run.dir=/tmp/trilith-monitor-unused", *overrides)
+    return [trainer.train_step()["head_grad_variance_ratio"] for _ in range(2)]
+
+
+def test_head_gradient_variance_ratio_is_max_over_min_of_the_q_proj_heads():
+    trainer = make(0, 1, "run.monitor_interval=1", "run.dir=/tmp/trilith-monitor-unused")
+    trainer.optimizer.zero_grad = lambda: None  # keep the step's reduced gradients to recompute by hand
+    got = trainer.train_step()["head_grad_variance_ratio"]
+    heads = trainer.cfg.model.num_attention_heads
+    for i, layer in trainer.chunks[0].model.layers.items():
+        variance = layer.self_attn.q_proj.weight.grad.double().view(heads, -1).var(dim=1, unbiased=False)
+        assert abs(got[int(i)] / (variance.max() / variance.min()).item() - 1) <= 1e-6
+
+
+def test_head_gradient_variance_ratio_is_the_same_on_every_layout(pool):
+    reference = head_ratios(0, 1)
+    for layout in (["parallel.tensor=2", "parallel.pipeline=2", "parallel.sequence_parallel=true"],
+                   ["parallel.pipeline=2", "parallel.zero_stage=3"], ["parallel.tensor=2", "parallel.zero_stage=1"],
+                   ["parallel.zero_stage=2", "parallel.hsdp_group_size=2"], []):
+        for got in pool.run(head_ratios, *layout):
+            worst = max(abs(a / b - 1) for step_a, step_b in zip(got, reference) for a, b in zip(step_a, step_b))
+            assert worst <= 1e-4, (layout, got, reference)
+
+
 def test_entropy_warning_and_grad_norm_alarm(tmp_path):
     warnings = []
     trainer = make(0, 1, f"run.dir={tmp_path}", "run.monitor_interval=1", "run.attention_entropy_min=2.8",
-                   "run.grad_norm_alarm=0.01")
+                   "run.grad_norm_alarm=0.01", "run.head_grad_variance_alarm=1.0001")
     trainer.monitor.console = warnings.append
     record = trainer.train_step()
     assert record["grad_norm_alarm"] is True
     assert any("grad_norm" in w and "run.grad_norm_alarm=0.01" in w for w in warnings)
     assert any("attention entropy outside [2.8, 0.0]" in w and "layer 0" in w for w in warnings)
+    assert any("per-head gradient variance ratio above run.head_grad_variance_alarm=1.0001" in w for w in warnings)
     quiet = make(0, 1, f"run.dir={tmp_path / 'q'}", "run.grad_norm_alarm=0")
     quiet.monitor.console = warnings.append
     before = len(warnings)
