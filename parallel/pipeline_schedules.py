@@ -11,7 +11,8 @@ Every micro-batch's mean token loss is backpropagated with weight loss_scale / m
 
 The interleaved schedule follows Megatron-LM's `forward_backward_pipelining_with_interleaving` (facts
 only; the code is ours). A `ScheduleTrace` records every slot (kind, micro-batch, chunk, start, end) and
-the number of live micro-batch activations (forward done, backward not yet).
+the number of live micro-batch activations (forward done, backward not yet). An activation sent to the
+next stage has its values freed at once (`_Steps.release`); `forward_only_pipeline` is the evaluation pass.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+from torch.autograd.variable import Variable
 
 from parallel import comm
 from parallel.schedules import MicroBatch
@@ -58,9 +60,21 @@ class _Steps:
             self.trace.add("F", mb, chunk_id, start, time.time())
         return out
 
+    def release(self, chunk_id: int, output) -> None:
+        """Free the values of an activation just sent to the next stage (as Megatron-LM's
+        deallocate_output_tensor): that stage holds its own copy, and this one's backward needs only the
+        tensor's autograd node, so one [b, s, h] per micro-batch in flight is given back."""
+        if output is not None and not self.chunks[chunk_id].post_process and output._base is None:
+            output.data = torch.empty(1, dtype=output.dtype, device=output.device)
+
     def backward(self, chunk_id: int, mb: int, received, output, output_grad):
         start = time.time()
-        torch.autograd.backward(output, grad_tensors=output_grad)
+        if output_grad is None:  # the last chunk: the output is the scaled loss
+            torch.autograd.backward(output)
+        else:  # the output may be released: call the engine directly, skipping the public API's shape check
+            Variable._execution_engine.run_backward(tensors=(output,), grad_tensors=(output_grad,), keep_graph=False,
+                                                   create_graph=False, inputs=(), allow_unreachable=True,
+                                                   accumulate_grad=True)
         if self.trace is not None:
             self.trace.add("B", mb, chunk_id, start, time.time())
         return None if received is None else received.grad
@@ -73,6 +87,7 @@ def gpipe(steps: _Steps, pipe) -> None:
         received = pipe.recv_forward()
         out = steps.forward(0, mb, received)
         pipe.send_forward(out)
+        steps.release(0, out)
         saved.append((received, out))
     for mb in range(m):
         received, out = saved[mb]
@@ -90,6 +105,7 @@ def one_f_one_b(steps: _Steps, pipe) -> None:
         received = pipe.recv_forward()
         out = steps.forward(0, fwd, received)
         pipe.send_forward(out)
+        steps.release(0, out)
         held.append((received, out))
         fwd += 1
     received = pipe.recv_forward() if remaining else None
@@ -97,6 +113,7 @@ def one_f_one_b(steps: _Steps, pipe) -> None:
         out = steps.forward(0, fwd, received)
         fwd += 1
         grad = pipe.send_forward_recv_backward(out)
+        steps.release(0, out)
         held.append((received, out))
         old_in, old_out = held.popleft()
         input_grad = steps.backward(0, bwd, old_in, old_out, grad)
@@ -155,6 +172,7 @@ def interleaved(steps: _Steps, pipe) -> None:
                 grads[v - 1].append(grad)
         else:
             received, _ = pipe.communicate(send_next=out, recv_prev=recv_prev)
+        steps.release(chunk_of(k, True), out)
         if recv_prev:
             inputs[nxt].append(received)
     for k in range(remaining):
@@ -179,6 +197,7 @@ def interleaved(steps: _Steps, pipe) -> None:
             recv_prev = False
         received, grad = pipe.communicate(send_next=out, send_prev=input_grad, recv_prev=recv_prev,
                                           recv_next=recv_next)
+        steps.release(chunk_of(fk, True), out)
         if recv_prev:
             inputs[nxt].append(received)
         if recv_next:
