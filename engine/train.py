@@ -19,6 +19,7 @@ import torch
 from data.documents import document_ids, loss_mask, positions_within_documents
 from data.eod import eod_id_from_tokenizer
 from engine.checkpoint import Checkpointer
+from engine.checkpoint_io import CheckpointError
 from engine.config import Config, ConfigError, data_parallel_size, load_config, save_config, validate
 from engine.health import HealthMonitor
 from engine.lr_schedule import lr_at
@@ -52,8 +53,11 @@ def build_split_datasets(cfg: Config) -> dict | None:
     num_samples = {"train": t.steps * t.global_batch_size}
     if t.eval_interval > 0:
         num_samples["valid"] = t.eval_iters * t.global_batch_size
-    return build_datasets(cfg.data.paths, cfg.model.seq_length, t.seed, split=cfg.data.split,
-                          num_samples=num_samples, cache_dir=cfg.data.cache_dir or None)
+    try:
+        return build_datasets(cfg.data.paths, cfg.model.seq_length, t.seed, split=cfg.data.split,
+                              num_samples=num_samples, cache_dir=cfg.data.cache_dir or None)
+    except (OSError, ValueError) as exc:  # missing or malformed shards: the message names the file
+        raise ConfigError(f"data.paths: {exc}") from exc
 
 
 def build_loader(cfg: Config, topo: Topology, consumed_samples: int, datasets: dict | None = None,
@@ -393,6 +397,9 @@ def main(argv=None) -> int:
     except ConfigError as exc:
         print(f"trilith: configuration error: {exc}", file=sys.stderr)
         return 2
+    except CheckpointError as exc:  # names the file and the fix; nothing was overwritten
+        print(f"trilith: checkpoint error: {exc}", file=sys.stderr)
+        return 1
     except StopRun as stop:  # preemption or GPU health: checkpointed, exit code tells the launcher why
         clean = True
         return exit_status(stop.code)

@@ -57,6 +57,20 @@ def test_config_error_exits_2_with_message(tmp_path):
     assert "num_attention_heads=4 is not divisible by parallel.tensor=3" in done.stderr
 
 
+@pytest.mark.parametrize("overrides, status, message", [
+    (["data.mock=false", "data.paths=[/nonexistent/corpus_text_document]"], 2,
+     "configuration error: data.paths: token shard '/nonexistent/corpus_text_document.bin' does not exist"),
+    (["checkpoint.load=/nonexistent/checkpoints"], 1,
+     "checkpoint error: checkpoint.load=/nonexistent/checkpoints is neither a checkpoint directory"),
+])
+def test_bad_inputs_end_with_one_clear_line_not_a_traceback(tmp_path, overrides, status, message):
+    cmd = ["bash", "launch/run_pretrain.sh", "--config", TINY, f"run.dir={tmp_path}", *overrides]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                          env={"TRILITH_PYTHON": sys.executable, "PATH": "/usr/bin:/bin"})
+    assert done.returncode == status and message in done.stderr, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+
+
 def test_bf16_run_trains(tmp_path):
     records = launch(tmp_path, "train.precision=bf16", "train.steps=10")
     assert records[-1]["loss"] < records[0]["loss"]
