@@ -42,6 +42,7 @@ class ModelConfig:
     attention_window: int = 0  # sliding-window attention: tokens each query sees (itself included); 0 = all
     norm_backend: str = "auto"  # auto (apex on CUDA when installed, else torch) | apex | torch
     loss_chunk_tokens: int = 4096  # cross-entropy rows per fp32 chunk (kernels/cross_entropy.py); 0 = all
+    fused_lm_head_loss: bool = False  # output layer + loss per token chunk: logits never held whole (+1 matmul)
 
     @property
     def kv_heads(self) -> int:

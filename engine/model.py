@@ -25,7 +25,7 @@ from parallel import comm
 from parallel.random import TRACKER
 from parallel.tensor import (ColumnParallelLinear, ReplicatedRowsLinear, RowParallelLinear, TensorParallel,
                              VocabParallelEmbedding, describe, divide, initialize_parameters,
-                             vocab_parallel_cross_entropy)
+                             vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy)
 
 
 # The dropout tracker's state, replayed by full-block recomputation (kernels/recompute.py).
@@ -247,11 +247,15 @@ class CausalLM(nn.Module):
             x = layer(x, rope, segment_ids)
         if not self.post_process:
             return x
-        logits = F.linear(self.tp.enter(self.model.norm(x)), self.output_weight())
+        hidden = self.tp.enter(self.model.norm(x))
         if labels is None:
-            return logits
-        losses = vocab_parallel_cross_entropy(logits, labels, self.tp, self.cfg.vocab_size,
-                                              chunk_tokens=self.cfg.loss_chunk_tokens)
+            return F.linear(hidden, self.output_weight())
+        if self.cfg.fused_lm_head_loss:
+            losses = vocab_parallel_linear_cross_entropy(hidden, self.output_weight(), labels, self.tp,
+                                                         self.cfg.vocab_size, self.cfg.loss_chunk_tokens)
+        else:
+            losses = vocab_parallel_cross_entropy(F.linear(hidden, self.output_weight()), labels, self.tp,
+                                                  self.cfg.vocab_size, chunk_tokens=self.cfg.loss_chunk_tokens)
         if loss_mask is None:
             return losses.mean()
         return (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)

@@ -5,6 +5,11 @@ for 4096 tokens of a 128k vocabulary) and keeps the fp32 softmax for backward. H
 walk over `chunk_tokens` rows at a time: only one chunk is ever in fp32, and backward keeps just the
 logits in their own dtype and one log-sum-exp per token, recomputing the softmax chunk by chunk.
 
+`linear_cross_entropy` goes one step further and takes the output layer in: it computes each chunk's
+logits from the hidden states and the output weight, in forward and again in backward, so neither the
+logits ([tokens, vocab] in the compute dtype) nor their gradient is ever held whole, for one extra matmul
+of the output layer's size.
+
 Vocabulary parallelism: each rank holds the logits columns [vocab_start, vocab_start + V_local) and the
 caller passes `all_reduce(tensor, op)` (op "max" or "sum", in place over the vocabulary-parallel group).
 Exactly three all-reduces of one fp32 value per token are issued (max, target logit, sum of
@@ -23,40 +28,66 @@ def _chunk_float(logits, start, stop, pad_from):
     return chunk
 
 
+def _linear_chunk_float(hidden, weight, start, stop, pad_from):
+    """fp32 logits of tokens [start, stop) computed from the hidden states: they never exist all at once."""
+    chunk = (hidden[start:stop] @ weight.t()).float()
+    if pad_from is not None:
+        chunk[:, pad_from:] = float("-inf")
+    return chunk
+
+
+def _local_labels(labels, vocab_start, local_vocab):
+    local = labels - vocab_start
+    outside = (local < 0) | (local >= local_vocab)
+    return local.masked_fill(outside, 0), outside
+
+
+def _statistics(logits_of, n, step, local_labels, outside, all_reduce, device):
+    """Per token: the log-sum-exp over the whole vocabulary and the loss, from fp32 chunks logits_of(a, b)
+    of this rank's columns; the three all-reduces combine the vocabulary-parallel ranks."""
+    local_max = torch.empty(n, dtype=torch.float32, device=device)
+    sum_exp = torch.empty_like(local_max)
+    target = torch.empty_like(local_max)
+    for start in range(0, n, step):
+        stop = min(start + step, n)
+        chunk = logits_of(start, stop)
+        m = chunk.max(dim=-1).values
+        local_max[start:stop] = m
+        m = m.masked_fill(m == float("-inf"), 0.0)  # a rank holding only padding: its sum is 0
+        target[start:stop] = chunk.gather(-1, local_labels[start:stop, None]).squeeze(-1)
+        sum_exp[start:stop] = (chunk - m[:, None]).exp().sum(dim=-1)
+    global_max = local_max.clone()
+    all_reduce(global_max, "max")
+    target = (target - global_max).masked_fill(outside, 0.0)
+    all_reduce(target, "sum")
+    finite_max = local_max.masked_fill(local_max == float("-inf"), 0.0)
+    sum_exp.mul_((finite_max - global_max).exp())  # rescale each rank's sum to the global max
+    all_reduce(sum_exp, "sum")
+    log_sum_exp = sum_exp.log()
+    return log_sum_exp + global_max, log_sum_exp - target
+
+
+def _logits_grad(chunk, lse, local_labels, inside, grad_loss):
+    """d loss / d logits of one fp32 chunk, in place: (softmax − one-hot of the target) × upstream grad."""
+    probs = (chunk - lse[:, None]).exp_()
+    probs.scatter_add_(-1, local_labels[:, None], -inside[:, None])
+    return probs.mul_(grad_loss[:, None])
+
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, chunk_tokens, vocab_start, vocab_size, all_reduce):
         shape = labels.shape
         logits2 = logits.reshape(-1, logits.shape[-1])
-        labels = labels.reshape(-1)
         n, local_vocab = logits2.shape
         pad_from = vocab_size - vocab_start if vocab_start + local_vocab > vocab_size else None
-        local_labels = labels - vocab_start
-        outside = (local_labels < 0) | (local_labels >= local_vocab)
-        local_labels = local_labels.masked_fill(outside, 0)
+        local_labels, outside = _local_labels(labels.reshape(-1), vocab_start, local_vocab)
         step = chunk_tokens if chunk_tokens > 0 else max(n, 1)
-        local_max = torch.empty(n, dtype=torch.float32, device=logits.device)
-        sum_exp = torch.empty_like(local_max)
-        target = torch.empty_like(local_max)
-        for start in range(0, n, step):
-            stop = min(start + step, n)
-            chunk = _chunk_float(logits2, start, stop, pad_from)
-            m = chunk.max(dim=-1).values
-            local_max[start:stop] = m
-            m = m.masked_fill(m == float("-inf"), 0.0)  # a rank holding only padding: its sum is 0
-            target[start:stop] = chunk.gather(-1, local_labels[start:stop, None]).squeeze(-1)
-            sum_exp[start:stop] = (chunk - m[:, None]).exp().sum(dim=-1)
-        global_max = local_max.clone()
-        all_reduce(global_max, "max")
-        target = (target - global_max).masked_fill(outside, 0.0)
-        all_reduce(target, "sum")
-        finite_max = local_max.masked_fill(local_max == float("-inf"), 0.0)
-        sum_exp.mul_((finite_max - global_max).exp())  # rescale each rank's sum to the global max
-        all_reduce(sum_exp, "sum")
-        log_sum_exp = sum_exp.log()
-        ctx.save_for_backward(logits, local_labels, outside, log_sum_exp + global_max)
+        lse, loss = _statistics(lambda a, b: _chunk_float(logits2, a, b, pad_from), n, step, local_labels,
+                                outside, all_reduce, logits.device)
+        ctx.save_for_backward(logits, local_labels, outside, lse)
         ctx.step, ctx.pad_from, ctx.shape = step, pad_from, logits.shape
-        return (log_sum_exp - target).view(shape)
+        return loss.view(shape)
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -67,10 +98,45 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         inside = (~outside).to(torch.float32)
         for start in range(0, logits2.shape[0], ctx.step):
             stop = min(start + ctx.step, logits2.shape[0])
-            probs = (_chunk_float(logits2, start, stop, ctx.pad_from) - lse[start:stop, None]).exp_()
-            probs.scatter_add_(-1, local_labels[start:stop, None], -inside[start:stop, None])
-            grad[start:stop] = probs.mul_(grad_loss[start:stop, None])
+            grad[start:stop] = _logits_grad(_chunk_float(logits2, start, stop, ctx.pad_from), lse[start:stop],
+                                            local_labels[start:stop], inside[start:stop], grad_loss[start:stop])
         return grad.view(ctx.shape), None, None, None, None, None
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """The output layer and the loss in one: logits exist one token chunk at a time, in forward and again
+    (recomputed) in backward, so neither the logits nor their gradient is ever held whole."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk_tokens, vocab_start, vocab_size, all_reduce):
+        shape = labels.shape
+        hidden2 = hidden.reshape(-1, hidden.shape[-1])
+        n, local_vocab = hidden2.shape[0], weight.shape[0]
+        pad_from = vocab_size - vocab_start if vocab_start + local_vocab > vocab_size else None
+        local_labels, outside = _local_labels(labels.reshape(-1), vocab_start, local_vocab)
+        step = chunk_tokens if chunk_tokens > 0 else max(n, 1)
+        lse, loss = _statistics(lambda a, b: _linear_chunk_float(hidden2, weight, a, b, pad_from), n, step,
+                                local_labels, outside, all_reduce, hidden.device)
+        ctx.save_for_backward(hidden, weight, local_labels, outside, lse)
+        ctx.step, ctx.pad_from = step, pad_from
+        return loss.view(shape)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        hidden, weight, local_labels, outside, lse = ctx.saved_tensors
+        hidden2 = hidden.reshape(-1, hidden.shape[-1])
+        grad_loss = grad_loss.reshape(-1).float()
+        grad_hidden = torch.empty_like(hidden2)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        inside = (~outside).to(torch.float32)
+        for start in range(0, hidden2.shape[0], ctx.step):
+            stop = min(start + ctx.step, hidden2.shape[0])
+            chunk = _linear_chunk_float(hidden2, weight, start, stop, ctx.pad_from)
+            d_logits = _logits_grad(chunk, lse[start:stop], local_labels[start:stop], inside[start:stop],
+                                    grad_loss[start:stop]).to(weight.dtype)
+            grad_hidden[start:stop] = d_logits @ weight
+            grad_weight += (d_logits.t() @ hidden2[start:stop]).float()
+        return grad_hidden.view(hidden.shape), grad_weight.to(weight.dtype), None, None, None, None, None
 
 
 def _no_reduce(tensor, op):
@@ -93,6 +159,18 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, chunk_tokens: int 
         return cross_entropy_reference(logits, labels)
     return _ChunkedCrossEntropy.apply(logits, labels, chunk_tokens, vocab_start, vocab_size,
                                       all_reduce or _no_reduce)
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int = 4096,
+                         vocab_start: int = 0, vocab_size: int | None = None, all_reduce=None) -> torch.Tensor:
+    """Per-token loss of logits = hidden @ weight.T without holding the logits: hidden [..., h], weight
+    [V_local, h] (this rank's vocabulary rows); the other arguments as `cross_entropy`. Backward recomputes
+    each chunk's logits (one extra [tokens, h] × [h, V_local] matmul) instead of keeping them."""
+    if chunk_tokens < 0:
+        raise ValueError(f"chunk_tokens={chunk_tokens} must be ≥ 0 (0 = one chunk)")
+    vocab_size = vocab_start + weight.shape[0] if vocab_size is None else vocab_size
+    return _LinearCrossEntropy.apply(hidden, weight, labels, chunk_tokens, vocab_start, vocab_size,
+                                     all_reduce or _no_reduce)
 
 
 def cross_entropy_reference(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

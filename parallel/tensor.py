@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels.cross_entropy import cross_entropy
+from kernels.cross_entropy import cross_entropy, linear_cross_entropy
 from parallel import comm
 
 
@@ -146,6 +146,16 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, labels: torch.Tenso
     vocab_start = tp.rank * local_logits.shape[-1]
     reduce = functools.partial(_all_reduce_over, tp.group) if tp.group is not None else None
     return cross_entropy(local_logits, labels, chunk_tokens, vocab_start, vocab_size, reduce)
+
+
+def vocab_parallel_linear_cross_entropy(hidden: torch.Tensor, local_weight: torch.Tensor, labels: torch.Tensor,
+                                        tp: TensorParallel, vocab_size: int, chunk_tokens: int) -> torch.Tensor:
+    """Per-token loss of the output layer (this rank's vocabulary rows [V_padded / tp, h]) and cross-entropy in
+    one (kernels/cross_entropy.linear_cross_entropy): the logits slice is never held whole. `hidden` must
+    be the full sequence on every TP rank (after tp.enter), as for the unfused output layer."""
+    vocab_start = tp.rank * local_weight.shape[0]
+    reduce = functools.partial(_all_reduce_over, tp.group) if tp.group is not None else None
+    return linear_cross_entropy(hidden, local_weight, labels, chunk_tokens, vocab_start, vocab_size, reduce)
 
 
 def _all_reduce_over(group, tensor: torch.Tensor, op: str) -> None:

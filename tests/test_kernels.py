@@ -194,6 +194,23 @@ def test_cross_entropy_ignores_vocabulary_padding_and_keeps_logits_intact():
     assert got[1][:, 7:].abs().max() == 0  # no gradient reaches the padding columns
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("chunk", [0, 1, 5, 64])
+@pytest.mark.parametrize("vocab", [37, 30], ids=["full", "padded"])
+def test_linear_cross_entropy_matches_linear_then_torch(dtype, chunk, vocab):
+    """Output layer + loss fused: loss, hidden and weight gradients as F.linear + F.cross_entropy; weight rows
+    at or beyond `vocab` are padding (no loss, no gradient)."""
+    hidden, weight = rand(2, 9, 16, seed=1), rand(37, 16, seed=2)
+    labels = torch.randint(0, vocab, (2, 9), generator=torch.Generator().manual_seed(3))
+    want = run_with_grads(lambda h, w: cross_entropy.cross_entropy_reference(h @ w[:vocab].t(), labels), hidden, weight)
+    low = [t.detach().to(dtype).requires_grad_() for t in (hidden, weight)]
+    got = run_with_grads(lambda h, w: cross_entropy.linear_cross_entropy(h, w, labels, chunk_tokens=chunk,
+                                                                        vocab_size=vocab), *low)
+    assert got[0].shape == labels.shape
+    assert_close(got, want, dtype, f"linear_cross_entropy chunk={chunk} vocab={vocab}")
+    assert got[2][vocab:].abs().sum() == 0  # no gradient reaches the padding rows
+
+
 # ---- AdamW -----------------------------------------------------------------------------------------------
 
 def _adamw_run(implementation):

@@ -149,8 +149,8 @@ def test_switch_config_is_validated():
         load_config("launch/configs/tiny.yaml", ["model.attention_backend=xformers"])
 
 
-def tp_kernels_match_single_process(rank, world):
-    cfg = dataclasses.replace(CFG, loss_chunk_tokens=5)
+def tp_kernels_match_single_process(rank, world, fused_loss=False):
+    cfg = dataclasses.replace(CFG, loss_chunk_tokens=5, fused_lm_head_loss=fused_loss)
     tp = TensorParallel.from_topology(Topology(Layout(tp=world), rank), sequence_parallel=True)
     model, ref = make(cfg, tp=tp), make(cfg)
     model.compile_blocks(backend="aot_eager")
@@ -175,8 +175,18 @@ def test_tensor_parallel_with_recompute_compile_and_chunked_loss():
     pool = WorkerPool(2)
     try:
         assert max(pool.run(tp_kernels_match_single_process)) <= 1e-5
+        assert max(pool.run(tp_kernels_match_single_process, fused_loss=True)) <= 1e-5  # vocab-parallel fused
     finally:
         pool.close()
+
+
+def test_fused_output_loss_equals_unfused_and_keeps_no_logits():
+    inputs, labels = batch(CFG, b=4)
+    plain, fused = make(CFG), make(dataclasses.replace(CFG, fused_lm_head_loss=True))
+    assert max_diff(loss_and_grads(fused, inputs, labels), loss_and_grads(plain, inputs, labels)) <= 1e-5
+    logits = inputs.numel() * CFG.vocab_size
+    saved_plain, saved_fused = (saved_activation_elements(m, inputs, labels) for m in (plain, fused))
+    assert saved_plain - saved_fused >= logits  # the [tokens, vocab] logits are not kept for backward
 
 
 def test_alibi_slopes_stay_fp32_in_a_bf16_model():

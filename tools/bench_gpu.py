@@ -3,6 +3,7 @@
     python tools/bench_gpu.py                 # one GPU, ~1.2B Llama-3.2-1B shape, seq 4096, bf16 (~5 min on H200)
     python tools/bench_gpu.py --tiny          # tiny shape; automatic without CUDA (CI proves the script runs)
     python tools/bench_gpu.py --attention flash --norm apex --recompute none --compile
+    python tools/bench_gpu.py --attention flash --norm apex --loss chunked fused   # fused output layer + loss
 
 Each configuration builds the model and the engine's optimizer (fp32 masters, AdamW kernel `auto`), runs
 `--warmup` steps, then times `--steps` optimizer steps of `--accum` micro-batches and prints one table
@@ -38,7 +39,7 @@ LLAMA_1B = ModelConfig(hidden_size=2048, num_layers=16, num_attention_heads=32, 
                        vocab_size=128256, seq_length=4096, rope_theta=500000.0, tie_embeddings=True)
 TINY = ModelConfig(hidden_size=64, num_layers=2, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=128,
                    vocab_size=256, seq_length=32)
-HEADER = ("attention", "norm", "recompute", "compile", "tokens/s", "TFLOP/s", "MFU", "peak GiB", "vs plain")
+HEADER = ("attention", "norm", "recompute", "compile", "loss", "tokens/s", "TFLOP/s", "MFU", "peak GiB", "vs plain")
 
 
 @dataclasses.dataclass
@@ -47,6 +48,7 @@ class Case:
     norm: str
     recompute: str
     compile: bool
+    loss: str = "chunked"  # chunked: output layer, then chunked cross-entropy; fused: model.fused_lm_head_loss
 
     def skip_reason(self, device: torch.device) -> str | None:
         if self.attention == "flash" and not (flash_available() and device.type == "cuda"):
@@ -59,7 +61,8 @@ class Case:
 
 
 def build(cfg: ModelConfig, case: Case, device: torch.device, dtype: torch.dtype):
-    cfg = dataclasses.replace(cfg, attention_backend=case.attention, norm_backend=case.norm)
+    cfg = dataclasses.replace(cfg, attention_backend=case.attention, norm_backend=case.norm,
+                              fused_lm_head_loss=case.loss == "fused")
     with torch.device(device):
         model = CausalLM(cfg)
     with torch.no_grad():  # random weights drawn on the device: benchmark speed does not depend on them
@@ -110,9 +113,10 @@ def run_case(cfg, case, args, device, dtype) -> dict:
 
 
 def cases(args) -> list[Case]:
-    grid = [Case(a, n, r, False) for a, n, r in itertools.product(args.attention, args.norm, args.recompute)]
+    product = list(itertools.product(args.attention, args.norm, args.recompute, args.loss))
+    grid = [Case(a, n, r, False, loss) for a, n, r, loss in product]
     if args.compile:
-        grid += [Case(a, n, r, True) for a, n, r in itertools.product(args.attention, args.norm, args.recompute)]
+        grid += [Case(a, n, r, True, loss) for a, n, r, loss in product]
     plain = Case("reference", "torch", "none", False)
     return [plain] + [c for c in grid if c != plain]
 
@@ -131,6 +135,8 @@ def main(argv=None) -> int:
     parser.add_argument("--attention", nargs="+", default=["reference", "sdpa", "flash"])
     parser.add_argument("--norm", nargs="+", default=["torch", "apex"])
     parser.add_argument("--recompute", nargs="+", default=["none", "selective", "full"])
+    parser.add_argument("--loss", nargs="+", default=["chunked"], choices=["chunked", "fused"],
+                        help="output layer + loss: chunked cross-entropy after the logits, or fused (no logits kept)")
     parser.add_argument("--compile", action="store_true", help="also every configuration with compiled blocks")
     parser.add_argument("--json", help="write the rows to this file as JSON")
     args = parser.parse_args(argv)
@@ -152,7 +158,7 @@ def main(argv=None) -> int:
     print(fmt_row(["---"] * len(HEADER)))
     rows, plain_speed = [], None
     for case in cases(args):
-        label = [case.attention, case.norm, case.recompute, "yes" if case.compile else "no"]
+        label = [case.attention, case.norm, case.recompute, "yes" if case.compile else "no", case.loss]
         reason = case.skip_reason(device)
         if reason:
             print(fmt_row(label + [f"skipped: {reason}"] + [""] * 4), flush=True)
