@@ -15,7 +15,8 @@ setup(
     extras_require={
         "gpu": ["flash-attn", "nvidia-ml-py"],
         "mpi": MPI,
+        "plot": ["matplotlib"],  # tools/plot_metrics.py
         # The suite launches real mpiexec jobs, so `make test` (which installs .[dev]) brings the MPI extra.
-        "dev": ["pytest", "transformers", "safetensors", *MPI],
+        "dev": ["pytest", "transformers", "safetensors", "matplotlib", *MPI],
     },
 )

@@ -42,8 +42,10 @@ evals = [r for r in rows if "eval_loss" in r]
 print("validation loss (held-out files): " + ", ".join(f"{r['eval_loss']:.3f} (step {r['step']})" for r in evals))
 assert evals and evals[-1]["eval_loss"] < evals[0]["eval_loss"], "the demo's validation loss did not fall"
 PYEOF
+"$PY" tools/plot_metrics.py $OUT/run --keys loss eval_loss lr grad_norm attention_entropy head_grad_variance_ratio \
+  | tail -n 1
 
 step "6/6 export to Hugging Face and sample with transformers"
 "$PY" tools/ckpt_convert.py --to hf --load-dir $OUT/run/checkpoints --save-dir $OUT/hf
 "$PY" tools/hf_sample.py --model-dir $OUT/hf --prompt "def " --max-new-tokens 48
-echo "demo: run directory $OUT/run (config.yaml, metrics.jsonl, logs/, checkpoints/), Hugging Face model $OUT/hf"
+echo "demo: run directory $OUT/run (config.yaml, metrics.jsonl, curves.png, logs/, checkpoints/), Hugging Face model $OUT/hf"
