@@ -15,6 +15,7 @@ process). Needs matplotlib (`pip install -e .[plot]`) for the figure; `--no-plot
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import statistics
@@ -143,11 +144,9 @@ def main(argv=None) -> int:
     print("\n".join(summary(runs)))
     if args.no_plot:
         return 0
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("matplotlib") is None:
         raise SystemExit("plot_metrics: the figure needs matplotlib: pip install -e '.[plot]' "
-                         "(or use --no-plot for the table)") from None
+                         "(or use --no-plot for the table)")
     output = Path(args.output) if args.output else files[0].parent / "curves.png"
     missing = plot(runs, args.keys, args.x, args.smooth, output)
     if missing:
