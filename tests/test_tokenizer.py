@@ -3,6 +3,8 @@ import json
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tools import stdlib_corpus, train_tokenizer  # noqa: E402
@@ -32,3 +34,22 @@ def test_bpe_training_reports_compression_and_reserves_specials(tmp_path, capsys
     assert [tok.token_to_id(t) for t in ["<|endoftext|>", "<|pad|>", "<|reserved_3|>"]] == [0, 1, 5]
     assert tok.encode("x\x07y").ids == tok.encode("xy").ids  # control character stripped
     assert "bytes/token" in capsys.readouterr().out
+
+
+def test_token_hit_rate_of_domain_terms(tmp_path, capsys):
+    corpus = str(tmp_path / "c.jsonl")
+    stdlib_corpus.main(["--output", corpus, "--limit", "60"])
+    terms = tmp_path / "terms.txt"
+    terms.write_text("# frequent in the standard library, so merged into one token\nself\nreturn\nimport\n\n"
+                     "Xylophonically\n")
+    out = tmp_path / "tok"
+    train_tokenizer.main(["--input", corpus, "--output-dir", str(out), "--vocab-size", "2000",
+                          "--hit-terms", str(terms)])
+    report = json.load(open(out / "report.json"))
+    assert report["hit_terms"] == 4 and report["token_hit_rate"] == 0.75
+    assert [m["term"] for m in report["term_misses"]] == ["Xylophonically"] and report["term_misses"][0]["tokens"] > 1
+    assert "token hit rate: 75.0% of 4 terms are one token; split: 'Xylophonically'" in capsys.readouterr().out
+    (tmp_path / "empty.txt").write_text("# nothing\n")
+    with pytest.raises(SystemExit) as exc:
+        train_tokenizer.main(["--input", corpus, "--output-dir", str(out), "--hit-terms", str(tmp_path / "empty.txt")])
+    assert exc.value.code == 2 and "holds no terms" in capsys.readouterr().err

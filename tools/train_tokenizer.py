@@ -4,7 +4,10 @@
 
 Special tokens <|endoftext|> (end of document) and <|pad|> come first, then --reserved-tokens
 control slots <|reserved_0|>... . A held-out sample (--holdout-fraction) is kept out of training
-and used to report compression (UTF-8 bytes per token) and the unknown-token rate.
+and used to report compression (UTF-8 bytes per token) and the unknown-token rate. With --hit-terms
+FILE (one domain term per line: product names, abbreviations, idioms), it also reports the token hit
+rate, the share of those terms that became one token (as a word inside text, i.e. after a space, or
+on its own), which the seeds watch (healthy above 85%), and the terms that were split.
 Writes <output-dir>/tokenizer.json (BPE) or tokenizer.model (SentencePiece) and report.json.
 """
 import argparse
@@ -144,6 +147,28 @@ def evaluate(encode, texts, unk_id):
             "bytes_per_token": nbytes / max(tokens, 1), "unknown_token_rate": unknown / max(tokens, 1)}
 
 
+def read_terms(path):
+    """Domain terms, one per line; blank lines and lines starting with # are ignored."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            terms = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+    except OSError as e:
+        raise ValueError(f"--hit-terms {path}: {e.strerror}") from None
+    if not terms:
+        raise ValueError(f"--hit-terms {path} holds no terms (one per line)")
+    return terms
+
+
+def term_hits(encode, terms, shown=20):
+    """Token hit rate of `terms`: a term hits when it is one token after a space (as inside running text)
+    or on its own; the first `shown` misses are listed with their token counts."""
+    spaced, bare = encode([" " + t for t in terms]), encode(terms)
+    hits = [min(len(a), len(b)) == 1 for a, b in zip(spaced, bare)]
+    misses = [{"term": t, "tokens": min(len(a), len(b))} for t, a, b, hit in zip(terms, spaced, bare, hits)
+              if not hit]
+    return {"hit_terms": len(terms), "token_hit_rate": sum(hits) / len(terms), "term_misses": misses[:shown]}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", nargs="+", required=True, help="JSONL, JSONL.zst or Parquet: files, dirs, globs")
@@ -163,6 +188,7 @@ def main(argv=None):
                    help="train on a random sample of about this many characters")
     p.add_argument("--character-coverage", type=float, default=0.9995, help="SentencePiece only")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--hit-terms", help="file of domain terms (one per line) for the token hit rate")
     args = p.parse_args(argv)
     if args.vocab_size < 260 and args.type == "bpe":
         p.error("--vocab-size must be at least 260 for byte-level BPE (256 bytes + specials)")
@@ -173,6 +199,7 @@ def main(argv=None):
     start = time.time()
     try:
         train, holdout, skipped = collect(args)
+        terms = read_terms(args.hit_terms) if args.hit_terms else []
     except (FileNotFoundError, ValueError) as e:
         p.error(str(e))
     os.makedirs(args.output_dir, exist_ok=True)
@@ -183,7 +210,8 @@ def main(argv=None):
         raise SystemExit(f"train_tokenizer: {e}")
     report = {"tokenizer": path, "type": args.type, "vocab_size": args.vocab_size,
               "train_documents": len(train), "skipped_records": skipped,
-              "train_seconds": round(time.time() - start, 2), **evaluate(encode, holdout, unk_id)}
+              "train_seconds": round(time.time() - start, 2), **evaluate(encode, holdout, unk_id),
+              **(term_hits(encode, terms) if terms else {})}
     with open(os.path.join(args.output_dir, "report.json"), "w") as f:
         json.dump(report, f, indent=2)
     print(f"tokenizer: {path} ({args.type}, vocab {args.vocab_size}) trained on {len(train)} documents "
@@ -191,6 +219,10 @@ def main(argv=None):
     if holdout:
         print(f"held-out: {report['holdout_documents']} documents, {report['bytes_per_token']:.2f} "
               f"bytes/token, unknown-token rate {report['unknown_token_rate']:.4%}")
+    if terms:
+        split = ", ".join(f"{m['term']!r} ({m['tokens']} tokens)" for m in report["term_misses"][:8])
+        print(f"token hit rate: {report['token_hit_rate']:.1%} of {len(terms)} terms are one token"
+              + (f"; split: {split}" if split else ""))
 
 
 if __name__ == "__main__":
