@@ -10,6 +10,7 @@ Optional extras, honoured by every backend:
 GQA never repeats K/V in memory on the flash and SDPA paths; only the reference repeats them.
 """
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -84,8 +85,22 @@ def attention_sdpa(q, k, v, bias=None, dropout_p: float = 0.0, window: int = 0, 
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
 
 
+_cu_seqlens_cache: list = [None, -1, None]  # (weak reference to segment_ids, its version, result)
+
+
 def _cu_seqlens(segment_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Start offsets (int32, with the total at the end) of the documents of the flattened [b*s] batch."""
+    """Start offsets (int32, with the total at the end) of the documents of the flattened [b*s] batch, and
+    the longest document. Every layer sees the same segment_ids: computed once per tensor, since the
+    longest length costs a device-to-host sync."""
+    ref, version, result = _cu_seqlens_cache
+    if ref is not None and ref() is segment_ids and version == segment_ids._version:
+        return result
+    result = _compute_cu_seqlens(segment_ids)
+    _cu_seqlens_cache[:] = [weakref.ref(segment_ids), segment_ids._version, result]
+    return result
+
+
+def _compute_cu_seqlens(segment_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     b, s = segment_ids.shape
     starts = torch.ones_like(segment_ids, dtype=torch.bool)
     starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]

@@ -78,6 +78,17 @@ def test_reference_equals_explicit_loops():
             assert (out[bi, :, i] - want).abs().max() <= 1e-6
 
 
+def test_document_offsets_are_computed_once_per_segment_ids_tensor():
+    ids = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2]])
+    first = attention._cu_seqlens(ids)
+    assert first[0].tolist() == [0, 2, 5, 6, 8, 10] and first[1] == 3
+    assert attention._cu_seqlens(ids) is first  # every layer after the first: no recomputation
+    ids[0, 4] = 2  # changed in place: recomputed
+    assert attention._cu_seqlens(ids)[0].tolist() == [0, 2, 4, 5, 6, 8, 10]
+    same_values = ids.clone()
+    assert attention._cu_seqlens(same_values) is not first and attention._cu_seqlens(same_values)[1] == 2
+
+
 def test_gqa_equals_repeated_heads():
     q, k, v = rand(2, 8, 6, 8, seed=1), rand(2, 2, 6, 8, seed=2), rand(2, 2, 6, 8, seed=3)
     gqa = attention.causal_attention(q, k, v, backend="sdpa")
