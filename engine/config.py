@@ -141,6 +141,7 @@ class RunConfig:
     max_gpu_temperature: int = 0  # °C above which the run stops; 0 = no temperature limit
     # Training health (engine/monitor.py)
     grad_norm_alarm: float = 2.0  # warn when the global gradient norm exceeds this; 0 = off
+    max_nonfinite_steps: int = 20  # stop after this many consecutive NaN/Inf (skipped) steps; 0 = never
     monitor_interval: int = 0  # steps between attention-entropy and per-head gradient-variance readings; 0 = off
     attention_entropy_min: float = 0.0  # warn when a layer's mean attention entropy (nats) is below; 0 = off
     attention_entropy_max: float = 0.0  # ... or above this; 0 = off
@@ -394,9 +395,10 @@ def validate(cfg: Config, world_size: int) -> None:
                           f"exit_after={ck.exit_after}: keep must be ≥ 1 and the others ≥ 0")
     r = cfg.run
     if (r.monitor_interval < 0 or r.grad_norm_alarm < 0 or r.head_grad_variance_alarm < 0
-            or not 0.0 <= r.max_memory_fragmentation < 1.0):
+            or r.max_nonfinite_steps < 0 or not 0.0 <= r.max_memory_fragmentation < 1.0):
         raise ConfigError(f"run.monitor_interval={r.monitor_interval}, run.grad_norm_alarm={r.grad_norm_alarm} and "
-                          f"run.head_grad_variance_alarm={r.head_grad_variance_alarm} must be ≥ 0, "
+                          f"run.head_grad_variance_alarm={r.head_grad_variance_alarm} (and "
+                          f"run.max_nonfinite_steps={r.max_nonfinite_steps}) must be ≥ 0, "
                           f"run.max_memory_fragmentation={r.max_memory_fragmentation} within [0, 1)")
     if r.attention_entropy_max and r.attention_entropy_max <= r.attention_entropy_min:
         raise ConfigError(f"run.attention_entropy_max={r.attention_entropy_max} must exceed "

@@ -6,6 +6,7 @@
     scaling, the gradient norm) is NaN/Inf, the step is skipped and rank 0 writes
     `run.dir/nonfinite/step_XXXXXXXX.json` naming the global sample indices, their token ids and, for real
     data, the dataset, document and source file:line of every piece (data.loader.sample_provenance);
+    `run.max_nonfinite_steps` such steps in a row stop the run (it is not learning any more);
   - attention entropy per layer (every `run.monitor_interval` steps): a no-gradient probe forward of the
     step's first micro-batch, averaged over heads, queries, TP/PP/DP ranks, with a warning outside
     [`run.attention_entropy_min`, `run.attention_entropy_max`] (seeds: healthy about 2–5 nats);
@@ -28,11 +29,16 @@ import torch
 from engine.config import Config
 
 
+class NonFiniteTraining(RuntimeError):
+    """Too many consecutive steps with NaN/Inf: training is not progressing."""
+
+
 class TrainingMonitor:
     def __init__(self, cfg: Config, run_dir: Path, rank: int, dp_size: int, console):
         self.cfg, self.run_dir, self.console = cfg, Path(run_dir), console
         self.is_reporter = rank == 0
         self.dp_size = dp_size
+        self.nonfinite_streak = 0  # consecutive steps skipped for non-finite losses or gradients
 
     # -- gradient norm ---------------------------------------------------------------------------------
     def grad_norm_alarm(self, step: int, grad_norm: float) -> bool:
@@ -51,7 +57,9 @@ class TrainingMonitor:
         bad = (~torch.isfinite(losses_by_rank)).nonzero().tolist()
         norm_bad = not math.isfinite(grad_norm) and self.cfg.train.precision != "fp16"
         if not bad and not norm_bad:
+            self.nonfinite_streak = 0
             return []
+        self.nonfinite_streak += 1
         per_rank = self.cfg.train.global_batch_size // self.dp_size
         if bad:  # the micro-batches whose loss is not finite
             groups = [(r, k, window_start + r * per_rank + k * micro_batch_size) for r, k in bad]
@@ -72,6 +80,12 @@ class TrainingMonitor:
             path.write_text(json.dumps(report, indent=1, default=lambda v: v.item() if hasattr(v, "item") else str(v)))
             self.console(f"WARNING step {step}: {why} in samples {_ranges(samples)}; step skipped, "
                          f"details in {path}")
+        limit = self.cfg.run.max_nonfinite_steps
+        if limit and self.nonfinite_streak >= limit:  # every rank sees the same losses: all stop together
+            raise NonFiniteTraining(f"{self.nonfinite_streak} consecutive steps (to step {step}) had non-finite "
+                                    f"losses or gradients and were skipped; run.max_nonfinite_steps={limit}. The "
+                                    f"samples are named in {self.run_dir / 'nonfinite'}; the weights are those of "
+                                    f"the last good step: lower optim.lr or fix the data, then resume")
         return samples
 
     # -- attention entropy -----------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from engine.lr_schedule import lr_at
 from engine.metrics import H100_BF16_PEAK_FLOPS, MetricsLog, flops_per_token, peak_memory_gb
 from engine.mock_data import MockBatchLoader
 from engine.model import CausalLM, num_parameters
-from engine.monitor import TrainingMonitor
+from engine.monitor import NonFiniteTraining, TrainingMonitor
 from engine.stop import StopControl, StopRun, exit_status
 from engine.zero_optimizer import build_data_parallel
 from parallel import comm, heartbeat
@@ -331,6 +331,8 @@ class Trainer:
                 elif self._checkpoint_after_step():
                     break
             self.checkpointer.wait()
+        except (ConfigError, NonFiniteTraining):  # every rank stops on its own, for the reason it prints
+            raise
         except Exception as exc:
             if self.env.world_size > 1:  # a dead or hung peer: say who we are and where we waited
                 print(describe_failure(exc, self.env, self.step), file=sys.stderr, flush=True)
@@ -399,6 +401,9 @@ def main(argv=None) -> int:
         return 2
     except CheckpointError as exc:  # names the file and the fix; nothing was overwritten
         print(f"trilith: checkpoint error: {exc}", file=sys.stderr)
+        return 1
+    except NonFiniteTraining as exc:
+        print(f"trilith: stopped: {exc}", file=sys.stderr)
         return 1
     except StopRun as stop:  # preemption or GPU health: checkpointed, exit code tells the launcher why
         clean = True

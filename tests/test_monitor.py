@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.config import ConfigError, load_config, validate
-from engine.monitor import _ranges
+from engine.monitor import NonFiniteTraining, _ranges
 from engine.train import Trainer
 from parallel.distributed import DistEnv
 from tests.distributed import worker_pools
@@ -64,6 +64,18 @@ def test_a_nan_loss_is_traced_to_its_samples_and_the_step_is_skipped(tmp_path):
     assert [s["sample"] for s in entry["samples"]] == [12, 13]
     assert entry["samples"][1]["tokens"] == trainer.loader.sample(13).tolist()
     assert not (tmp_path / "nonfinite" / "step_00000001.json").exists()
+
+
+def test_a_run_that_keeps_producing_nan_stops_with_the_reason(tmp_path):
+    trainer = make(0, 1, f"run.dir={tmp_path}", "run.max_nonfinite_steps=3")
+    for chunk in trainer.chunks:
+        forward = chunk.forward
+        chunk.forward = lambda *a, _forward=forward, **k: _forward(*a, **k) * float("nan")
+    trainer.train_step()
+    trainer.train_step()
+    with pytest.raises(NonFiniteTraining, match=r"3 consecutive steps \(to step 3\).*run.max_nonfinite_steps=3"):
+        trainer.train_step()
+    assert len(list((tmp_path / "nonfinite").iterdir())) == 3
 
 
 def nan_under_layout(rank, world, run_dir):
