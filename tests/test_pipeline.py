@@ -243,13 +243,17 @@ def test_validation_loss_matches_single_process_on_every_layout(pool):
             assert max(abs(a - b) for a, b in zip(got, reference)) <= 1e-5, (layout, got, reference)
 
 
-def _launch(run_dir: Path, *overrides: str, nproc: int = 1) -> list[float]:
+def _launch_records(run_dir: Path, *overrides: str, nproc: int = 1) -> list[dict]:
     cmd = ["bash", "launch/run_pretrain.sh", "--nproc", str(nproc), "--config", TINY, f"run.dir={run_dir}",
            "train.steps=10", *overrides]
     env = {"TRILITH_PYTHON": sys.executable, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _launch(run_dir: Path, *overrides: str, nproc: int = 1) -> list[float]:
+    return [r["loss"] for r in _launch_records(run_dir, *overrides, nproc=nproc)]
 
 
 def test_tp2_pp2_dp2_on_8_processes_follows_single_process_curve(tmp_path):
@@ -258,6 +262,26 @@ def test_tp2_pp2_dp2_on_8_processes_follows_single_process_curve(tmp_path):
     assert len(layered) == len(single) == 10
     for step, (a, b) in enumerate(zip(single, layered), 1):
         assert abs(a - b) <= 1e-4, (step, a, b)
+
+
+def test_every_feature_at_once_on_8_processes_follows_the_single_process(tmp_path):
+    """TP2 + SP × PP2 × DP2 with ZeRO-3, document-masked packing, the fused output loss, validation and the
+    monitor's readings: losses and validation losses within 1e-4 of one process, head-variance ratios 1e-3."""
+    features = ["model.vocab_size=64", "data.eod_token_id=5", "data.reset_attention_mask=true",
+                "data.reset_position_ids=true", "data.eod_mask_loss=true", "model.fused_lm_head_loss=true",
+                "model.loss_chunk_tokens=16", "train.eval_interval=5", "train.eval_iters=2", "run.monitor_interval=5"]
+    single = _launch_records(tmp_path / "single", *features)
+    layered = _launch_records(tmp_path / "3d", *features, "parallel.tensor=2", "parallel.pipeline=2",
+                              "parallel.sequence_parallel=true", "parallel.zero_stage=3", nproc=8)
+    assert [r["step"] for r in layered] == list(range(1, 11))
+    for a, b in zip(single, layered):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4, (a["step"], a["loss"], b["loss"])
+        assert ("eval_loss" in a) == ("eval_loss" in b) == (a["step"] % 5 == 0)
+        if "eval_loss" in a:
+            assert abs(a["eval_loss"] - b["eval_loss"]) <= 1e-4
+            assert all(abs(x / y - 1) <= 1e-3 for x, y in zip(a["head_grad_variance_ratio"],
+                                                                b["head_grad_variance_ratio"]))
+            assert len(b["attention_entropy"]) == 4
 
 
 def test_bubble_measurement_matches_analytic_on_an_ideal_gpipe_trace():
