@@ -15,7 +15,6 @@ else the input file's own.
 import argparse
 import collections
 import json
-import multiprocessing
 import os
 import sys
 import time
@@ -31,6 +30,7 @@ from data.provenance import merge_provenance, write_provenance  # noqa: E402
 from tools._corpus_io import (REJECT_REASONS, RecordError, expand_inputs, iter_records,  # noqa: E402
                               parse_record, record_origin, record_texts)
 from tools._encoder import load_encoder, tokenizer_spec  # noqa: E402
+from tools._parallel import batched, ordered_map  # noqa: E402
 
 REPORT_FIRST = 5  # rejects printed with file:line; all of them go to the rejects file
 
@@ -66,17 +66,6 @@ def _encode_task(records):
         lengths = np.fromiter(map(len, docs), np.int64, len(docs))
         per_key.append((lengths, np.concatenate(docs) if docs else np.zeros(0, np.int64)))
     return kept, rejects, per_key, nbytes
-
-
-def _batches(records, size):
-    batch = []
-    for record in records:
-        batch.append(record)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
 
 
 class _Progress:
@@ -124,28 +113,6 @@ def output_prefix(prefix, key):
     return f"{prefix}_{key}_document"
 
 
-def _pool_map(args, spec, eod, batches):
-    """Yield task results in input order, keeping a bounded number in flight (streaming)."""
-    if args.workers <= 1:
-        _init_worker(spec, args.json_keys, not args.no_cache, eod)
-        yield from map(_encode_task, batches)
-        return
-    ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
-    pool = ctx.Pool(args.workers, _init_worker, (spec, args.json_keys, not args.no_cache, eod))
-    try:
-        pending = collections.deque()
-        for batch in batches:
-            pending.append(pool.apply_async(_encode_task, (batch,)))
-            if len(pending) >= 4 * args.workers:
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
-        pool.close()
-    finally:
-        pool.terminate()
-        pool.join()
-
-
 def preprocess(args, files, prefix, spec, vocab_size, eod):
     """Tokenize `files` into `<prefix>_<key>_document`; returns (counters, rejects file or None)."""
     dtype = token_dtype(vocab_size)
@@ -156,8 +123,10 @@ def preprocess(args, files, prefix, spec, vocab_size, eod):
     sources, prov_file, prov_line = _SourceTable(files), [], []
     progress = _Progress(args.quiet)
     try:
-        batches = _batches(iter_records(files, args.json_keys), args.batch_size)
-        for kept, rejects, per_key, nbytes in _pool_map(args, spec, eod, batches):
+        batches = batched(iter_records(files, args.json_keys), args.batch_size)
+        init_args = (spec, args.json_keys, not args.no_cache, eod)
+        for kept, rejects, per_key, nbytes in ordered_map(_encode_task, batches, args.workers, _init_worker,
+                                                          init_args):
             for file_index, line, reason, detail in rejects:
                 where = f"{files[file_index]}:{line}"
                 if args.strict:
