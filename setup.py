@@ -1,6 +1,7 @@
 from setuptools import find_packages, setup
 
 MPI = ["mpi4py", "mpich"]  # the mpich wheel ships mpiexec (Hydra) and the library mpi4py loads
+CURATE = ["py3langid>=0.4", "datasketch>=2.0"]  # tools/curate_data.py: language id, MinHash LSH
 
 setup(
     name="trilith",
@@ -15,7 +16,9 @@ setup(
     extras_require={
         "gpu": ["flash-attn", "nvidia-ml-py"],
         "mpi": MPI,
-        # The suite launches real mpiexec jobs, so `make test` (which installs .[dev]) brings the MPI extra.
-        "dev": ["pytest", "transformers", "safetensors", *MPI],
+        "curate": CURATE,
+        # The suite launches real mpiexec jobs and curates corpora, so `make test` (which installs
+        # .[dev]) brings the MPI and curate extras.
+        "dev": ["pytest", "transformers", "safetensors", *MPI, *CURATE],
     },
 )
