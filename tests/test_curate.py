@@ -170,6 +170,8 @@ def test_near_and_exact_duplicates_removed_first_kept(tmp_path):
         assert [r["source_line"] for r in kept] == [1, 2, 5]
     _, kept, _, _ = curate(tmp_path, records, "--no-dedup")
     assert len(kept) == len(records)
+    with pytest.raises(SystemExit):  # too few LSH bands for 128 permutations: a clear error, not a trace
+        curate(tmp_path, records, "--dedup-threshold", "0.99")
 
 
 def test_rejects_summary_and_malformed_lines(tmp_path, capsys):

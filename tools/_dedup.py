@@ -53,7 +53,11 @@ class DuplicateIndex:
     def __init__(self, threshold, num_perm):
         from datasketch import MinHashLSH
         self.threshold = threshold
-        self.lsh = MinHashLSH(threshold=threshold, num_perm=num_perm)
+        try:
+            self.lsh = MinHashLSH(threshold=threshold, num_perm=num_perm)
+        except ValueError as e:
+            raise ValueError(f"--dedup-threshold {threshold} with --num-perm {num_perm}: {e}; lower the "
+                             f"threshold or raise --num-perm") from None
         self.exact = {}      # digest -> kept id
         self.kept = []       # kept id -> (origin, MinHash)
 

@@ -289,13 +289,11 @@ def main(argv=None):
     try:
         files = expand_inputs(args.input)
         stages = build_stages(args, files)
-    except (FileNotFoundError, ValueError, OSError) as e:
-        p.error(str(e))
-    try:
         index = None if args.no_dedup else DuplicateIndex(args.dedup_threshold, args.num_perm)
-    except ValueError as e:
-        p.error(f"--dedup-threshold {args.dedup_threshold} with --num-perm {args.num_perm}: {e}; "
-                f"lower the threshold or raise --num-perm")
+    except ImportError as e:
+        p.error(f"{e}: install the curate extra (pip install -e '.[curate]')")
+    except (ValueError, OSError) as e:
+        p.error(str(e))
     overwritten = {os.path.abspath(args.output), os.path.abspath(args.rejects)} & set(map(os.path.abspath, files))
     if overwritten:
         p.error(f"{sorted(overwritten)[0]} is an input; curation never overwrites its raw corpus")
