@@ -1,6 +1,7 @@
 from setuptools import find_packages, setup
 
 MPI = ["mpi4py", "mpich"]  # the mpich wheel ships mpiexec (Hydra) and the library mpi4py loads
+CURATE = ["py3langid>=0.4", "datasketch>=2.0"]  # tools/curate_data.py: language id, MinHash LSH
 
 setup(
     name="trilith",
@@ -15,8 +16,10 @@ setup(
     extras_require={
         "gpu": ["flash-attn", "nvidia-ml-py"],
         "mpi": MPI,
+        "curate": CURATE,
         "plot": ["matplotlib"],  # tools/plot_metrics.py
-        # The suite launches real mpiexec jobs, so `make test` (which installs .[dev]) brings the MPI extra.
-        "dev": ["pytest", "transformers", "safetensors", "matplotlib", *MPI],
+        # The suite launches real mpiexec jobs, curates corpora and draws curves, so `make test` (which
+        # installs .[dev]) brings the MPI, curate and plot extras.
+        "dev": ["pytest", "transformers", "safetensors", "matplotlib", *MPI, *CURATE],
     },
 )

@@ -159,6 +159,23 @@ def test_zstd_parquet_and_directory_inputs(tmp_path, tok):
     assert prov.lookup(4) == (str(d / "b.parquet"), 2)
 
 
+def test_provenance_names_the_raw_source_of_curated_records(tmp_path, tok):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    src = write_jsonl(tmp_path / "clean.jsonl", [
+        {"text": "from raw", "source_file": "raw/web.jsonl", "source_line": 41},
+        {"text": "no origin"},
+        {"text": "bad origin", "source_file": "raw/web.jsonl", "source_line": "7"},
+        {"text": "other raw", "source_file": "raw/code.jsonl", "source_line": 3}])
+    table = tmp_path / "clean.parquet"
+    pq.write_table(pa.table({"text": ["row"], "source_file": ["raw/a.jsonl"], "source_line": [9]}), table)
+    for partitions in ("1", "2"):
+        path = run(tmp_path, tok["bpe"], [src, str(table)], "--partitions", partitions, prefix="p" + partitions)
+        prov = Provenance(path)
+        assert [prov.lookup(i) for i in range(5)] == [
+            ("raw/web.jsonl", 41), (src, 2), (src, 3), ("raw/code.jsonl", 3), ("raw/a.jsonl", 9)]
+
+
 def test_partitions_and_merge_equal_single_run(tmp_path, tok):
     files = [write_jsonl(tmp_path / f"{i}.jsonl", [{"text": t} for t in TEXTS[i::3]]) for i in range(3)]
     single = run(tmp_path, tok["bpe"], files, "--append-eod", prefix="single")

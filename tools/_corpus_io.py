@@ -18,6 +18,10 @@ SUPPORTED = JSONL_SUFFIXES + ZSTD_SUFFIXES + TABLE_SUFFIXES
 # Why a record was skipped; the preprocessing summary and rejects file use these names.
 REJECT_REASONS = ("malformed_json", "invalid_utf8", "missing_key", "non_string", "empty")
 
+# Fields naming a record's raw source, written by tools/curate_data.py: tools that read a cleaned
+# corpus point at these (the raw file and line) rather than at the cleaned file's own line.
+ORIGIN_FIELDS = ("source_file", "source_line")
+
 
 class RecordError(Exception):
     def __init__(self, reason, detail):
@@ -57,13 +61,15 @@ def _open_lines(path):
     return raw
 
 
-def _table_batches(path, keys):
+def _table_batches(path, columns):
+    """Rows of a Parquet/Arrow file as dicts of `columns` (those present; all when None)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     if path.endswith(".parquet"):
         pf = pq.ParquetFile(path)
-        names = set(pf.schema_arrow.names)
-        batches = pf.iter_batches(batch_size=1024, columns=[k for k in keys if k in names])
+        names = pf.schema_arrow.names
+        batches = pf.iter_batches(batch_size=1024,
+                                  columns=names if columns is None else [c for c in columns if c in names])
     else:
         with pa.memory_map(path) as source:
             try:
@@ -72,20 +78,22 @@ def _table_batches(path, keys):
                 table = pa.ipc.open_stream(source).read_all()
         batches = table.to_batches(max_chunksize=1024)
     for batch in batches:
-        columns = {name: batch.column(i).to_pylist() for i, name in enumerate(batch.schema.names)}
+        values = {name: batch.column(i).to_pylist() for i, name in enumerate(batch.schema.names)}
         for row in range(batch.num_rows):
-            yield {k: col[row] for k, col in columns.items() if k in keys}
+            yield {k: col[row] for k, col in values.items() if columns is None or k in columns}
 
 
-def iter_records(files, keys):
+def iter_records(files, keys, all_fields=False):
     """Yield (file_index, record_number, payload): payload is a raw JSONL line (bytes) or a dict.
 
-    Parsing is left to `extract_texts` so that it can run in worker processes. Blank JSONL lines are
-    not records (a trailing newline is common) and are not yielded.
+    Parsing is left to `parse_record` so that it can run in worker processes. Blank JSONL lines are
+    not records (a trailing newline is common) and are not yielded. Table rows carry `keys` and
+    ORIGIN_FIELDS, or every column with `all_fields`.
     """
+    columns = None if all_fields else list(keys) + list(ORIGIN_FIELDS)
     for file_index, path in enumerate(files):
         if path.endswith(TABLE_SUFFIXES):
-            for row, values in enumerate(_table_batches(path, keys), 1):
+            for row, values in enumerate(_table_batches(path, columns), 1):
                 yield file_index, row, values
             continue
         with _open_lines(path) as f:
@@ -96,6 +104,11 @@ def iter_records(files, keys):
 
 def extract_texts(payload, keys):
     """The text of each key in one record, or RecordError(reason, detail) naming what is wrong."""
+    return record_texts(parse_record(payload), keys)
+
+
+def parse_record(payload):
+    """One record as a dict (a JSONL line is decoded and parsed), or RecordError."""
     if isinstance(payload, bytes):
         try:
             line = payload.decode("utf-8")
@@ -107,8 +120,12 @@ def extract_texts(payload, keys):
             raise RecordError("malformed_json", f"malformed JSON: {e}") from None
         if not isinstance(record, dict):
             raise RecordError("malformed_json", f"expected a JSON object, got {type(record).__name__}")
-    else:
-        record = payload
+        return record
+    return payload
+
+
+def record_texts(record, keys):
+    """The text of each key of a parsed record, or RecordError naming what is wrong."""
     texts = []
     for key in keys:
         if key not in record:
@@ -125,3 +142,11 @@ def extract_texts(payload, keys):
             raise RecordError("invalid_utf8", f"{key!r} has an unpaired surrogate at {e.start}") from None
         texts.append(text)
     return texts
+
+
+def record_origin(record):
+    """(raw file, raw line) named by a record's ORIGIN_FIELDS, or None when it names none validly."""
+    source, line = record.get("source_file"), record.get("source_line")
+    if isinstance(source, str) and source and type(line) is int and line >= 1:
+        return source, line
+    return None

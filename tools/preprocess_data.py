@@ -8,12 +8,13 @@
 
 Flag names follow Megatron-LM's tools/preprocess_data.py. Bad records are skipped, counted by
 reason and written to a rejects file (`--strict` stops at the first one). Outputs appear only when
-complete, with a provenance map (`.prov.npz`) from document index to source file and line.
+complete, with a provenance map (`.prov.npz`) from document index to source file and line: the raw
+file and line named by a record's `source_file`/`source_line` (as tools/curate_data.py writes them),
+else the input file's own.
 """
 import argparse
 import collections
 import json
-import multiprocessing
 import os
 import sys
 import time
@@ -26,9 +27,10 @@ import numpy as np  # noqa: E402
 
 from data.indexed import IndexedDatasetBuilder, token_dtype  # noqa: E402
 from data.provenance import merge_provenance, write_provenance  # noqa: E402
-from tools._corpus_io import (REJECT_REASONS, RecordError, expand_inputs, extract_texts,  # noqa: E402
-                              iter_records)
+from tools._corpus_io import (REJECT_REASONS, RecordError, expand_inputs, iter_records,  # noqa: E402
+                              parse_record, record_origin, record_texts)
 from tools._encoder import load_encoder, tokenizer_spec  # noqa: E402
+from tools._parallel import batched, ordered_map  # noqa: E402
 
 REPORT_FIRST = 5  # rejects printed with file:line; all of them go to the rejects file
 
@@ -40,17 +42,20 @@ def _init_worker(spec, keys, use_cache, eod_id):
 
 
 def _encode_task(records):
-    """Parse and tokenize one batch of records; returns tokens per key, kept ids and rejects."""
+    """Parse and tokenize one batch of records; returns tokens per key, kept sources and rejects.
+
+    A kept source is (input file index, line), or (raw file name, line) for a curated record."""
     keys, encoder, eod = _worker["keys"], _worker["encoder"], _worker["eod"]
     kept, rejects, texts, nbytes = [], [], [[] for _ in keys], 0
     for file_index, line, payload in records:
         nbytes += len(payload) if isinstance(payload, bytes) else 0
         try:
-            values = extract_texts(payload, keys)
+            record = parse_record(payload)
+            values = record_texts(record, keys)
         except RecordError as e:
             rejects.append((file_index, line, e.reason, str(e)))
             continue
-        kept.append((file_index, line))
+        kept.append(record_origin(record) or (file_index, line))
         for column, text in zip(texts, values):
             column.append(text)
     per_key = []
@@ -61,17 +66,6 @@ def _encode_task(records):
         lengths = np.fromiter(map(len, docs), np.int64, len(docs))
         per_key.append((lengths, np.concatenate(docs) if docs else np.zeros(0, np.int64)))
     return kept, rejects, per_key, nbytes
-
-
-def _batches(records, size):
-    batch = []
-    for record in records:
-        batch.append(record)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
 
 
 class _Progress:
@@ -97,30 +91,26 @@ class _Progress:
             print(file=sys.stderr)
 
 
+class _SourceTable:
+    """Ids of the provenance map's source files: the input files, then raw files that curated
+    records name, added as they appear."""
+
+    def __init__(self, files):
+        self.names = list(files)
+        self.ids = {name: i for i, name in enumerate(self.names)}
+
+    def id(self, source):
+        if isinstance(source, int):
+            return source
+        found = self.ids.get(source)
+        if found is None:
+            found = self.ids[source] = len(self.names)
+            self.names.append(source)
+        return found
+
+
 def output_prefix(prefix, key):
     return f"{prefix}_{key}_document"
-
-
-def _pool_map(args, spec, eod, batches):
-    """Yield task results in input order, keeping a bounded number in flight (streaming)."""
-    if args.workers <= 1:
-        _init_worker(spec, args.json_keys, not args.no_cache, eod)
-        yield from map(_encode_task, batches)
-        return
-    ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
-    pool = ctx.Pool(args.workers, _init_worker, (spec, args.json_keys, not args.no_cache, eod))
-    try:
-        pending = collections.deque()
-        for batch in batches:
-            pending.append(pool.apply_async(_encode_task, (batch,)))
-            if len(pending) >= 4 * args.workers:
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
-        pool.close()
-    finally:
-        pool.terminate()
-        pool.join()
 
 
 def preprocess(args, files, prefix, spec, vocab_size, eod):
@@ -130,11 +120,13 @@ def preprocess(args, files, prefix, spec, vocab_size, eod):
     rejects_path = args.rejects or prefix + "_rejects.jsonl"
     rejects_out = None
     stats = collections.Counter()
-    prov_file, prov_line = [], []
+    sources, prov_file, prov_line = _SourceTable(files), [], []
     progress = _Progress(args.quiet)
     try:
-        batches = _batches(iter_records(files, args.json_keys), args.batch_size)
-        for kept, rejects, per_key, nbytes in _pool_map(args, spec, eod, batches):
+        batches = batched(iter_records(files, args.json_keys), args.batch_size)
+        init_args = (spec, args.json_keys, not args.no_cache, eod)
+        for kept, rejects, per_key, nbytes in ordered_map(_encode_task, batches, args.workers, _init_worker,
+                                                          init_args):
             for file_index, line, reason, detail in rejects:
                 where = f"{files[file_index]}:{line}"
                 if args.strict:
@@ -150,7 +142,7 @@ def preprocess(args, files, prefix, spec, vocab_size, eod):
             for key, (lengths, tokens) in zip(args.json_keys, per_key):
                 builders[key].add_documents(tokens, lengths)
                 stats["tokens_" + key] += int(tokens.size)
-            prov_file.extend(f for f, _ in kept)
+            prov_file.extend(sources.id(f) for f, _ in kept)
             prov_line.extend(line for _, line in kept)
             stats["documents"] += len(kept)
             stats["bytes"] += nbytes
@@ -162,7 +154,7 @@ def preprocess(args, files, prefix, spec, vocab_size, eod):
         for builder in builders.values():
             builder.finalize()
         for key in args.json_keys:
-            write_provenance(output_prefix(prefix, key), files, prov_file, prov_line)
+            write_provenance(output_prefix(prefix, key), sources.names, prov_file, prov_line)
     except BaseException:
         for builder in builders.values():
             builder.abort()

@@ -1,0 +1,308 @@
+"""Clean a raw corpus before tokenization: language filter, PII scrubbing, quality heuristics and
+near-duplicate removal, with a map from every output document back to its raw file and line.
+
+    python tools/curate_data.py --input raw/ --output clean/corpus.jsonl --languages en,zh --workers 2
+
+Reads what tools/preprocess_data.py reads (JSONL, .jsonl.zst, Parquet/Arrow; files, directories,
+globs). Writes the kept documents as JSONL: each raw record's fields, its text cleaned, plus
+`source_file` and `source_line` naming the raw file and line (a record that already carries them, from
+an earlier pass, keeps them). preprocess_data stores those in its provenance map, so
+data.loader.sample_provenance traces a training sample to the raw line. Every dropped document is in
+the rejects file with its stage and reason; nothing is dropped silently. Outputs appear only when
+complete. Memory stays flat with corpus size except for one MinHash signature per kept document.
+"""
+import argparse
+import collections
+import functools
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from tools import _pii, _quality  # noqa: E402
+from tools._corpus_io import (JSONL_SUFFIXES, ORIGIN_FIELDS, RecordError, expand_inputs,  # noqa: E402
+                              iter_records, parse_record, record_origin, record_texts)
+from tools._dedup import SHINGLE_UNITS, DuplicateIndex, Signer  # noqa: E402
+from tools._parallel import batched, ordered_map  # noqa: E402
+
+LANGID_CHARS = 4096  # the head of a document decides its language: langid's cost grows with length
+REPORT_FIRST = 5     # unreadable records printed with file:line; all of them go to the rejects file
+
+Kept = collections.namedtuple("Kept", "origin output signature pii")
+Dropped = collections.namedtuple("Dropped", "origin stage reason detail duplicate_of", defaults=(None,))
+
+
+@functools.lru_cache(maxsize=1)
+def _language_identifier():
+    from py3langid.langid import MODEL_FILE, LanguageIdentifier
+    return LanguageIdentifier.from_model_file(MODEL_FILE, norm_probs=True)  # loads in ~0.7 s
+
+
+class LanguageFilter:
+    """Keeps documents whose language (py3langid, normalised probabilities) is in `languages`."""
+
+    def __init__(self, languages, min_confidence):
+        self.identifier = _language_identifier()
+        unknown = sorted(set(languages) - set(self.identifier.labels))
+        if unknown:
+            raise ValueError(f"--languages: unknown code(s) {', '.join(unknown)}; py3langid knows "
+                             f"{', '.join(sorted(self.identifier.labels))}")
+        self.languages, self.min_confidence = set(languages), min_confidence
+
+    def check(self, text):
+        language, probability = self.identifier.classify(text[:LANGID_CHARS])
+        if language not in self.languages:
+            return f"language:{language}", f"detected {language} (p={probability:.2f})"
+        if probability < self.min_confidence:
+            return "low_language_confidence", f"{language} with p={probability:.2f} < {self.min_confidence}"
+        return None
+
+
+class Stages:
+    """The per-document stages, built once and shipped to each worker process."""
+
+    def __init__(self, files, keys, language=None, pii=True, rules=None, signer=None):
+        self.files, self.keys = files, keys
+        self.language, self.pii, self.rules, self.signer = language, pii, rules, signer
+
+    def clean(self, file_index, line, payload):
+        """Kept (the output line, the MinHash signature for deduplication) or Dropped."""
+        origin = (self.files[file_index], line)
+        try:
+            record = parse_record(payload)
+            texts = record_texts(record, self.keys)
+        except RecordError as e:
+            return Dropped(origin, "input", e.reason, str(e))
+        origin = record_origin(record) or origin
+        if self.language is not None:
+            verdict = self.language.check("\n\n".join(texts))
+            if verdict:
+                return Dropped(origin, "language", *verdict)
+        replaced = collections.Counter()
+        if self.pii:
+            for i, text in enumerate(texts):
+                texts[i], counts = _pii.scrub(text)
+                replaced.update(counts)
+        text = "\n\n".join(texts)
+        if self.rules is not None:
+            verdict = _quality.check(text, self.rules)
+            if verdict:
+                return Dropped(origin, "quality", *verdict)
+        record.update(zip(self.keys, texts))
+        record.update(zip(ORIGIN_FIELDS, origin))
+        # default=str: Parquet/Arrow columns may hold dates or decimals, which JSON has no type for.
+        output = json.dumps(record, ensure_ascii=False, default=str)
+        return Kept(origin, output, self.signer(text) if self.signer else None, replaced)
+
+
+_worker = {}
+
+
+def _init_worker(stages):
+    _worker["stages"] = stages
+
+
+def _clean_task(records):
+    """The per-document stages over one batch. Signatures are computed here, in parallel; the
+    duplicate index stays in the main process, which sees documents in corpus order."""
+    stages = _worker["stages"]
+    nbytes = sum(len(payload) for _, _, payload in records if isinstance(payload, bytes))
+    return [stages.clean(*record) for record in records], nbytes
+
+
+def default_rejects_path(output):
+    stem, ext = os.path.splitext(output)
+    return f"{stem}.rejects{ext}"
+
+
+def curate(args, files, stages, index, start):
+    """Stream `files` through the stages and the duplicate index (None: no deduplication) into
+    args.output and the rejects file; returns the summary (`start`: when the run began)."""
+    dropped, pii = collections.Counter(), collections.Counter()
+    counts = collections.Counter()
+    last_report = time.time()
+    out_tmp, rejects_tmp = args.output + ".tmp", args.rejects + ".tmp"
+    try:
+        with open(out_tmp, "w", encoding="utf-8") as out, open(rejects_tmp, "w", encoding="utf-8") as rejects:
+            batches = batched(iter_records(files, args.json_keys, all_fields=True), args.batch_size)
+            for results, nbytes in ordered_map(_clean_task, batches, args.workers, _init_worker, (stages,)):
+                counts["bytes"] += nbytes
+                for result in results:
+                    counts["documents"] += 1
+                    if isinstance(result, Kept) and index is not None:
+                        result = _deduplicate(index, result)
+                    if isinstance(result, Dropped):
+                        _write_reject(rejects, result, dropped, args.quiet)
+                        continue
+                    out.write(result.output + "\n")
+                    pii.update(result.pii)
+                    counts["kept"] += 1
+                if not args.quiet and time.time() - last_report > 10:
+                    last_report = time.time()
+                    print(f"curate: {counts['documents']:,} documents, {counts['kept']:,} kept", file=sys.stderr)
+        os.replace(rejects_tmp, args.rejects)
+        os.replace(out_tmp, args.output)  # last: an output file means a finished run
+    except BaseException:
+        for tmp in (out_tmp, rejects_tmp):
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        raise
+    by_stage = collections.defaultdict(dict)
+    for (stage, reason), n in sorted(dropped.items(), key=lambda item: -item[1]):
+        by_stage[stage][reason] = n
+    return {"documents_in": counts["documents"], "kept": counts["kept"],
+            "dropped": sum(dropped.values()), "dropped_by_stage": dict(by_stage),
+            "pii_replaced": {kind: pii[kind] for kind in _pii.PLACEHOLDERS},
+            "duplicates_removed": sum(by_stage.get("dedup", {}).values()),
+            "input_bytes": counts["bytes"], "seconds": time.time() - start,
+            "output": args.output, "rejects": args.rejects}
+
+
+def _deduplicate(index, kept):
+    digest, minhash = kept.signature
+    found = index.find(digest, minhash)
+    if found is None:
+        index.add(digest, minhash, kept.origin)
+        return kept
+    reason, (source, line), similarity = found
+    detail = (f"identical to {source}:{line}" if reason == "exact_duplicate"
+              else f"estimated Jaccard {similarity:.2f} with {source}:{line}")
+    return Dropped(kept.origin, "dedup", reason, detail, {"source_file": source, "source_line": line})
+
+
+def _write_reject(rejects, result, dropped, quiet):
+    source, line = result.origin
+    if result.stage == "input" and not quiet and sum(
+            n for (stage, _), n in dropped.items() if stage == "input") < REPORT_FIRST:
+        print(f"curate: skipping {source}:{line}: {result.reason}: {result.detail}", file=sys.stderr)
+    dropped[result.stage, result.reason] += 1
+    entry = {"source_file": source, "source_line": line, "stage": result.stage, "reason": result.reason,
+             "detail": result.detail}
+    if result.duplicate_of:
+        entry["duplicate_of"] = result.duplicate_of
+    rejects.write(json.dumps(entry, ensure_ascii=False) + "\n")
+
+
+def format_summary(summary, stages):
+    n, kept, seconds = summary["documents_in"], summary["kept"], summary["seconds"]
+    lines = [f"curate: {n:,} documents in, {kept:,} kept ({kept / max(n, 1):.1%}), {summary['dropped']:,} "
+             f"dropped in {seconds:.1f} s ({summary['input_bytes'] / 1e6 / max(seconds, 1e-9):.1f} MB/s)",
+             "  dropped by stage and reason:"]
+    enabled = {"input": True, "language": stages.language is not None, "quality": stages.rules is not None,
+               "dedup": stages.signer is not None}
+    for stage in enabled:  # PII scrubbing replaces, it never drops
+        reasons = summary["dropped_by_stage"].get(stage, {})
+        detail = ", ".join(f"{reason} {count:,}" for reason, count in reasons.items())
+        count = f"{sum(reasons.values()):,}" if enabled[stage] else "-"
+        lines.append(f"    {stage:<9}{count:>7}  {detail if enabled[stage] else 'off'}".rstrip())
+    dedup = summary["dropped_by_stage"].get("dedup", {})
+    lines.append(f"  duplicates removed: {summary['duplicates_removed']:,} "
+                 f"({dedup.get('exact_duplicate', 0):,} exact, {dedup.get('near_duplicate', 0):,} near)")
+    pii = summary["pii_replaced"]
+    lines.append("  PII replaced in kept documents: "
+                 + (", ".join(f"{kind} {pii[kind]:,}" for kind in pii) if stages.pii else "off"))
+    lines.append(f"  wrote {summary['output']}; rejects: {summary['rejects']}")
+    return "\n".join(lines)
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("input and output")
+    g.add_argument("--input", nargs="+", required=True,
+                   help="JSONL, JSONL.zst, Parquet or Arrow: files, directories or globs")
+    g.add_argument("--json-keys", nargs="+", default=["text"], help="keys to clean (default: text)")
+    g.add_argument("--output", required=True, help="JSONL file of the kept documents")
+    g.add_argument("--rejects", help="JSONL file of the dropped ones (default: <output>.rejects.jsonl)")
+    g = p.add_argument_group("language identification (py3langid)")
+    g.add_argument("--languages", help="comma-separated ISO 639-1 codes to keep, e.g. en,zh (default: all)")
+    g.add_argument("--min-language-confidence", type=float, default=0.0,
+                   help="drop documents whose language probability is lower (default: 0)")
+    g = p.add_argument_group("PII scrubbing")
+    g.add_argument("--no-pii", action="store_true", help="keep e-mails, phone and ID numbers as they are")
+    g = p.add_argument_group("quality heuristics")
+    defaults = _quality.QualityRules()
+    g.add_argument("--no-quality", action="store_true", help="skip the quality heuristics")
+    g.add_argument("--min-chars", type=int, default=defaults.min_chars,
+                   help="characters, surrounding space excluded (default: %(default)s)")
+    g.add_argument("--min-words", type=int, default=defaults.min_words,
+                   help="words; a CJK character is a word (default: %(default)s)")
+    g.add_argument("--max-symbol-ratio", type=float, default=defaults.max_symbol_ratio,
+                   help="of non-space characters that are not letters, digits or _ (default: %(default)s)")
+    g.add_argument("--max-duplicate-line-fraction", type=float, default=defaults.max_duplicate_line_fraction,
+                   help="of non-blank lines that repeat an earlier line (default: %(default)s)")
+    g.add_argument("--max-boilerplate-fraction", type=float, default=defaults.max_boilerplate_fraction,
+                   help="of non-blank lines holding a boilerplate phrase (default: %(default)s)")
+    g.add_argument("--boilerplate-file", help="more boilerplate phrases, one a line")
+    g.add_argument("--min-mean-word-length", type=float, default=defaults.min_mean_word_length,
+                   help="over words outside CJK scripts (default: %(default)s)")
+    g.add_argument("--max-mean-word-length", type=float, default=defaults.max_mean_word_length,
+                   help="(default: %(default)s)")
+    g = p.add_argument_group("near-duplicate removal (MinHash + LSH)")
+    g.add_argument("--no-dedup", action="store_true", help="keep duplicates")
+    g.add_argument("--dedup-threshold", type=float, default=0.8,
+                   help="estimated Jaccard similarity from which a later document is a duplicate "
+                        "(default: %(default)s)")
+    g.add_argument("--num-perm", type=int, default=128, help="MinHash permutations (default: %(default)s)")
+    g.add_argument("--shingle-size", type=int, default=5, help="n of the n-gram shingles (default: %(default)s)")
+    g.add_argument("--shingle-unit", choices=SHINGLE_UNITS, default="word",
+                   help="words (CJK characters count as words) or characters (default: %(default)s)")
+    g = p.add_argument_group("runtime")
+    g.add_argument("--workers", type=int, default=1, help="worker processes")
+    g.add_argument("--batch-size", type=int, default=64, help="documents per worker task")
+    g.add_argument("--quiet", action="store_true", help="no progress or skipped-record lines")
+    return p
+
+
+def build_stages(args, files):
+    language = None
+    if args.languages:
+        language = LanguageFilter([c.strip() for c in args.languages.split(",") if c.strip()],
+                                  args.min_language_confidence)
+    rules = None
+    if not args.no_quality:
+        extra = _quality.load_boilerplate(args.boilerplate_file) if args.boilerplate_file else ()
+        rules = _quality.QualityRules(
+            min_chars=args.min_chars, min_words=args.min_words, max_symbol_ratio=args.max_symbol_ratio,
+            max_duplicate_line_fraction=args.max_duplicate_line_fraction,
+            max_boilerplate_fraction=args.max_boilerplate_fraction,
+            min_mean_word_length=args.min_mean_word_length, max_mean_word_length=args.max_mean_word_length,
+            boilerplate=_quality.BOILERPLATE + extra)
+    signer = None if args.no_dedup else Signer(args.num_perm, args.shingle_size, args.shingle_unit)
+    return Stages(files, args.json_keys, language, not args.no_pii, rules, signer)
+
+
+def main(argv=None):
+    start = time.time()
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.workers < 1 or args.batch_size < 1 or args.shingle_size < 1:
+        p.error("--workers, --batch-size and --shingle-size must be at least 1")
+    if not 0 < args.dedup_threshold <= 1:
+        p.error("--dedup-threshold must be in (0, 1]")
+    if not args.output.endswith(JSONL_SUFFIXES):
+        p.error(f"--output {args.output!r} should end with {', '.join(JSONL_SUFFIXES)}")
+    args.rejects = args.rejects or default_rejects_path(args.output)
+    try:
+        files = expand_inputs(args.input)
+        stages = build_stages(args, files)
+        index = None if args.no_dedup else DuplicateIndex(args.dedup_threshold, args.num_perm)
+    except ImportError as e:
+        p.error(f"{e}: install the curate extra (pip install -e '.[curate]')")
+    except (ValueError, OSError) as e:
+        p.error(str(e))
+    overwritten = {os.path.abspath(args.output), os.path.abspath(args.rejects)} & set(map(os.path.abspath, files))
+    if overwritten:
+        p.error(f"{sorted(overwritten)[0]} is an input; curation never overwrites its raw corpus")
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.rejects)), exist_ok=True)
+    summary = curate(args, files, stages, index, start)
+    print(format_summary(summary, stages))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
