@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # `make demo`: the whole Trilith workflow on this machine with no download:
-#   the Python standard library's source as the corpus → BPE tokenizer → MMIDIDX shards → pretraining
+#   the Python standard library's source as the corpus → cleaning (PII, quality, near-duplicates) → BPE
+#   tokenizer → MMIDIDX shards with provenance to the raw lines → pretraining
 #   through launch/run_pretrain.sh on 8 local CPU ranks (TP2 × PP2 × DP2), interrupted halfway and resumed
 #   from its checkpoint → export to Hugging Face → a generated sample from transformers.
 set -euo pipefail
@@ -13,23 +14,26 @@ LAYOUT=(parallel.tensor=2 parallel.pipeline=2)   # with 8 ranks: TP2 × PP2 × D
 
 step() { printf '\n=== %s\n' "$*"; }
 
-step "1/6 corpus: the standard library's .py files as JSONL"
+step "1/7 corpus: the standard library's .py files as JSONL"
 [[ -s $OUT/corpus.jsonl ]] || "$PY" tools/stdlib_corpus.py --output $OUT/corpus.jsonl
 
-step "2/6 tokenizer: byte-level BPE, 8192 tokens"
-[[ -s $OUT/tokenizer/tokenizer.json ]] || \
-  "$PY" tools/train_tokenizer.py --input $OUT/corpus.jsonl --output-dir $OUT/tokenizer --vocab-size 8192
+step "2/7 cleaning: PII scrubbed, low-quality and near-duplicate files dropped, raw file:line kept"
+[[ -s $OUT/clean.jsonl ]] || "$PY" tools/curate_data.py --input $OUT/corpus.jsonl --output $OUT/clean.jsonl --workers 2
 
-step "3/6 preprocess: tokenized binary shards (.bin/.idx)"
+step "3/7 tokenizer: byte-level BPE, 8192 tokens"
+[[ -s $OUT/tokenizer/tokenizer.json ]] || \
+  "$PY" tools/train_tokenizer.py --input $OUT/clean.jsonl --output-dir $OUT/tokenizer --vocab-size 8192
+
+step "4/7 preprocess: tokenized binary shards (.bin/.idx) and their provenance map"
 [[ -s $OUT/data/stdlib_text_document.idx ]] || \
-  "$PY" tools/preprocess_data.py --input $OUT/corpus.jsonl --output-prefix $OUT/data/stdlib \
+  "$PY" tools/preprocess_data.py --input $OUT/clean.jsonl --output-prefix $OUT/data/stdlib \
     --tokenizer-model $OUT/tokenizer/tokenizer.json --append-eod --workers 2
 
-step "4/6 pretrain: $NPROC local ranks (${LAYOUT[*]}), stopping after step 60 as if preempted"
+step "5/7 pretrain: $NPROC local ranks (${LAYOUT[*]}), stopping after step 60 as if preempted"
 rm -rf $OUT/run $OUT/hf
 launch/run_pretrain.sh --nproc "$NPROC" --config launch/configs/demo.yaml "${LAYOUT[@]}" checkpoint.exit_after=60
 
-step "5/6 resume: the same command picks up the latest checkpoint and trains to the end"
+step "6/7 resume: the same command picks up the latest checkpoint and trains to the end"
 launch/run_pretrain.sh --nproc "$NPROC" --config launch/configs/demo.yaml "${LAYOUT[@]}"
 
 "$PY" - <<PYEOF
@@ -41,11 +45,18 @@ assert last["loss"] < first["loss"], "the demo's loss did not fall"
 evals = [r for r in rows if "eval_loss" in r]
 print("validation loss (held-out files): " + ", ".join(f"{r['eval_loss']:.3f} (step {r['step']})" for r in evals))
 assert evals and evals[-1]["eval_loss"] < evals[0]["eval_loss"], "the demo's validation loss did not fall"
+
+from data.loader import build_datasets, sample_provenance
+# The run's own sample order (launch/configs/demo.yaml: seq 128, seed 1234, 120 steps × 32, validation 4 × 32).
+train = build_datasets(["$OUT/data/stdlib_text_document"], 128, 1234, "98,2,0", {"train": 3840, "valid": 128})["train"]
+piece = sample_provenance(train, 0)[0]
+print(f"the run's first training sample begins in {piece['source_file']} line {piece['line']} "
+      f"(document {piece['document']}, through cleaning back to the raw corpus)")
 PYEOF
 "$PY" tools/plot_metrics.py $OUT/run --keys loss eval_loss lr grad_norm attention_entropy head_grad_variance_ratio \
   | tail -n 1
 
-step "6/6 export to Hugging Face and sample with transformers"
+step "7/7 export to Hugging Face and sample with transformers"
 "$PY" tools/ckpt_convert.py --to hf --load-dir $OUT/run/checkpoints --save-dir $OUT/hf
 "$PY" tools/hf_sample.py --model-dir $OUT/hf --prompt "def " --max-new-tokens 48
 echo "demo: run directory $OUT/run (config.yaml, metrics.jsonl, curves.png, logs/, checkpoints/), Hugging Face model $OUT/hf"
