@@ -80,15 +80,18 @@ class _Steps:
         return None if received is None else received.grad
 
 
+def _forward_and_send(steps: _Steps, pipe, mb: int) -> tuple:
+    """A forward of the non-interleaved schedules that waits for no gradient: receive, run, send, release."""
+    received = pipe.recv_forward()
+    out = steps.forward(0, mb, received)
+    pipe.send_forward(out)
+    steps.release(0, out)
+    return received, out
+
+
 def gpipe(steps: _Steps, pipe) -> None:
     m = len(steps.micro_batches)
-    saved = []
-    for mb in range(m):
-        received = pipe.recv_forward()
-        out = steps.forward(0, mb, received)
-        pipe.send_forward(out)
-        steps.release(0, out)
-        saved.append((received, out))
+    saved = [_forward_and_send(steps, pipe, mb) for mb in range(m)]
     for mb in range(m):
         received, out = saved[mb]
         grad = pipe.recv_backward()
@@ -102,11 +105,7 @@ def one_f_one_b(steps: _Steps, pipe) -> None:
     held: deque = deque()
     fwd = bwd = 0
     for _ in range(warmup):
-        received = pipe.recv_forward()
-        out = steps.forward(0, fwd, received)
-        pipe.send_forward(out)
-        steps.release(0, out)
-        held.append((received, out))
+        held.append(_forward_and_send(steps, pipe, fwd))
         fwd += 1
     received = pipe.recv_forward() if remaining else None
     for i in range(remaining):
