@@ -89,7 +89,8 @@ class TrainingMonitor:
         return samples
 
     # -- attention entropy -----------------------------------------------------------------------------
-    def entropy_due(self, step: int) -> bool:
+    def probe_due(self, step: int) -> bool:
+        """Whether step `step` takes the model-internal readings (attention entropy, head gradient variance)."""
         interval = self.cfg.run.monitor_interval
         return interval > 0 and step % interval == 0
 

@@ -227,7 +227,7 @@ class Trainer:
         micro_losses = self.forward_backward(micro_batches)
         self.data_parallel.finish_gradients()
         head_sums = None
-        if self.monitor.entropy_due(self.step + 1):  # before the optimizer consumes the gradients
+        if self.monitor.probe_due(self.step + 1):  # before the optimizer consumes the gradients
             head_sums = self.monitor.head_gradient_sums(self.data_parallel.owned_gradients(), self.topo.tp_rank,
                                                         self.env.device)
             comm.all_reduce(head_sums, world_group())
@@ -264,7 +264,7 @@ class Trainer:
         if bad:
             record["nonfinite_samples"] = bad
         record.update(self.monitor.memory(self.step, self.env.device))
-        if self.monitor.entropy_due(self.step):
+        if self.monitor.probe_due(self.step):
             record["attention_entropy"] = self.monitor.attention_entropy(
                 self.step, self.attention_entropy_sums(first_micro_batch))
 
