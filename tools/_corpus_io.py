@@ -23,6 +23,13 @@ REJECT_REASONS = ("malformed_json", "invalid_utf8", "missing_key", "non_string",
 ORIGIN_FIELDS = ("source_file", "source_line")
 
 
+def add_input_arguments(group, json_keys_help):
+    """--input and --json-keys, the same for every tool that reads a corpus."""
+    group.add_argument("--input", nargs="+", required=True,
+                       help="JSONL, JSONL.zst, Parquet or Arrow: files, directories or globs")
+    group.add_argument("--json-keys", nargs="+", default=["text"], help=json_keys_help)
+
+
 class RecordError(Exception):
     def __init__(self, reason, detail):
         super().__init__(detail)

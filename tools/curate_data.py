@@ -24,8 +24,8 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from tools import _pii, _quality  # noqa: E402
-from tools._corpus_io import (JSONL_SUFFIXES, ORIGIN_FIELDS, RecordError, expand_inputs,  # noqa: E402
-                              iter_records, parse_record, record_origin, record_texts)
+from tools._corpus_io import (JSONL_SUFFIXES, ORIGIN_FIELDS, RecordError, add_input_arguments,  # noqa: E402
+                              expand_inputs, iter_records, parse_record, record_origin, record_texts)
 from tools._dedup import SHINGLE_UNITS, DuplicateIndex, Signer  # noqa: E402
 from tools._parallel import batched, ordered_map  # noqa: E402
 
@@ -212,9 +212,7 @@ def format_summary(summary, stages):
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("input and output")
-    g.add_argument("--input", nargs="+", required=True,
-                   help="JSONL, JSONL.zst, Parquet or Arrow: files, directories or globs")
-    g.add_argument("--json-keys", nargs="+", default=["text"], help="keys to clean (default: text)")
+    add_input_arguments(g, "keys to clean (default: text)")
     g.add_argument("--output", required=True, help="JSONL file of the kept documents")
     g.add_argument("--rejects", help="JSONL file of the dropped ones (default: <output>.rejects.jsonl)")
     g = p.add_argument_group("language identification (py3langid)")

@@ -27,8 +27,8 @@ import numpy as np  # noqa: E402
 
 from data.indexed import IndexedDatasetBuilder, token_dtype  # noqa: E402
 from data.provenance import merge_provenance, write_provenance  # noqa: E402
-from tools._corpus_io import (REJECT_REASONS, RecordError, expand_inputs, iter_records,  # noqa: E402
-                              parse_record, record_origin, record_texts)
+from tools._corpus_io import (REJECT_REASONS, RecordError, add_input_arguments, expand_inputs,  # noqa: E402
+                              iter_records, parse_record, record_origin, record_texts)
 from tools._encoder import load_encoder, tokenizer_spec  # noqa: E402
 from tools._parallel import batched, ordered_map  # noqa: E402
 
@@ -203,9 +203,7 @@ def _merge_main(argv):
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("input")
-    g.add_argument("--input", nargs="+", required=True,
-                   help="JSONL, JSONL.zst, Parquet or Arrow: files, directories or globs")
-    g.add_argument("--json-keys", nargs="+", default=["text"], help="keys to tokenize (default: text)")
+    add_input_arguments(g, "keys to tokenize (default: text)")
     g.add_argument("--split-sentences", action="store_true", help="not supported (see --help)")
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", default=None,
