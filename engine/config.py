@@ -123,6 +123,7 @@ class DataConfig:
 @dataclass
 class CheckpointConfig:
     interval: int = 0  # 0 disables periodic saving
+    interval_minutes: float = 0.0  # also save when this much wall time has passed since the last save; 0 = off
     keep: int = 3  # newest checkpoints kept
     keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this, forever (0 = off)
     load: str = ""  # a checkpoint (or checkpoints) directory to start from when run.dir has none
@@ -390,6 +391,8 @@ def validate(cfg: Config, world_size: int) -> None:
     if t.steps < 1:
         raise ConfigError(f"train.steps={t.steps} must be at least 1")
     ck = cfg.checkpoint
+    if ck.interval_minutes < 0:
+        raise ConfigError(f"checkpoint.interval_minutes={ck.interval_minutes} must be ≥ 0 (0 = off)")
     if ck.interval < 0 or ck.keep < 1 or ck.keep_every < 0 or ck.exit_after < 0:
         raise ConfigError(f"checkpoint.interval={ck.interval}, keep={ck.keep}, keep_every={ck.keep_every}, "
                           f"exit_after={ck.exit_after}: keep must be ≥ 1 and the others ≥ 0")

@@ -138,6 +138,7 @@ class Trainer:
                                            self.dtype, env.device) if self.topo.pp_size > 1 else None
         self.schedule_trace = None  # a parallel.pipeline_schedules.ScheduleTrace to record the schedule
         self.eod_id = resolve_eod_id(cfg)
+        self.last_save_time = time.monotonic()  # checkpoint.interval_minutes counts from the start or last save
         self.monitor = TrainingMonitor(cfg, Path(cfg.run.dir), env.rank, self.topo.dp_size, log.warning)
         self.flops_per_token = flops_per_token(num_parameters(cfg.model), cfg.model.num_layers,
                                                cfg.model.hidden_size, cfg.model.seq_length)
@@ -297,13 +298,26 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         """Save the full training state now (blocks only for the snapshot under checkpoint.async_save)."""
+        self.last_save_time = time.monotonic()
         return self.checkpointer.save(self.step, self.consumed_samples)
 
+    def _save_due_by_time(self) -> bool:
+        """checkpoint.interval_minutes: rank 0's clock decides for every rank (one broadcast of a flag)."""
+        minutes = self.cfg.checkpoint.interval_minutes
+        if minutes <= 0:
+            return False
+        due = torch.tensor([time.monotonic() - self.last_save_time >= 60 * minutes], dtype=torch.int32,
+                           device=self.env.device)
+        comm.broadcast(due, src=0, group=world_group())
+        return bool(due.item())
+
     def _checkpoint_after_step(self) -> bool:
-        """Periodic, final and scheduled-stop saves; True when checkpoint.exit_after says to stop now."""
+        """Periodic (by step or wall time), final and scheduled-stop saves; True when checkpoint.exit_after
+        says to stop now."""
         ck = self.cfg.checkpoint
         stop = ck.exit_after > 0 and self.step >= ck.exit_after
-        if stop or (ck.interval > 0 and (self.step % ck.interval == 0 or self.step == self.cfg.train.steps)):
+        by_step = ck.interval > 0 and (self.step % ck.interval == 0 or self.step == self.cfg.train.steps)
+        if stop or by_step or self._save_due_by_time():
             self.save_checkpoint()
         if stop:
             log.info(f"checkpoint.exit_after={ck.exit_after}: stopping after step {self.step}")

@@ -173,3 +173,24 @@ def test_hsdp_checkpoint_is_written_once_and_resumes(tmp_path):
         assert has_state == (dp < 2), dp
     resumed = launch(tmp_path / "b", *hsdp, f"checkpoint.load={step2}", "checkpoint.exit_after=3", nproc=4)
     assert resumed[0]["step"] == 3 and resumed[0]["loss"] == straight[-1]["loss"]
+
+
+def test_checkpoints_by_wall_time(tmp_path, monkeypatch):
+    """checkpoint.interval_minutes=1 with a clock that moves 25 s per step: saved at 75 s (step 3) only."""
+    import time
+    import types
+
+    import engine.train
+    from engine.metrics import MetricsLog
+    now = [0.0]
+    monkeypatch.setattr(engine.train, "time", types.SimpleNamespace(monotonic=lambda: now[0],
+                                                                     perf_counter=time.perf_counter))
+    t = trainer(tmp_path, "checkpoint.interval_minutes=1", "train.steps=5")
+    step = t.train_step
+
+    def timed_step():
+        now[0] += 25.0
+        return step()
+    t.train_step = timed_step
+    t.train(MetricsLog(tmp_path, enabled=False))
+    assert [d.name for d in step_dirs(tmp_path / "checkpoints")] == ["step_00000003"]

@@ -119,3 +119,11 @@ def test_mid_run_micro_batch_switch_under_pipeline(single, tmp_path):
                    "train.micro_batch_size_after_switch=4", nproc=2)
     for a, b in zip(single, multi):
         assert abs(a["loss"] - b["loss"]) <= 1e-4, (a["step"], a["loss"], b["loss"])
+
+
+def test_wall_time_checkpoints_agree_across_ranks(tmp_path):
+    """Rank 0's clock decides (a broadcast), so both ranks save the same steps: here every one of them."""
+    launch(tmp_path, "train.steps=4", "checkpoint.interval_minutes=1e-9", "checkpoint.keep=2", nproc=2)
+    saved = sorted(d.name for d in (tmp_path / "checkpoints").iterdir() if d.name.startswith("step_"))
+    assert saved == ["step_00000003", "step_00000004"]
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip().endswith("step_00000004")
