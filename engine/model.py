@@ -208,8 +208,11 @@ class CausalLM(nn.Module):
 
     def attention_entropy_sums(self) -> dict[int, tuple[float, int]]:
         """{global layer index: (entropy sum, count)} recorded since capture_attention_entropy(True)."""
-        return {int(i): (sum(e for e, _ in layer.self_attn.entropy_log), sum(c for _, c in layer.self_attn.entropy_log))
-                for i, layer in self.model.layers.items()}
+        sums = {}
+        for i, layer in self.model.layers.items():
+            log = layer.self_attn.entropy_log
+            sums[int(i)] = (sum(e for e, _ in log), sum(c for _, c in log))
+        return sums
 
     def compile_blocks(self, backend: str = "inductor") -> None:
         """torch.compile each block's body (one graph per block, reused by every layer of the same shape)."""
