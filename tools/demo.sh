@@ -45,14 +45,9 @@ assert last["loss"] < first["loss"], "the demo's loss did not fall"
 evals = [r for r in rows if "eval_loss" in r]
 print("validation loss (held-out files): " + ", ".join(f"{r['eval_loss']:.3f} (step {r['step']})" for r in evals))
 assert evals and evals[-1]["eval_loss"] < evals[0]["eval_loss"], "the demo's validation loss did not fall"
-
-from data.loader import build_datasets, sample_provenance
-# The run's own sample order (launch/configs/demo.yaml: seq 128, seed 1234, 120 steps × 32, validation 4 × 32).
-train = build_datasets(["$OUT/data/stdlib_text_document"], 128, 1234, "98,2,0", {"train": 3840, "valid": 128})["train"]
-piece = sample_provenance(train, 0)[0]
-print(f"the run's first training sample begins in {piece['source_file']} line {piece['line']} "
-      f"(document {piece['document']}, through cleaning back to the raw corpus)")
 PYEOF
+echo "the run's first training sample, traced through cleaning back to the raw corpus:"
+"$PY" tools/trace_sample.py --run-dir $OUT/run --sample 0
 "$PY" tools/plot_metrics.py $OUT/run --keys loss eval_loss lr grad_norm attention_entropy head_grad_variance_ratio \
   | tail -n 1
 
