@@ -4,7 +4,7 @@
     0.8–1.2, alarm above 2);
   - non-finite losses traced to their samples: when a micro-batch's loss (or, outside fp16's loss
     scaling, the gradient norm) is NaN/Inf, the step is skipped and rank 0 writes
-    `run.dir/nonfinite/step_XXXXXXXX.json` naming the global sample indices, their token ids and, for real
+    `run.dir/nonfinite/step_00000012.json` (the step, 8 digits) naming the global sample indices, their token ids and, for real
     data, the dataset, document and source file:line of every piece (data.loader.sample_provenance);
     `run.max_nonfinite_steps` such steps in a row stop the run (it is not learning any more);
   - attention entropy per layer (every `run.monitor_interval` steps): a no-gradient probe forward of the
