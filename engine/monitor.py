@@ -4,8 +4,9 @@
     0.8–1.2, alarm above 2);
   - non-finite losses traced to their samples: when a micro-batch's loss (or, outside fp16's loss
     scaling, the gradient norm) is NaN/Inf, the step is skipped and rank 0 writes
-    `run.dir/nonfinite/step_00000012.json` (the step, 8 digits) naming the global sample indices, their token ids and, for real
-    data, the dataset, document and source file:line of every piece (data.loader.sample_provenance);
+    `run.dir/nonfinite/step_00000012.json` (the step, 8 digits) naming the global sample indices, their
+    token ids and, for real data, the dataset, document and source file:line of every piece
+    (data.loader.sample_provenance);
     `run.max_nonfinite_steps` such steps in a row stop the run (it is not learning any more);
   - attention entropy per layer (every `run.monitor_interval` steps): a no-gradient probe forward of the
     step's first micro-batch, averaged over heads, queries, TP/PP/DP ranks, with a warning outside
@@ -62,12 +63,11 @@ class TrainingMonitor:
         self.nonfinite_streak += 1
         per_rank = self.cfg.train.global_batch_size // self.dp_size
         if bad:  # the micro-batches whose loss is not finite
-            groups = [(r, k, window_start + r * per_rank + k * micro_batch_size) for r, k in bad]
             why = "non-finite loss"
         else:  # finite losses, non-finite gradients: the whole batch is suspect
-            groups = [(r, k, window_start + r * per_rank + k * micro_batch_size)
-                      for r in range(self.dp_size) for k in range(per_rank // micro_batch_size)]
+            bad = [(r, k) for r in range(self.dp_size) for k in range(per_rank // micro_batch_size)]
             why = "non-finite gradient norm with finite losses"
+        groups = [(r, k, window_start + r * per_rank + k * micro_batch_size) for r, k in bad]
         samples = [i for _, _, first in groups for i in range(first, first + micro_batch_size)]
         if self.is_reporter:
             report = {"step": step, "reason": why, "grad_norm": str(grad_norm),
@@ -77,7 +77,8 @@ class TrainingMonitor:
                                         for r, k, first in groups]}
             path = self.run_dir / "nonfinite" / f"step_{step:08d}.json"
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(report, indent=1, default=lambda v: v.item() if hasattr(v, "item") else str(v)))
+            path.write_text(json.dumps(report, indent=1, default=lambda v: v.item() if hasattr(v, "item") else
+                                       str(v)))
             self.console(f"WARNING step {step}: {why} in samples {_ranges(samples)}; step skipped, "
                          f"details in {path}")
         limit = self.cfg.run.max_nonfinite_steps
