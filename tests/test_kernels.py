@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kernels import adamw, attention, cross_entropy, norm, rope, swiglu
+from tests.flash_double import FlashAttnDouble
 
 CUDA = torch.cuda.is_available()
 needs_flash = pytest.mark.skipif(not attention.flash_available(), reason="flash-attn needs CUDA and the gpu extra")
@@ -113,6 +114,33 @@ def test_flash_matches_reference_on_cuda(variant):
         kw = {"slopes": slopes.cuda().to(torch.bfloat16)}
     got = run_with_grads(lambda *t: attention.causal_attention(*t, backend="flash", **kw), *low)
     assert_close([g.cpu() for g in got], want, torch.bfloat16, f"flash {variant}")
+
+
+@pytest.mark.parametrize("variant", ["causal", "window", "documents", "alibi", "documents+window+alibi"])
+def test_flash_call_follows_the_flash_attn_api(monkeypatch, variant):
+    """CPU check of the flash path's wiring against a double of the library (the CUDA test above checks the
+    real kernel): the same outputs and gradients as the reference for every option."""
+    double = FlashAttnDouble()
+    monkeypatch.setattr(attention, "_flash_attn_func", double.flash_attn_func)
+    monkeypatch.setattr(attention, "_flash_attn_varlen_func", double.flash_attn_varlen_func)
+    b, hq, hkv, s, d = 2, 4, 2, 9, 8
+    q, k, v = rand(b, hq, s, d, seed=1), rand(b, hkv, s, d, seed=2), rand(b, hkv, s, d, seed=3)
+    ids, slopes = segments(b, s), attention.alibi_slopes(hq)
+    ref_kw, flash_kw = {}, {}
+    if "window" in variant:
+        ref_kw["window"] = flash_kw["window"] = 3
+    if "documents" in variant:
+        ref_kw["segment_ids"] = flash_kw["segment_ids"] = ids
+    if "alibi" in variant:
+        ref_kw["bias"], flash_kw["slopes"] = attention.alibi_bias(slopes, s), slopes
+    want = run_with_grads(lambda *t: attention.attention_reference(*t, **ref_kw), q, k, v)
+    got = run_with_grads(lambda *t: attention.attention_flash(*t, **flash_kw), q, k, v)
+    assert_close(got, want, torch.float32, f"flash wiring {variant}")
+    window_size = (2, 0) if "window" in variant else (-1, -1)
+    if "documents" in variant:
+        assert double.calls == [("varlen", window_size, [3, 6, 3, 3, 3])]
+    else:
+        assert double.calls == [("dense", window_size)]
 
 
 def test_attention_backend_selection():

@@ -12,6 +12,7 @@ import torch
 
 from engine.config import ConfigError, ModelConfig, load_config, validate
 from engine.model import CausalLM
+from kernels import attention
 from kernels.attention import alibi_slopes
 from engine.train import Trainer
 from parallel.distributed import DistEnv
@@ -19,6 +20,7 @@ from parallel.random import seed_all
 from parallel.tensor import TensorParallel, allreduce_replicated_grads, local_slice
 from parallel.topology import Layout, Topology
 from tests.distributed import WorkerPool
+from tests.flash_double import FlashAttnDouble
 
 CFG = ModelConfig(hidden_size=64, num_layers=2, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=96,
                   vocab_size=90, seq_length=16)
@@ -30,12 +32,12 @@ def batch(cfg, b=2, seed=0):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def loss_and_grads(model, inputs, labels, seed=5):
+def loss_and_grads(model, inputs, labels, seed=5, **kwargs):
     seed_all(seed)
     model.train()
     for p in model.parameters():
         p.grad = None
-    loss = model(inputs, labels)
+    loss = model(inputs, labels, **kwargs)
     loss.backward()
     return loss.detach().float(), {n: p.grad.float().clone() for n, p in model.named_parameters()}
 
@@ -103,6 +105,26 @@ def test_attention_and_norm_backends_in_the_model():
         make(dataclasses.replace(CFG, attention_backend="flash"))(inputs, labels)
     with pytest.raises(RuntimeError, match="norm_backend=apex needs"):
         make(dataclasses.replace(CFG, norm_backend="apex"))(inputs, labels)
+
+
+@pytest.mark.parametrize("position", ["rope", "alibi"])
+def test_model_on_the_flash_path_equals_sdpa(monkeypatch, position):
+    """The whole model with attention routed to flash-attn (a CPU double with the library's API, see
+    tests/flash_double.py): GQA, sliding window and packed documents give SDPA's loss and gradients."""
+    cfg = dataclasses.replace(CFG, position_embedding=position, attention_window=5)
+    inputs, labels = batch(cfg)
+    ids = torch.zeros_like(inputs)
+    ids[:, 7:] = 1
+    ids[1, 12:] = 2
+    sdpa_model = make(cfg)
+    sdpa = loss_and_grads(sdpa_model, inputs, labels, segment_ids=ids)
+    double = FlashAttnDouble()
+    monkeypatch.setattr(attention, "_flash_attn_func", double.flash_attn_func)
+    monkeypatch.setattr(attention, "_flash_attn_varlen_func", double.flash_attn_varlen_func)
+    monkeypatch.setattr(attention, "select_backend", lambda requested, q: "flash")
+    flash = loss_and_grads(make(cfg), inputs, labels, segment_ids=ids)
+    assert double.calls == [("varlen", (4, 0), [7, 9, 7, 5, 4])] * cfg.num_layers  # one varlen call per layer
+    assert max_diff(flash, sdpa) <= 1e-5
 
 
 def test_sliding_window_and_documents_change_only_what_they_should():
