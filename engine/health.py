@@ -9,10 +9,11 @@ Without NVML or NVIDIA GPUs the monitor says so once and stays quiet.
 from __future__ import annotations
 
 import json
-import socket
 import time
 from collections import deque
 from pathlib import Path
+
+from parallel.distributed import node_name
 
 HOUR_S = 3600.0
 # NVML clock-event (throttle) reason bits, as defined in nvml.h (nvmlClocksEventReason*).
@@ -91,7 +92,7 @@ class HealthMonitor:
         self.interval = run_cfg.health_interval
         self.max_ecc = run_cfg.max_ecc_errors_per_hour
         self.max_temp = run_cfg.max_gpu_temperature
-        self.clock, self.host = clock, socket.gethostname()
+        self.clock, self.host = clock, node_name()
         self.path = Path(run_dir) / "logs" / f"health-{self.host}.jsonl"
         self.windows: dict[int, EccWindow] = {}
         self.reader = None

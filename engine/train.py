@@ -33,6 +33,7 @@ from parallel import comm, heartbeat
 from parallel.distributed import DistEnv, describe_failure, init_distributed, shutdown, world_group
 from parallel.p2p import PipelineComm
 from parallel.pipeline_schedules import forward_backward_pipeline, forward_only_pipeline
+from parallel.placement import describe_placement, placement_warnings
 from parallel.random import seed_all
 from parallel.schedules import MicroBatch, forward_backward_no_pipeline, forward_only_no_pipeline
 from parallel.stage_layers import chunk_roles, stage_layer_ids
@@ -391,6 +392,14 @@ def run(cfg: Config, env: DistEnv) -> list[dict]:
     dp = data_parallel_size(cfg, env.world_size)
     log.info(f"Trilith: {env.world_size} ranks = TP {cfg.parallel.tensor} × PP {cfg.parallel.pipeline} × DP {dp} "
              f"on {env.device} ({env.backend}); model {num_parameters(cfg.model) / 1e6:.2f}M parameters")
+    if env.world_size > 1 and env.nodes:
+        log.info(f"placement: {describe_placement(list(env.nodes))}")
+        p = cfg.parallel
+        block_key = "parallel.hsdp_group_size" if p.hsdp_group_size else "parallel.hierarchical_node_size"
+        layout = Layout(tp=p.tensor, pp=p.pipeline, dp=dp, order=p.rank_order)
+        for warning in placement_warnings(layout, list(env.nodes), p.hsdp_group_size or p.hierarchical_node_size,
+                                          block_key):
+            log.warning(f"WARNING: {warning}")
     trainer = Trainer(cfg, env)
     metrics = MetricsLog(run_dir, enabled=env.rank == 0, console=log.info)
     control = StopControl(env, HealthMonitor(cfg.run, run_dir, console=log.info) if env.local_rank == 0 else None)

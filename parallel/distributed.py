@@ -54,6 +54,7 @@ class DistEnv:
     device: torch.device = torch.device("cpu")
     backend: str = "gloo"
     source: str = "single"
+    nodes: tuple = ()  # node_name() of every rank, gathered at start (parallel/placement.py)
 
 
 def _int(env, name: str) -> int:
@@ -151,6 +152,11 @@ def rendezvous(launch: Launch, environ=None) -> tuple[str, str]:
                       "start multi-process runs with launch/run_pretrain.sh or torchrun, which set them")
 
 
+def node_name() -> str:
+    """This rank's node: SLURM's name for it inside a SLURM job, else the host name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
 def pick_device(requested: str, local_rank: int) -> torch.device:
     if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
@@ -175,8 +181,11 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_minute
                                 world_size=launch.world_size, timeout=_TIMEOUT,
                                 device_id=dev if dev.type == "cuda" else None)
         comm.register_group(dist.group.WORLD, "world")
-        heartbeat.start(launch.rank)  # lets a rank whose collective fails name a dead or frozen peer
-    return DistEnv(launch.rank, launch.world_size, launch.local_rank, dev, chosen, launch.source)
+        heartbeat.start(launch.rank, node_name())  # lets a rank whose collective fails name a dead or frozen peer
+    nodes = [node_name()] * launch.world_size
+    if dist.is_initialized():
+        dist.all_gather_object(nodes, node_name())
+    return DistEnv(launch.rank, launch.world_size, launch.local_rank, dev, chosen, launch.source, tuple(nodes))
 
 
 _TIMEOUT: datetime.timedelta | None = None
@@ -216,7 +225,7 @@ def describe_failure(exc: BaseException, env: DistEnv, step: int) -> str:
         where = f"{op} (called from {os.path.relpath(caller.filename)}:{caller.lineno} in {caller.name})"
     else:
         where = f"{frames[-1].name} ({os.path.relpath(frames[-1].filename)}:{frames[-1].lineno})" if frames else "?"
-    return (f"trilith: rank {env.rank} of {env.world_size} on {socket.gethostname()} failed in {where} during "
+    return (f"trilith: rank {env.rank} of {env.world_size} on {node_name()} failed in {where} during "
             f"step {step + 1}: {type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
             " -- a peer rank died or hung (collectives time out after parallel.timeout_minutes); the next line "
             "names silent peers, the launcher's summary a dead one")

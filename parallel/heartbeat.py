@@ -10,7 +10,6 @@ rest. Silence is judged against this host's clock: the hosts' clocks must agree 
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
 from collections import Counter
@@ -44,9 +43,9 @@ class Beat:
 
 
 class _Beater(threading.Thread):
-    def __init__(self, store, rank: int):
+    def __init__(self, store, rank: int, host: str):
         super().__init__(name="trilith-heartbeat", daemon=True)
-        self.store, self.rank, self.host = store, rank, socket.gethostname()
+        self.store, self.rank, self.host = store, rank, host
         self.step = 0  # training steps done; the Trainer sets it, this thread only reads it
         self.stopped = threading.Event()
 
@@ -65,11 +64,11 @@ def _default_store():
     return distributed_c10d._get_default_store()
 
 
-def start(rank: int) -> None:
-    """Beat for this rank until stop(); needs an initialized default process group."""
+def start(rank: int, host: str) -> None:
+    """Beat for this rank, running on `host`, until stop(); needs an initialized default process group."""
     global _beater
     # Its own connection to the store, so a beat never waits behind the process group's store traffic.
-    _beater = _Beater(_default_store().clone(), rank)
+    _beater = _Beater(_default_store().clone(), rank, host)
     _beater.start()
 
 

@@ -1,12 +1,15 @@
-"""A real single-node SLURM cluster on localhost for tests: munge + slurmctld + slurmd, started and torn down here.
+"""A real SLURM cluster on localhost for tests: munge + slurmctld + one slurmd per node, started and torn down here.
 
-    with SlurmCluster(tmp_path) as cluster:        # installs Debian's packages with apt-get if missing
-        job = cluster.sbatch(["-n", "4", "launch/run_pretrain.sh", ...], cwd=ROOT, env=...)
+    with SlurmCluster(tmp_path, nodes=2) as cluster:   # installs Debian's packages with apt-get if missing
+        job = cluster.sbatch(["-N", "2", "-n", "4", "launch/run_pretrain.sh", ...], cwd=ROOT, env=...)
         state, exit_code = cluster.wait(job, timeout=300)
 
 `SlurmUnavailable` is raised (and the tests skip with its message) only when the packages cannot be
-installed. The node is declared with this machine's real hostname and CPU count; jobs run more tasks than
-cores with `--overcommit`.
+installed. The first node is this machine's real host name; a second node is a second slurmd (its own port,
+spool and log) named `localhost`, another name of this machine that every rank can resolve, so that a job
+spans two SLURM nodes as on a real cluster: one srun task set per node, SLURM_NODEID 0 and 1, the
+rendezvous host taken from the node list. Each node declares the machine's CPU count; jobs run more tasks
+than cores with `--overcommit`.
 """
 from __future__ import annotations
 
@@ -73,23 +76,28 @@ AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 ReturnToService=2
 StateSaveLocation={root}/state
-SlurmdSpoolDir={root}/spool
+SlurmdSpoolDir={root}/spool-%n
 SlurmctldPidFile={root}/slurmctld.pid
-SlurmdPidFile={root}/slurmd.pid
+SlurmdPidFile={root}/slurmd-%n.pid
 SlurmctldLogFile={root}/slurmctld.log
-SlurmdLogFile={root}/slurmd.log
+SlurmdLogFile={root}/slurmd-%n.log
 SlurmctldTimeout=30
 SlurmdTimeout=30
 KillWait=20
-NodeName={host} CPUs={cpus} State=UNKNOWN
-PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:8
+{node_lines}
+PartitionName=debug Nodes={node_names} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:8
 """
 
 
 class SlurmCluster:
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, nodes: int = 1):
         self.root = Path(root)
         self.host = socket.gethostname().split(".")[0]
+        if nodes not in (1, 2):
+            raise ValueError("a localhost cluster has one or two nodes")
+        if nodes == 2 and self.host == "localhost":
+            raise SlurmUnavailable("a two-node cluster on this machine needs a host name other than localhost")
+        self.nodes = [self.host, "localhost"][:nodes]
         self.conf = self.root / "slurm.conf"
         self.env = dict(os.environ, SLURM_CONF=str(self.conf))
         self.env["PATH"] = self.env.get("PATH", "/usr/bin:/bin") + ":/usr/sbin"
@@ -97,10 +105,12 @@ class SlurmCluster:
 
     def __enter__(self) -> "SlurmCluster":
         ensure_installed()
-        for d in ("state", "spool", "munge"):
+        for d in ("state", "munge"):
             (self.root / d).mkdir(parents=True, exist_ok=True)
-        self.conf.write_text(SLURM_CONF.format(host=self.host, cpus=os.cpu_count(), root=self.root,
-                                               ctld_port=_free_port(), slurmd_port=_free_port()))
+        node_lines = "\n".join(f"NodeName={n} CPUs={os.cpu_count()} Port={_free_port()} State=UNKNOWN" for n in self.nodes)
+        self.conf.write_text(SLURM_CONF.format(host=self.host, root=self.root, ctld_port=_free_port(),
+                                               slurmd_port=_free_port(), node_lines=node_lines,
+                                               node_names=",".join(self.nodes)))
         try:
             self._start()
         except BaseException:
@@ -121,11 +131,12 @@ class SlurmCluster:
         self.conf.write_text(self.conf.read_text().replace(
             "AuthType=auth/munge", f"AuthType=auth/munge\nAuthInfo=socket={self.munge_socket},cred_expire=10"))
         self._daemon(["slurmctld", "-D", "-i", "-f", str(self.conf)])
-        self._daemon(["slurmd", "-D", "-f", str(self.conf), "-N", self.host])
-        self._wait_for(self._node_idle, f"node {self.host} to become idle")
+        for node in self.nodes:
+            self._daemon(["slurmd", "-D", "-f", str(self.conf), "-N", node], log_name=f"slurmd-{node}")
+        self._wait_for(self._nodes_idle, f"nodes {', '.join(self.nodes)} to become idle")
 
-    def _daemon(self, cmd: list[str]) -> None:
-        log = open(self.root / f"{cmd[0]}.stdout", "w")
+    def _daemon(self, cmd: list[str], log_name: str = "") -> None:
+        log = open(self.root / f"{log_name or cmd[0]}.stdout", "w")
         self.procs.append(subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                            start_new_session=True))
 
@@ -141,9 +152,9 @@ class SlurmCluster:
             time.sleep(0.5)
         raise RuntimeError(f"timed out waiting for {what}:\n" + self.logs())
 
-    def _node_idle(self) -> bool:
-        out = self.run(["sinfo", "-h", "-N", "-o", "%t"], check=False).stdout.strip()
-        return out.startswith("idle") or out.startswith("mix")
+    def _nodes_idle(self) -> bool:
+        states = self.run(["sinfo", "-h", "-N", "-o", "%t"], check=False).stdout.split()
+        return len(states) == len(self.nodes) and all(s in ("idle", "mix") for s in states)
 
     def run(self, cmd: list[str], check: bool = True, **kw) -> subprocess.CompletedProcess:
         done = subprocess.run(cmd, env={**self.env, **kw.pop("env", {})}, capture_output=True, text=True,
@@ -173,7 +184,7 @@ class SlurmCluster:
 
     def logs(self) -> str:
         parts = []
-        for name in ("slurmctld.log", "slurmd.log", "munge/munged.log"):
+        for name in ("slurmctld.log", *(f"slurmd-{n}.log" for n in self.nodes), "munge/munged.log"):
             path = self.root / name
             if path.exists():
                 parts.append(f"--- {name} ---\n" + "\n".join(path.read_text().splitlines()[-15:]))

@@ -1,4 +1,5 @@
-"""sbatch launch/run_pretrain.sh on a real single-node SLURM cluster started by the test (tests/slurm_cluster.py).
+"""sbatch launch/run_pretrain.sh on a real two-node SLURM cluster started by the test (tests/slurm_cluster.py):
+both slurmds run on this machine, but SLURM allocates, places and signals the job's tasks as on two hosts.
 
 Skips, with the reason printed, only when Debian's SLURM packages cannot be installed here.
 """
@@ -17,14 +18,14 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = "launch/configs/tiny.yaml"
 BIN = Path(sys.executable).parent
 ENV = {"TRILITH_PYTHON": sys.executable, "PATH": f"{BIN}:/usr/bin:/bin:/usr/sbin", "OMP_NUM_THREADS": "1"}
-# Four ranks on this machine's cores: override the script's GPU-node #SBATCH defaults.
-FOUR_RANKS = ["-n", "4", "-c", "1", "--overcommit", "--open-mode=append"]
+# Four ranks, two per node, on this machine's cores: override the script's GPU-node #SBATCH defaults.
+FOUR_RANKS = ["-N", "2", "-n", "4", "--ntasks-per-node=2", "-c", "1", "--overcommit", "--open-mode=append"]
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     try:
-        c = SlurmCluster(tmp_path_factory.mktemp("slurm")).__enter__()
+        c = SlurmCluster(tmp_path_factory.mktemp("slurm"), nodes=2).__enter__()
     except SlurmUnavailable as exc:
         print(f"SKIP SLURM tests: {exc}")
         pytest.skip(f"SLURM cannot be installed here: {exc}")
@@ -50,20 +51,29 @@ def reference_losses(run_dir: Path, steps: int) -> list[float]:
     return [r["loss"] for r in steps_per_attempt(run_dir)[0]]
 
 
-def test_sbatch_four_ranks_trains(cluster, tmp_path):
+def test_sbatch_on_two_nodes_trains_and_names_a_split_tensor_group(cluster, tmp_path):
+    """TP 2 × DP 2 over two nodes with SLURM's cyclic task distribution: ranks 0 and 1 (a TP pair) land on
+    different nodes. The run says where every rank is, warns about the split group, and still follows the
+    single-process loss curve."""
     out = tmp_path / "job.out"
-    job = cluster.sbatch([*FOUR_RANKS, f"--output={out}", "launch/run_pretrain.sh", "--config", TINY,
-                          f"run.dir={tmp_path / 'run'}", "train.steps=6"], cwd=ROOT, env=ENV)
+    job = cluster.sbatch([*FOUR_RANKS, "--distribution=cyclic", f"--output={out}", "launch/run_pretrain.sh",
+                          "--config", TINY, f"run.dir={tmp_path / 'run'}", "train.steps=6", "parallel.tensor=2"],
+                         cwd=ROOT, env=ENV)
     state, code = cluster.wait(job, timeout=240)
     text = out.read_text()
     assert (state, code) == ("COMPLETED", "0:0"), text[-3000:] + cluster.logs()
-    assert "4 ranks = TP 1 × PP 1 × DP 4" in text
+    assert "4 ranks = TP 2 × PP 1 × DP 2" in text
+    placement = re.search(r"placement: 2 nodes \((\S+): ranks 0,2; (\S+): ranks 1,3\)", text)
+    assert placement and set(placement.groups()) == set(cluster.nodes), text[-3000:]
+    assert "WARNING: 2 of 2 tensor-parallel groups span nodes (ranks 0-1 on" in text, text[-3000:]
     got = [r["loss"] for r in steps_per_attempt(tmp_path / "run")[0]]
     ref = reference_losses(tmp_path / "single", 6)
     assert len(got) == 6 and max(abs(a - b) for a, b in zip(ref, got)) <= 1e-4, (ref, got)
 
 
 def test_preemption_signal_checkpoints_requeues_and_resumes(cluster, tmp_path):
+    """SIGUSR1 to a job on two nodes (block placement): every rank saves and stops, the job requeues itself
+    and the next attempt resumes on the uninterrupted loss curve."""
     run_dir, out, steps = tmp_path / "run", tmp_path / "job.out", 60
     job = cluster.sbatch([*FOUR_RANKS, f"--output={out}", "launch/run_pretrain.sh", "--config", TINY,
                           f"run.dir={run_dir}", f"train.steps={steps}"], cwd=ROOT, env=ENV)
@@ -79,6 +89,7 @@ def test_preemption_signal_checkpoints_requeues_and_resumes(cluster, tmp_path):
     assert (state, code) == ("COMPLETED", "0:0"), text[-3000:] + cluster.logs()
     assert "received SIGUSR1" in text and f"requeueing job {job}" in text, text[-3000:]
     assert "Restarts=1" in cluster.run(["scontrol", "show", "job", job]).stdout
+    assert re.search(r"placement: 2 nodes \(\S+: ranks 0-1; \S+: ranks 2-3\)", text) and "WARNING: " not in text
     stopped = int(re.search(r"stopped at step (\d+): received SIGUSR1", text).group(1))
     assert 3 <= stopped < steps, "every rank stopped together after the signal, before the end"
     assert f"resumed from {run_dir / 'checkpoints'}" in text and f"at step {stopped}" in text, text[-3000:]
