@@ -11,7 +11,14 @@ Layout of `<prefix>.idx` (little endian), byte-compatible with Megatron-LM and G
     int64[D] document indices (sequence index where each document starts, then the total)
 `<prefix>.bin` is the concatenation of every sequence's tokens in that dtype.
 Preprocessing writes one sequence per document, so document_indices is 0..S.
+
+Compressed shards (`preprocess_data.py --compression zstd`) replace the `.bin` with `<prefix>.arrow`: the
+same token stream as an Arrow IPC file of one `tokens` column, cut into record batches of `block_tokens`
+tokens (schema metadata) whose buffers are zstd-compressed. The `.idx` is unchanged (its pointers still
+count bytes of the uncompressed stream), so everything above the reader is the same for both kinds. A read
+decompresses the blocks it touches; the most recent ones are cached.
 """
+import collections
 import os
 import struct
 
@@ -30,16 +37,103 @@ def token_dtype(vocab_size):
     return np.uint16 if vocab_size is not None and vocab_size < 65500 else np.int32
 
 
+COMPRESSIONS = ("none", "zstd")
+DEFAULT_BLOCK_TOKENS = 1 << 16  # 128 KiB of uint16 per block: decoded in well under a millisecond
+
+
 def dataset_paths(prefix):
     return prefix + ".bin", prefix + ".idx"
 
 
+def compressed_path(prefix):
+    return prefix + ".arrow"
+
+
+def token_files(prefix):
+    """The files that hold a dataset's tokens and index: (.bin or .arrow, .idx)."""
+    bin_path, idx_path = dataset_paths(prefix)
+    if not os.path.isfile(bin_path) and os.path.isfile(compressed_path(prefix)):
+        return compressed_path(prefix), idx_path
+    return bin_path, idx_path
+
+
+class CompressedTokens:
+    """The token stream of a `.arrow` shard, sliced like the `.bin` memory map (a decoded copy, not a view).
+
+    The file is opened lazily in each process, so a dataset built before a fork is read safely after it."""
+
+    CACHED_BLOCKS = 16
+
+    def __init__(self, path, dtype):
+        self.path, self.dtype = path, np.dtype(dtype)
+        self._pid, self._reader = None, None
+        self._cache = collections.OrderedDict()
+        reader = self._open()
+        meta = reader.schema.metadata or {}
+        field = reader.schema.field(0) if reader.schema.names == ["tokens"] else None
+        if b"block_tokens" not in meta or field is None or field.type.to_pandas_dtype() != self.dtype:
+            raise ValueError(f"{path!r} is not a Trilith token shard of {self.dtype} (one 'tokens' column with "
+                             f"block_tokens metadata); rerun tools/preprocess_data.py --compression zstd")
+        self.block = int(meta[b"block_tokens"])
+        self.num_blocks = reader.num_record_batches
+        last = self._decode(self.num_blocks - 1) if self.num_blocks else np.zeros(0, self.dtype)
+        self.size = (self.num_blocks - 1) * self.block + len(last) if self.num_blocks else 0
+
+    def _open(self):
+        import pyarrow as pa
+        if self._pid != os.getpid():
+            try:
+                self._reader = pa.ipc.open_file(pa.memory_map(self.path))
+            except (pa.ArrowException, OSError) as exc:
+                raise ValueError(f"{self.path!r} is not a readable Arrow file ({exc}); the shard is damaged: "
+                                 f"rerun tools/preprocess_data.py (or merge its inputs again)") from None
+            self._pid = os.getpid()
+            self._cache.clear()
+        return self._reader
+
+    def _decode(self, b):
+        import pyarrow as pa
+        try:
+            tokens = self._open().get_batch(b).column(0).to_numpy()
+        except (pa.ArrowException, OSError) as exc:
+            raise ValueError(f"{self.path!r}: block {b} cannot be decoded ({exc}); the shard is damaged: rerun "
+                             f"tools/preprocess_data.py") from None
+        if len(tokens) != self.block and b != self.num_blocks - 1:
+            raise ValueError(f"{self.path!r}: block {b} holds {len(tokens)} tokens, not {self.block}; the shard "
+                             f"is damaged: rerun tools/preprocess_data.py")
+        return tokens
+
+    def _block(self, b):
+        tokens = self._cache.get(b)
+        if tokens is None or self._pid != os.getpid():
+            tokens = self._decode(b)
+            self._cache[b] = tokens
+            if len(self._cache) > self.CACHED_BLOCKS:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(b)
+        return tokens
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, key):
+        start, stop, _ = key.indices(self.size)  # contiguous slices only, as IndexedDataset.get makes
+        if stop <= start:
+            return np.zeros(0, self.dtype)
+        first, last = start // self.block, (stop - 1) // self.block
+        pieces = [self._block(b) for b in range(first, last + 1)]
+        flat = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+        offset = first * self.block
+        return flat[start - offset:stop - offset]
+
+
 class IndexedDataset:
-    """Zero-copy, O(1) random access to the sequences of one `.bin/.idx` pair."""
+    """O(1) random access to the sequences of one `.bin/.idx` pair (zero-copy), or `.arrow/.idx` pair."""
 
     def __init__(self, prefix):
         self.prefix = prefix
-        bin_path, idx_path = dataset_paths(prefix)
+        bin_path, idx_path = token_files(prefix)
         for path in (bin_path, idx_path):
             if not os.path.isfile(path):
                 raise FileNotFoundError(
@@ -66,7 +160,14 @@ class IndexedDataset:
         self.sequence_pointers = np.frombuffer(self._idx, np.int64, n_seq, off)
         off += 8 * n_seq
         self.document_indices = np.frombuffer(self._idx, np.int64, n_doc, off)
+        self.compressed = bin_path.endswith(".arrow")
         total = int(self.sequence_lengths.sum(dtype=np.int64)) * self.dtype.itemsize
+        if self.compressed:
+            self._bin = CompressedTokens(bin_path, self.dtype)
+            if len(self._bin) * self.dtype.itemsize != total:
+                raise ValueError(f"{bin_path!r} holds {len(self._bin)} tokens but its index describes "
+                                 f"{total // self.dtype.itemsize}; the pair is inconsistent, rerun preprocessing")
+            return
         if os.path.getsize(bin_path) != total:
             raise ValueError(f"{bin_path!r} has {os.path.getsize(bin_path)} bytes but its index "
                              f"describes {total}; the pair is inconsistent, rerun preprocessing")
@@ -81,7 +182,8 @@ class IndexedDataset:
         return self.get(i)
 
     def get(self, i, offset=0, length=None):
-        """Tokens of sequence `i` from `offset`, `length` of them (all by default); a view, no copy."""
+        """Tokens of sequence `i` from `offset`, `length` of them (all by default); a view of the `.bin`, no
+        copy (decoded blocks for a compressed shard)."""
         n = int(self.sequence_lengths[i])
         if length is None:
             length = n - offset
@@ -94,26 +196,82 @@ class IndexedDataset:
     def num_tokens(self):
         return int(self.sequence_lengths.sum(dtype=np.int64))
 
+    def token_stream(self, chunk=1 << 22):
+        """The whole token stream, in pieces of at most `chunk` tokens (merging, converting)."""
+        for start in range(0, self.num_tokens, chunk):
+            yield np.asarray(self._bin[start:min(start + chunk, self.num_tokens)])
+
+
+class _ArrowBlockWriter:
+    """Writes a token stream as zstd-compressed Arrow record batches of `block` tokens (see module docstring)."""
+
+    def __init__(self, path, dtype, block, level=3):
+        import pyarrow as pa
+        self.pa, self.block = pa, block
+        self.schema = pa.schema([pa.field("tokens", pa.from_numpy_dtype(dtype))],
+                                metadata={"block_tokens": str(block), "format": "trilith token blocks v1"})
+        self._sink = pa.OSFile(path, "wb")
+        options = pa.ipc.IpcWriteOptions(compression=pa.Codec("zstd", compression_level=level))
+        self._writer = pa.ipc.new_file(self._sink, self.schema, options=options)
+        self._pending, self._count = [], 0
+
+    def write(self, tokens):
+        self._pending.append(tokens)
+        self._count += tokens.size
+        if self._count >= self.block:
+            flat = np.concatenate(self._pending)
+            full = flat.size - flat.size % self.block
+            for start in range(0, full, self.block):
+                self._write_block(flat[start:start + self.block])
+            self._pending, self._count = [flat[full:]], flat.size - full
+
+    def _write_block(self, tokens):
+        self._writer.write_batch(self.pa.record_batch([self.pa.array(tokens)], schema=self.schema))
+
+    def close(self, flush=True):
+        if flush and self._count:
+            self._write_block(np.concatenate(self._pending))
+        self._writer.close()
+        self._sink.close()
+
 
 class IndexedDatasetBuilder:
-    """Streams sequences into `<prefix>.bin/.idx` under temporary names; `finalize` renames them.
+    """Streams sequences into `<prefix>.bin/.idx` (or `.arrow/.idx` with compression="zstd") under
+    temporary names; `finalize` renames them.
 
     Until `finalize` runs, nothing at the final names exists, so a crash or Ctrl-C never leaves a
     truncated pair that looks complete.
     """
 
-    def __init__(self, prefix, dtype):
+    def __init__(self, prefix, dtype, compression="none", block_tokens=DEFAULT_BLOCK_TOKENS):
         self.prefix = prefix
         self.dtype = np.dtype(dtype)
         if self.dtype not in CODE_OF:
             raise ValueError(f"token dtype {self.dtype} has no MMIDIDX code")
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"compression {compression!r} is not one of {COMPRESSIONS}")
+        if block_tokens < 1:
+            raise ValueError(f"block_tokens must be at least 1, got {block_tokens}")
         self.bin_path, self.idx_path = dataset_paths(prefix)
+        if compression == "zstd":
+            self.bin_path = compressed_path(prefix)
         self._tmp_bin = self.bin_path + f".tmp{os.getpid()}"
         self._tmp_idx = self.idx_path + f".tmp{os.getpid()}"
         os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
-        self._out = open(self._tmp_bin, "wb")
+        if compression == "zstd":
+            self._blocks = _ArrowBlockWriter(self._tmp_bin, self.dtype, block_tokens)
+            self._out = None
+        else:
+            self._blocks = None
+            self._out = open(self._tmp_bin, "wb")
         self._lengths = []
         self._doc_ends = [0]
+
+    def _write(self, tokens):
+        if self._blocks is not None:
+            self._blocks.write(tokens.astype(self.dtype, copy=False))
+        else:
+            self._out.write(tokens.astype(self.dtype, copy=False).tobytes())
 
     def add_document(self, tokens):
         tokens = np.asarray(tokens)
@@ -126,13 +284,14 @@ class IndexedDatasetBuilder:
             raise ValueError(f"token id outside {self.dtype} range; use a wider dtype")
         if sum(lengths) != tokens.size:
             raise ValueError("document lengths do not add up to the number of tokens")
-        self._out.write(tokens.astype(self.dtype, copy=False).tobytes())
+        self._write(tokens)
         first = len(self._lengths)
         self._lengths.extend(int(n) for n in lengths)
         self._doc_ends.extend(range(first + 1, len(self._lengths) + 1))
 
     def add_index(self, other_prefix):
-        """Append a whole existing dataset (same dtype) by copying its .bin: the merge operation."""
+        """Append a whole existing dataset (same dtype, either kind): the merge operation. An uncompressed
+        one into an uncompressed one is a byte copy of its .bin."""
         other = IndexedDataset(other_prefix)
         if other.dtype != self.dtype:
             raise ValueError(f"cannot merge {other_prefix!r} ({other.dtype}) into a {self.dtype} "
@@ -140,6 +299,10 @@ class IndexedDatasetBuilder:
         base = len(self._lengths)
         self._lengths.extend(other.sequence_lengths.tolist())
         self._doc_ends.extend((other.document_indices[1:] + base).tolist())
+        if other.compressed or self._blocks is not None:
+            for tokens in other.token_stream():
+                self._write(tokens)
+            return
         with open(other.prefix + ".bin", "rb") as f:
             while True:
                 block = f.read(1 << 24)
@@ -148,7 +311,10 @@ class IndexedDatasetBuilder:
                 self._out.write(block)
 
     def finalize(self):
-        self._out.close()
+        if self._blocks is not None:
+            self._blocks.close()
+        else:
+            self._out.close()
         lengths = np.asarray(self._lengths, dtype=np.int32)
         pointers = np.zeros(len(lengths), dtype=np.int64)
         if len(lengths):
@@ -160,12 +326,19 @@ class IndexedDatasetBuilder:
             f.write(lengths.tobytes())
             f.write(pointers.tobytes())
             f.write(docs.tobytes())
-        # .bin first: a reader opening the pair needs the .idx, which appears last.
+        # Tokens first: a reader opening the pair needs the .idx, which appears last. A dataset of the
+        # other kind left at this prefix by an earlier run would shadow or confuse this one: removed.
+        stale = compressed_path(self.prefix) if self._blocks is None else dataset_paths(self.prefix)[0]
+        if os.path.exists(stale):
+            os.remove(stale)
         os.replace(self._tmp_bin, self.bin_path)
         os.replace(self._tmp_idx, self.idx_path)
 
     def abort(self):
-        self._out.close()
+        if self._blocks is not None:
+            self._blocks.close(flush=False)
+        else:
+            self._out.close()
         for path in (self._tmp_bin, self._tmp_idx):
             if os.path.exists(path):
                 os.remove(path)

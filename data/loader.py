@@ -47,9 +47,9 @@ def parse_paths(paths):
     for w, p in pairs:
         if w < 0:
             raise ValueError(f"data.paths weight {w} for {p!r} is negative")
-        if p.endswith((".bin", ".idx")):
-            raise ValueError(f"data.paths entry {p!r} should be a prefix without .bin/.idx, "
-                             f"e.g. {p[:-4]!r}")
+        if p.endswith((".bin", ".idx", ".arrow")):
+            raise ValueError(f"data.paths entry {p!r} should be a prefix without .bin/.arrow/.idx, "
+                             f"e.g. {p.rsplit('.', 1)[0]!r}")
     return pairs
 
 

@@ -38,3 +38,13 @@ def test_bench_preprocess_checks_identical_output(tmp_path):
                str(tmp_path / "tok" / "tokenizer.json"), "--workers", "1")
     assert "outputs identical: True" in out
     assert float(re.search(r"speed-up: ([\d.]+)x", out).group(1)) > 0
+
+
+def test_bench_data_reads_both_kinds_of_shards():
+    out = tool("tools/bench_data.py", "--synthetic-tokens", "300000", "--seq-length", "256", "--seconds", "0.3",
+               "--block-tokens", "4096")
+    rows = {m.group(1): float(m.group(2)) for m in re.finditer(r"^\| (plain \.bin|zstd \.arrow) \|.*\| ([\d.]+)x \|",
+                                                               out, re.M)}
+    assert rows["plain .bin"] > 0 and rows["zstd .arrow"] > 0, out
+    assert re.search(r"^\| plain \.bin \| [\d.,]+ \| [\d,]+ \| [\d,]+ \| 1\.00x \|", out, re.M), out
+    assert float(re.search(r"compression ([\d.]+):1", out).group(1)) > 1.0

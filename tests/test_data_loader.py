@@ -198,3 +198,98 @@ def test_loader_rejects_bad_batch_shapes(corpus, tmp_path):
         DistributedBatchLoader(ds, 2, 12, 0, 5)
     with pytest.raises(ValueError, match="dp_rank"):
         DistributedBatchLoader(ds, 2, 12, 4, 4)
+
+
+# ---- zstd-compressed shards (.arrow) -------------------------------------------------------------------
+
+def compressed_copy(prefix, out, block_tokens):
+    b = IndexedDatasetBuilder(out, np.int32, "zstd", block_tokens)
+    b.add_index(prefix)
+    b.finalize()
+    return out
+
+
+@pytest.mark.parametrize("block_tokens", [1, 7, 64, 100_000])
+def test_compressed_shards_read_like_plain_ones(corpus, tmp_path, block_tokens):
+    """Every slice of every document, packed samples and their document boundaries are identical to the
+    .bin's, for blocks smaller than a document, straddling documents, and holding the whole stream."""
+    prefix, docs = corpus
+    packed = compressed_copy(prefix, str(tmp_path / "packed_text_document"), block_tokens)
+    assert not os.path.exists(packed + ".bin") and os.path.getsize(packed + ".arrow") > 0
+    plain, z = IndexedDataset(prefix), IndexedDataset(packed)
+    assert z.compressed and not plain.compressed and z.dtype == plain.dtype and len(z) == len(plain)
+    for i, doc in enumerate(docs):
+        for offset in range(len(doc)):
+            assert z.get(i, offset).tolist() == doc[offset:].tolist()
+            assert z.get(i, offset, 1).tolist() == doc[offset:offset + 1].tolist()
+    sets = [build_datasets([p], SEQ, seed=5, split="80,20,0", cache_dir=str(tmp_path / "c"))
+            for p in (prefix, packed)]
+    for split in ("train", "valid"):
+        a, b = sets[0][split], sets[1][split]
+        assert len(a) == len(b)
+        for i in range(len(a)):
+            for x, y in zip(a.get_with_boundaries(i), b.get_with_boundaries(i)):
+                assert np.array_equal(x, y)
+
+
+def test_compressed_shards_convert_both_ways_and_merge(corpus, tmp_path):
+    prefix, docs = corpus
+    packed = compressed_copy(prefix, str(tmp_path / "z"), 10)
+    back = IndexedDatasetBuilder(str(tmp_path / "back"), np.int32)
+    back.add_index(packed)
+    back.finalize()
+    assert open(str(tmp_path / "back.bin"), "rb").read() == open(prefix + ".bin", "rb").read()
+    assert open(str(tmp_path / "back.idx"), "rb").read() == open(prefix + ".idx", "rb").read()
+    mixed = IndexedDatasetBuilder(str(tmp_path / "mixed"), np.int32, "zstd", 9)
+    mixed.add_index(prefix)
+    mixed.add_index(packed)
+    mixed.finalize()
+    m = IndexedDataset(str(tmp_path / "mixed"))
+    assert [m[i].tolist() for i in range(len(m))] == [d.tolist() for d in docs + docs]
+    # Rewriting a prefix as the other kind removes the old token file, which would otherwise shadow it.
+    again = IndexedDatasetBuilder(packed, np.int32)
+    again.add_index(prefix)
+    again.finalize()
+    assert not os.path.exists(packed + ".arrow") and not IndexedDataset(packed).compressed
+
+
+def test_compressed_reader_survives_a_fork(corpus, tmp_path):
+    prefix, docs = corpus
+    z = IndexedDataset(compressed_copy(prefix, str(tmp_path / "z"), 16))
+    assert z[0].tolist() == docs[0].tolist()  # opened and cached in the parent
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child reopens the file and reads everything
+        ok = all(z[i].tolist() == d.tolist() for i, d in enumerate(docs))
+        os.write(write, b"1" if ok else b"0")
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(read, 1) == b"1"
+
+
+def test_damaged_compressed_shards_name_the_file(corpus, tmp_path):
+    prefix, _ = corpus
+    packed = compressed_copy(prefix, str(tmp_path / "z"), 16)
+    arrow = packed + ".arrow"
+    data = bytearray(open(arrow, "rb").read())
+    with open(arrow, "wb") as f:  # truncated: no Arrow footer
+        f.write(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"z\.arrow' is not a readable Arrow file.*rerun tools/preprocess_data.py"):
+        IndexedDataset(packed)
+    packed = compressed_copy(prefix, str(tmp_path / "y"), 16)
+    arrow = packed + ".arrow"
+    data = bytearray(open(arrow, "rb").read())
+    for i in range(len(data) // 2, len(data) // 2 + 200):  # blocks in the middle scrambled, footer intact
+        data[i] ^= 0x5A
+    open(arrow, "wb").write(bytes(data))
+    with pytest.raises(ValueError, match=r"y\.arrow.*(block \d+ cannot be decoded|not a readable)"):
+        ds = IndexedDataset(packed)
+        for i in range(len(ds)):
+            ds[i]
+    other = compressed_copy(make_dataset(tmp_path / "small", 3)[0], str(tmp_path / "small_z"), 16)
+    mismatched = compressed_copy(prefix, str(tmp_path / "w"), 16)
+    os.replace(other + ".arrow", mismatched + ".arrow")  # another dataset's tokens beside this index
+    with pytest.raises(ValueError, match="holds .* tokens but its index describes"):
+        IndexedDataset(mismatched)
+    with pytest.raises(ValueError, match="without .bin/.arrow/.idx"):
+        build_datasets([packed + ".arrow"], SEQ, 0)

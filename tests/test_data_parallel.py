@@ -1,7 +1,9 @@
 """Bucketed DDP and ZeRO-1/2/3 (FSDP) equal the single-process run (gloo, CPU, fp32: ≤ 1e-5 per step)."""
 import json
+import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -28,7 +30,7 @@ MEMORY = {"model": dict(hidden_size=64, num_layers=8, num_attention_heads=4, ffn
 def make_config(base: dict, **parallel):
     raw = {k: dict(v) for k, v in base.items()}
     raw["parallel"] = parallel
-    raw["run"] = {"dir": "unused"}
+    raw["run"] = {"dir": os.path.join(tempfile.gettempdir(), "trilith-test-data-parallel")}  # outside the checkout: the Trainer creates checkpoints/ there
     return from_dict(raw)
 
 

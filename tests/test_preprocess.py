@@ -1,6 +1,7 @@
 """tools/preprocess_data.py: MMIDIDX output, exact cache, bad input, formats, merge, provenance."""
 import json
 import os
+import re
 import struct
 import sys
 
@@ -190,6 +191,29 @@ def test_partitions_and_merge_equal_single_run(tmp_path, tok):
     assert len(m) == 2 * len(TEXTS)
     assert m[len(TEXTS)].tolist() == IndexedDataset(single)[0].tolist()
     assert m.document_indices.tolist() == list(range(2 * len(TEXTS) + 1))
+
+
+def test_compressed_output_partitions_and_conversion(tmp_path, tok, capsys):
+    """--compression zstd (with partitions) holds the same documents as the plain run; `merge` of one input
+    converts between the kinds, byte for byte back to the plain .bin."""
+    files = [write_jsonl(tmp_path / f"{i}.jsonl", [{"text": t} for t in TEXTS[i::3] * 20]) for i in range(3)]
+    plain = run(tmp_path, tok["bpe"], files, "--append-eod", prefix="plain")
+    capsys.readouterr()
+    packed = run(tmp_path, tok["bpe"], files, "--append-eod", "--partitions", "3", "--compression", "zstd",
+                 "--block-tokens", "1000", prefix="packed")
+    ratio = float(re.search(r"packed_text_document\.arrow/\.idx \(.* tokens: ([\d.]+):1\)", capsys.readouterr().out)
+                  .group(1))
+    assert ratio > 1.5  # every text repeated 20 times
+    assert not os.path.exists(packed + ".bin") and not [f for f in os.listdir(tmp_path) if "_part" in f]
+    a, b = IndexedDataset(plain), IndexedDataset(packed)
+    assert b.compressed and [a[i].tolist() for i in range(len(a))] == [b[i].tolist() for i in range(len(b))]
+    assert open(plain + ".idx", "rb").read() == open(packed + ".idx", "rb").read()
+    assert Provenance(packed).lookup(len(a) - 1) == Provenance(plain).lookup(len(a) - 1)
+    back = str(tmp_path / "back")
+    preprocess_data.main(["merge", "--inputs", packed, "--output-prefix", back])
+    assert open(back + ".bin", "rb").read() == open(plain + ".bin", "rb").read()
+    with pytest.raises(SystemExit):
+        run(tmp_path, tok["bpe"], files, "--block-tokens", "0", prefix="bad")
 
 
 def test_clear_errors(tmp_path, tok):

@@ -77,7 +77,8 @@ def test_bf16_run_trains(tmp_path):
 
 
 def test_training_on_preprocessed_shards(tmp_path):
-    """The real data path end to end: corpus → tokenizer → .bin/.idx → training at DP=2."""
+    """The real data path end to end: corpus → tokenizer → zstd-compressed shards → training at DP=2, with
+    the losses of the same run on the plain .bin/.idx made from them."""
     py = sys.executable
     run = lambda *a: subprocess.run([py, *a], cwd=ROOT, capture_output=True, text=True, timeout=300,  # noqa: E731
                                     check=True)
@@ -85,14 +86,21 @@ def test_training_on_preprocessed_shards(tmp_path):
     run("tools/train_tokenizer.py", "--input", str(tmp_path / "c.jsonl"), "--output-dir", str(tmp_path / "tok"),
         "--vocab-size", "512")
     run("tools/preprocess_data.py", "--input", str(tmp_path / "c.jsonl"), "--output-prefix", str(tmp_path / "d"),
-        "--tokenizer-model", str(tmp_path / "tok" / "tokenizer.json"), "--append-eod", "--workers", "1")
+        "--tokenizer-model", str(tmp_path / "tok" / "tokenizer.json"), "--append-eod", "--workers", "1",
+        "--compression", "zstd")
+    assert (tmp_path / "d_text_document.arrow").is_file() and not (tmp_path / "d_text_document.bin").exists()
     data = ["data.mock=false", f"data.paths=[{tmp_path / 'd_text_document'}]", "model.vocab_size=512",
             f"data.tokenizer={tmp_path / 'tok' / 'tokenizer.json'}"]
     # Validation on the held-out documents (split 90,10,0), documents kept apart (EOD id from the tokenizer).
-    records = launch(tmp_path / "run", *data, "train.steps=6", "data.split=90,10,0", "train.eval_interval=3",
-                     "train.eval_iters=2", "data.reset_attention_mask=true", "data.reset_position_ids=true",
-                     "data.eod_mask_loss=true", nproc=2)
+    options = ["train.steps=6", "data.split=90,10,0", "train.eval_interval=3", "train.eval_iters=2",
+               "data.reset_attention_mask=true", "data.reset_position_ids=true", "data.eod_mask_loss=true"]
+    records = launch(tmp_path / "run", *data, *options, nproc=2)
     assert len(records) == 6 and records[-1]["loss"] < records[0]["loss"]
+    run("tools/preprocess_data.py", "merge", "--inputs", str(tmp_path / "d_text_document"), "--output-prefix",
+        str(tmp_path / "plain_text_document"))
+    plain = launch(tmp_path / "plain_run", *data, f"data.paths=[{tmp_path / 'plain_text_document'}]", *options,
+                   nproc=2)
+    assert [(r["loss"], r.get("eval_loss")) for r in plain] == [(r["loss"], r.get("eval_loss")) for r in records]
     assert records[-1]["consumed_samples"] == 6 * 8
     assert [r["step"] for r in records if "eval_loss" in r] == [3, 6]
     assert records[5]["eval_loss"] < records[2]["eval_loss"]

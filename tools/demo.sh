@@ -24,10 +24,10 @@ step "3/7 tokenizer: byte-level BPE, 8192 tokens"
 [[ -s $OUT/tokenizer/tokenizer.json ]] || \
   "$PY" tools/train_tokenizer.py --input $OUT/clean.jsonl --output-dir $OUT/tokenizer --vocab-size 8192
 
-step "4/7 preprocess: tokenized binary shards (.bin/.idx) and their provenance map"
+step "4/7 preprocess: tokenized shards, zstd-compressed (.arrow/.idx), and their provenance map"
 [[ -s $OUT/data/stdlib_text_document.idx ]] || \
   "$PY" tools/preprocess_data.py --input $OUT/clean.jsonl --output-prefix $OUT/data/stdlib \
-    --tokenizer-model $OUT/tokenizer/tokenizer.json --append-eod --workers 2
+    --tokenizer-model $OUT/tokenizer/tokenizer.json --append-eod --workers 2 --compression zstd
 
 step "5/7 pretrain: $NPROC local ranks (${LAYOUT[*]}), stopping after step 60 as if preempted"
 rm -rf $OUT/run $OUT/hf

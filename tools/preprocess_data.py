@@ -2,9 +2,12 @@
 
     python tools/preprocess_data.py --input corpus.jsonl --output-prefix out/corpus \\
         --tokenizer-type HuggingFaceTokenizer --tokenizer-model tok/tokenizer.json \\
-        --append-eod --workers 2
+        --append-eod --workers 2 [--compression zstd]
     python tools/preprocess_data.py merge --inputs a_text_document b_text_document \\
-        --output-prefix all_text_document
+        --output-prefix all_text_document [--compression zstd|none]
+
+`--compression zstd` writes the tokens as zstd-compressed Arrow blocks (`.arrow` instead of `.bin`, same
+`.idx`; see data/indexed.py); `merge` of a single input converts a dataset between the two kinds.
 
 Flag names follow Megatron-LM's tools/preprocess_data.py. Bad records are skipped, counted by
 reason and written to a rejects file (`--strict` stops at the first one). Outputs appear only when
@@ -25,7 +28,8 @@ if ROOT not in sys.path:
 
 import numpy as np  # noqa: E402
 
-from data.indexed import IndexedDatasetBuilder, token_dtype  # noqa: E402
+from data.indexed import (COMPRESSIONS, DEFAULT_BLOCK_TOKENS, IndexedDataset, IndexedDatasetBuilder,  # noqa: E402
+                          compressed_path, token_dtype, token_files)
 from data.provenance import merge_provenance, write_provenance  # noqa: E402
 from tools._corpus_io import (REJECT_REASONS, RecordError, add_input_arguments, expand_inputs,  # noqa: E402
                               iter_records, parse_record, record_origin, record_texts)
@@ -116,7 +120,8 @@ def output_prefix(prefix, key):
 def preprocess(args, files, prefix, spec, vocab_size, eod):
     """Tokenize `files` into `<prefix>_<key>_document`; returns (counters, rejects file or None)."""
     dtype = token_dtype(vocab_size)
-    builders = {k: IndexedDatasetBuilder(output_prefix(prefix, k), dtype) for k in args.json_keys}
+    builders = {k: IndexedDatasetBuilder(output_prefix(prefix, k), dtype, args.compression, args.block_tokens)
+                for k in args.json_keys}
     rejects_path = args.rejects or prefix + "_rejects.jsonl"
     rejects_out = None
     stats = collections.Counter()
@@ -170,13 +175,12 @@ def preprocess(args, files, prefix, spec, vocab_size, eod):
     return stats, (rejects_path if rejects_out is not None else None)
 
 
-def merge(prefixes, output):
-    """Concatenate datasets (same token dtype) into one, with their provenance maps."""
-    from data.indexed import IndexedDataset
+def merge(prefixes, output, compression="none", block_tokens=DEFAULT_BLOCK_TOKENS):
+    """Concatenate datasets (same token dtype, either kind) into one, with their provenance maps."""
     if not prefixes:
         raise SystemExit("merge: give --inputs PREFIX [PREFIX ...]")
     dtype = IndexedDataset(prefixes[0]).dtype
-    builder = IndexedDatasetBuilder(output, dtype)
+    builder = IndexedDatasetBuilder(output, dtype, compression, block_tokens)
     try:
         for p in prefixes:
             builder.add_index(p)
@@ -189,15 +193,34 @@ def merge(prefixes, output):
 
 def _merge_main(argv):
     p = argparse.ArgumentParser(prog="preprocess_data.py merge",
-                                description="Concatenate .bin/.idx datasets into one")
+                                description="Concatenate datasets into one (one input: convert its kind)")
     p.add_argument("--inputs", nargs="+", required=True, help="dataset prefixes, in order")
     p.add_argument("--output-prefix", required=True, help="prefix of the merged dataset")
+    add_compression_arguments(p)
     args = p.parse_args(argv)
     try:
-        merge(args.inputs, args.output_prefix)
+        merge(args.inputs, args.output_prefix, args.compression, args.block_tokens)
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"merge: {e}")
-    print(f"merged {len(args.inputs)} datasets -> {args.output_prefix}.bin/.idx")
+    print(f"merged {len(args.inputs)} datasets -> {describe_output(args.output_prefix)}")
+
+
+def add_compression_arguments(p):
+    p.add_argument("--compression", choices=COMPRESSIONS, default="none",
+                   help="zstd: tokens in zstd-compressed Arrow blocks (.arrow) instead of a plain .bin")
+    p.add_argument("--block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS,
+                   help="tokens per compressed block (the unit a read decodes)")
+
+
+def describe_output(prefix):
+    """The files of a dataset for a summary line; a compressed one with its compression ratio."""
+    dataset = IndexedDataset(prefix)
+    if not dataset.compressed:
+        return f"{prefix}.bin/.idx"
+    raw = dataset.num_tokens * dataset.dtype.itemsize
+    size = os.path.getsize(compressed_path(prefix))
+    return (f"{prefix}.arrow/.idx ({size / 1e6:,.2f} MB for {raw / 1e6:,.2f} MB of {dataset.dtype} tokens: "
+            f"{raw / max(size, 1):.2f}:1)")
 
 
 def build_parser():
@@ -215,9 +238,10 @@ def build_parser():
     g.add_argument("--append-eod", action="store_true", help="append the end-of-document token")
     g.add_argument("--no-cache", action="store_true", help="disable the exact chunk cache")
     g = p.add_argument_group("output")
-    g.add_argument("--output-prefix", required=True, help="writes <prefix>_<key>_document.bin/.idx")
+    g.add_argument("--output-prefix", required=True, help="writes <prefix>_<key>_document.bin/.idx (.arrow/.idx)")
     g.add_argument("--rejects", help="rejects file (default: <prefix>_rejects.jsonl)")
     g.add_argument("--strict", action="store_true", help="stop at the first bad record")
+    add_compression_arguments(g)
     g = p.add_argument_group("runtime")
     g.add_argument("--workers", type=int, default=1, help="worker processes")
     g.add_argument("--partitions", type=int, default=1,
@@ -237,8 +261,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.split_sentences:
         p.error("--split-sentences is not supported: Trilith trains on whole documents")
-    if args.workers < 1 or args.batch_size < 1 or args.partitions < 1:
-        p.error("--workers, --batch-size and --partitions must be at least 1")
+    if args.workers < 1 or args.batch_size < 1 or args.partitions < 1 or args.block_tokens < 1:
+        p.error("--workers, --batch-size, --partitions and --block-tokens must be at least 1")
     start = time.time()
     try:
         files = expand_inputs(args.input)
@@ -266,11 +290,12 @@ def main(argv=None):
             if part_rejects:
                 print(f"  rejects of partition {i}: {part_rejects}")
         for key in args.json_keys:
-            merge([output_prefix(part, key) for part in parts], output_prefix(args.output_prefix, key))
+            merge([output_prefix(part, key) for part in parts], output_prefix(args.output_prefix, key),
+                  args.compression, args.block_tokens)
             if not args.keep_partitions:
                 for part in parts:
-                    for ext in (".bin", ".idx", ".prov.npz"):
-                        os.remove(output_prefix(part, key) + ext)
+                    for path in (*token_files(output_prefix(part, key)), output_prefix(part, key) + ".prov.npz"):
+                        os.remove(path)
     elapsed = time.time() - start
     skipped = {r: stats[r] for r in REJECT_REASONS if stats[r]}
     tokens = sum(stats["tokens_" + k] for k in args.json_keys)
@@ -280,7 +305,7 @@ def main(argv=None):
           f"skipped {sum(skipped.values())}" + (f" {skipped}" if skipped else "")
           + f"; cache {'on' if encoder.cached else 'off: ' + str(encoder.cache_reason)}")
     for key in args.json_keys:
-        print(f"  wrote {output_prefix(args.output_prefix, key)}.bin/.idx/.prov.npz")
+        print(f"  wrote {describe_output(output_prefix(args.output_prefix, key))} and .prov.npz")
     if rejects_path:
         print(f"  rejects: {rejects_path}")
 
