@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import Config, ConfigError, data_parallel_size, load_config, validate
+from engine.stop import final_failure
 from engine.train import Trainer, configure_logging, log, setup_run_dir
 from parallel import comm
 from parallel.distributed import DistEnv, init_distributed, shutdown, world_group
@@ -131,10 +132,10 @@ def main(argv=None) -> int:
         validate(cfg, env.world_size)  # the real run's configuration must be valid too
         passed = preflight(cfg, env, args.steps)
         clean = True
-        return 0 if passed else 1
+        return 0 if passed else final_failure(1)
     except ConfigError as exc:
         print(f"trilith: configuration error: {exc}", file=sys.stderr)
-        return 2
+        return final_failure(2)
     finally:
         shutdown(clean)
 

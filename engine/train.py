@@ -27,7 +27,7 @@ from engine.metrics import H100_BF16_PEAK_FLOPS, MetricsLog, flops_per_token, pe
 from engine.mock_data import MockBatchLoader
 from engine.model import CausalLM, num_parameters
 from engine.monitor import NonFiniteTraining, TrainingMonitor
-from engine.stop import StopControl, StopRun, exit_status
+from engine.stop import StopControl, StopRun, exit_status, final_failure
 from engine.zero_optimizer import build_data_parallel
 from parallel import comm, heartbeat
 from parallel.distributed import DistEnv, describe_failure, init_distributed, shutdown, world_group
@@ -421,13 +421,13 @@ def main(argv=None) -> int:
         clean = True
     except ConfigError as exc:
         print(f"trilith: configuration error: {exc}", file=sys.stderr)
-        return 2
+        return final_failure(2)
     except CheckpointError as exc:  # names the file and the fix; nothing was overwritten
         print(f"trilith: checkpoint error: {exc}", file=sys.stderr)
-        return 1
+        return final_failure(1)
     except NonFiniteTraining as exc:
         print(f"trilith: stopped: {exc}", file=sys.stderr)
-        return 1
+        return final_failure(1)
     except StopRun as stop:  # preemption or GPU health: checkpointed, exit code tells the launcher why
         clean = True
         return exit_status(stop.code)

@@ -7,6 +7,8 @@
 #   srun launch/run_pretrain.sh --config FILE                                  one task per rank in an allocation
 #   mpirun -np N launch/run_pretrain.sh --config FILE                          Open MPI / MPICH
 #   launch/run_pretrain.sh --preflight [--nproc N] --config FILE               scaled-down check, pass/fail report
+#   --max-restarts K (with --nproc, or in an sbatch job): after a failure (a rank died, a collective timed
+#   out), start all ranks again, up to K times; they resume from the latest checkpoint.
 # Exit status: 0 done, 2 configuration error, 3 preempted after a checkpoint (a SLURM batch job requeues
 # itself), 4 stopped by a GPU-health threshold after a checkpoint, anything else: failure.
 #
@@ -34,15 +36,15 @@ if [[ -n "${TRILITH_PYTHON:-}" ]]; then PY="$TRILITH_PYTHON"
 elif [[ -x "$ROOT/.venv/bin/python" ]]; then PY="$ROOT/.venv/bin/python"
 else PY="python3"; fi
 
-NPROC=1 NNODES=1 NODE_RANK=0 MASTER="" PORT="" MODULE=engine.train
+NPROC=1 NNODES=1 NODE_RANK=0 MASTER="" PORT="" MODULE=engine.train MAX_RESTARTS=0
 ARGS=() MODE=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --nproc|--nnodes|--node-rank|--master-addr|--master-port)
+    --nproc|--nnodes|--node-rank|--master-addr|--master-port|--max-restarts)
       [[ $# -ge 2 ]] || { echo "run_pretrain.sh: $1 needs a value" >&2; exit 2; }
       case "$1" in
         --nproc) NPROC="$2" ;; --nnodes) NNODES="$2" ;; --node-rank) NODE_RANK="$2" ;;
-        --master-addr) MASTER="$2" ;; --master-port) PORT="$2" ;;
+        --master-addr) MASTER="$2" ;; --master-port) PORT="$2" ;; --max-restarts) MAX_RESTARTS="$2" ;;
       esac
       shift 2 ;;
     --nproc=*) NPROC="${1#*=}"; shift ;;
@@ -50,13 +52,26 @@ while [[ $# -gt 0 ]]; do
     --node-rank=*) NODE_RANK="${1#*=}"; shift ;;
     --master-addr=*) MASTER="${1#*=}"; shift ;;
     --master-port=*) PORT="${1#*=}"; shift ;;
+    --max-restarts=*) MAX_RESTARTS="${1#*=}"; shift ;;
     --preflight) MODULE=engine.preflight; MODE=(--preflight); shift ;;
     *) ARGS+=("$1"); shift ;;
   esac
 done
-for v in "$NPROC" "$NNODES" "$NODE_RANK"; do
-  [[ "$v" =~ ^[0-9]+$ ]] || { echo "run_pretrain.sh: --nproc/--nnodes/--node-rank must be integers, got '$v'" >&2; exit 2; }
+for v in "$NPROC" "$NNODES" "$NODE_RANK" "$MAX_RESTARTS"; do
+  [[ "$v" =~ ^[0-9]+$ ]] || { echo "run_pretrain.sh: --nproc/--nnodes/--node-rank/--max-restarts must be integers, got '$v'" >&2; exit 2; }
 done
+
+# A failed run is started again (all ranks; they resume from the latest checkpoint) while restarts are
+# left. Not after success, a signal to this launcher, or a code the ranks left in the stop file: an early
+# stop (3 preempted, 4 GPU health) or a failure a restart would repeat (2 configuration, 1 an unloadable
+# checkpoint or non-finite training; see engine/stop.py).
+INTERRUPTED=0
+restart_allowed() {  # restart_allowed STATUS ATTEMPT
+  [[ "$1" -ne 0 && ! -s "$TRILITH_STOP_FILE" && "$INTERRUPTED" -eq 0 && "$2" -lt "$MAX_RESTARTS" ]]
+}
+announce_restart() {  # announce_restart STATUS ATTEMPT
+  echo "run_pretrain.sh: the run failed (exit $1); restart $(( $2 + 1 )) of $MAX_RESTARTS, resuming from the latest checkpoint" >&2
+}
 
 cd "$ROOT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -64,14 +79,23 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 # sbatch: this is the batch shell, not a rank. Start one rank per task with srun; requeue on preemption.
 if [[ -n "${SLURM_JOB_ID:-}" && -z "${SLURM_STEP_ID:-}" && -z "${RANK:-}" && "$NPROC" -eq 1 ]]; then
   # Ranks report an early stop here (rank 0 runs on this, the first, node) and exit 0 so that
-  # --kill-on-bad-exit does not cut the others short; see engine/stop.py.
+  # --kill-on-bad-exit does not cut the others short, and a final failure's code; see engine/stop.py.
   export TRILITH_STOP_FILE="${TMPDIR:-/tmp}/trilith-stop-$SLURM_JOB_ID"
-  rm -f "$TRILITH_STOP_FILE"
-  set +e
-  srun --kill-on-bad-exit=1 --export=ALL bash "$ROOT/launch/run_pretrain.sh" "${MODE[@]}" "${ARGS[@]}"
-  status=$?
-  set -e
-  if [[ "$status" -eq 0 && -s "$TRILITH_STOP_FILE" ]]; then status="$(cat "$TRILITH_STOP_FILE")"; fi
+  trap 'INTERRUPTED=1' TERM USR1 INT
+  attempt=0
+  while :; do
+    rm -f "$TRILITH_STOP_FILE"
+    # Each attempt rendezvouses on a port of its own: the last one's may still be held for a moment.
+    export TRILITH_ATTEMPT="$attempt"
+    set +e
+    srun --kill-on-bad-exit=1 --export=ALL bash "$ROOT/launch/run_pretrain.sh" "${MODE[@]}" "${ARGS[@]}"
+    status=$?
+    set -e
+    if [[ -s "$TRILITH_STOP_FILE" ]]; then status="$(cat "$TRILITH_STOP_FILE")"; fi
+    restart_allowed "$status" "$attempt" || break
+    announce_restart "$status" "$attempt"
+    attempt=$(( attempt + 1 ))
+  done
   rm -f "$TRILITH_STOP_FILE"
   if [[ "$status" -eq 3 && "${TRILITH_REQUEUE:-1}" == 1 ]]; then
     echo "run_pretrain.sh: preempted (exit 3); requeueing job $SLURM_JOB_ID to resume from run.dir" >&2
@@ -108,14 +132,15 @@ if [[ "$NPROC" -gt 1 || "$NNODES" -gt 1 ]]; then
   TRILITH_STOP_FILE="$(mktemp "${TMPDIR:-/tmp}/trilith-stop.XXXXXX")"
   export TRILITH_STOP_FILE
   trap 'rm -f "$TRILITH_STOP_FILE"' EXIT
-  "$PY" -m torch.distributed.run "${RDZV[@]}" --nproc-per-node "$NPROC" -m "$MODULE" "${ARGS[@]}" &
-  TORCHRUN=$!
   # Signals for the job go to the ranks (torchrun's children) themselves: SIGTERM/SIGUSR1 stop them after
   # a checkpoint (torchrun would kill them 30 s later and fail); SIGINT interrupts them as it would one
   # process (a Ctrl-C reaches torchrun too, which then does the same). Before the ranks exist, torchrun is
-  # just ended.
+  # just ended. A signalled run is not restarted.
+  TORCHRUN=""
   signal_ranks() {
     local ranks
+    INTERRUPTED=1
+    [[ -n "$TORCHRUN" ]] || return 0
     ranks="$(cat /proc/"$TORCHRUN"/task/*/children 2>/dev/null || true)"
     if [[ -n "$ranks" ]]; then kill -s "$1" $ranks 2>/dev/null || true
     else kill -s TERM "$TORCHRUN" 2>/dev/null || true; fi
@@ -123,11 +148,19 @@ if [[ "$NPROC" -gt 1 || "$NNODES" -gt 1 ]]; then
   trap 'signal_ranks TERM' TERM
   trap 'signal_ranks USR1' USR1
   trap 'signal_ranks INT' INT
-  # A trapped signal interrupts `wait` while torchrun still runs: wait again until it has exited.
-  while kill -0 "$TORCHRUN" 2>/dev/null; do wait "$TORCHRUN" || true; done
-  status=0
-  wait "$TORCHRUN" || status=$?
-  if [[ -s "$TRILITH_STOP_FILE" ]]; then status="$(cat "$TRILITH_STOP_FILE")"; fi
-  exit "$status"
+  attempt=0
+  while :; do
+    : > "$TRILITH_STOP_FILE"
+    "$PY" -m torch.distributed.run "${RDZV[@]}" --nproc-per-node "$NPROC" -m "$MODULE" "${ARGS[@]}" &
+    TORCHRUN=$!
+    # A trapped signal interrupts `wait` while torchrun still runs: wait again until it has exited.
+    while kill -0 "$TORCHRUN" 2>/dev/null; do wait "$TORCHRUN" || true; done
+    status=0
+    wait "$TORCHRUN" || status=$?
+    if [[ -s "$TRILITH_STOP_FILE" ]]; then status="$(cat "$TRILITH_STOP_FILE")"; fi
+    restart_allowed "$status" "$attempt" || exit "$status"
+    announce_restart "$status" "$attempt"
+    attempt=$(( attempt + 1 ))
+  done
 fi
 exec "$PY" -m "$MODULE" "${ARGS[@]}"

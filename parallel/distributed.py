@@ -143,8 +143,10 @@ def rendezvous(launch: Launch, environ=None) -> tuple[str, str]:
         if not nodelist:
             raise LaunchError("SLURM run without MASTER_ADDR and without SLURM_JOB_NODELIST to pick the first "
                               "host from; set MASTER_ADDR")
-        # The port must agree on every rank without communication: derive it from the job id.
-        return addr or expand_nodelist(nodelist)[0], port or str(20000 + int(env.get("SLURM_JOB_ID", 0)) % 20000)
+        # The port must agree on every rank without communication: derive it from the job id, and from
+        # the attempt (launch/run_pretrain.sh --max-restarts) so that a restart never meets the last one's.
+        job, attempt = int(env.get("SLURM_JOB_ID", 0)), int(env.get("TRILITH_ATTEMPT", 0))
+        return addr or expand_nodelist(nodelist)[0], port or str(20000 + (job + 1009 * attempt) % 20000)
     if launch.source in ("openmpi", "mpich"):
         mpi_addr, mpi_port = _mpi_rendezvous(launch.source)
         return addr or mpi_addr, port or mpi_port

@@ -1,5 +1,5 @@
-"""launch/run_pretrain.sh started the ways users start it: two "nodes" on localhost, mpiexec, a killed rank, a
-hung rank, a preempted launcher.
+"""launch/run_pretrain.sh started the ways users start it: two "nodes" on localhost, mpiexec, a killed rank (and
+one brought back by --max-restarts), a hung rank, a preempted launcher.
 
 Every multi-rank run must follow the single-process loss curve (≤ 1e-4 per step): same data, same model.
 """
@@ -82,10 +82,11 @@ def _rank_of(pid: int) -> str:
     return next((e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"RANK=")), "")
 
 
-def _start_two_ranks(run_dir: Path, timeout_minutes: float, *extra: str, **env: str) -> subprocess.Popen:
+def _start_two_ranks(run_dir: Path, timeout_minutes: float, *extra: str, launcher: tuple = (),
+                     **env: str) -> subprocess.Popen:
     """A long --nproc 2 run, returned once it has logged three steps."""
-    cmd = script("--nproc", "2", run_dir=run_dir)[:-1] + ["train.steps=100000",
-                                                          f"parallel.timeout_minutes={timeout_minutes}", *extra]
+    cmd = script("--nproc", "2", *launcher, run_dir=run_dir)[:-1] + [
+        "train.steps=100000", f"parallel.timeout_minutes={timeout_minutes}", *extra]
     proc = popen(cmd, **env)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 120
@@ -125,6 +126,44 @@ def test_killed_rank_ends_the_job_with_its_name_and_the_last_checkpoint_loads(tm
     assert re.search(r"trilith: rank 0 of 2 on \S+ failed in \w+ \((called from )?\S+\.py:\d+", out), out[-3000:]
     assert re.search(r"trilith: rank 0: heartbeats: rank 1 on host \S+ silent for \d+ s", out), out[-3000:]
     _resume_one_step(tmp_path, _latest_step(tmp_path))
+
+
+def test_max_restarts_brings_a_killed_rank_back_on_the_uninterrupted_curve(tmp_path):
+    """--max-restarts 1: rank 1 is killed mid-run; all ranks start again, resume from the last checkpoint and
+    finish with exit 0, on the loss curve of a run that was never interrupted."""
+    steps = 40
+    proc = _start_two_ranks(tmp_path / "run", 0.5, "checkpoint.interval=2", f"train.steps={steps}",
+                            launcher=("--max-restarts", "1"))
+    try:
+        os.kill(_rank_pid(proc, "1"), signal.SIGKILL)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out[-4000:]
+    assert re.search(r"run_pretrain.sh: the run failed \(exit 1\); restart 1 of 1, resuming from the latest "
+                     r"checkpoint", out), out[-4000:]
+    resumed = re.search(r"resumed from \S+ at step (\d+)", out)
+    assert resumed and int(resumed.group(1)) >= 2, out[-4000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    second = records[int(resumed.group(1)) - steps:]  # metrics.jsonl is appended to: the restarted attempt last
+    assert [r["step"] for r in second] == list(range(int(resumed.group(1)) + 1, steps + 1))
+    reference = subprocess.run(script(run_dir=tmp_path / "single")[:-1] + [f"train.steps={steps}"], cwd=ROOT,
+                               env=ENV, capture_output=True, text=True, timeout=300)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    want = {json.loads(line)["step"]: json.loads(line)["loss"]
+            for line in (tmp_path / "single" / "metrics.jsonl").read_text().splitlines()}
+    assert max(abs(r["loss"] - want[r["step"]]) for r in second) <= 1e-4
+
+
+def test_max_restarts_does_not_retry_a_configuration_error(tmp_path):
+    done = subprocess.run(script("--nproc", "2", "--max-restarts", "3", run_dir=tmp_path) + ["model.num_layers=-1"],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "restart 1 of" not in done.stderr, done.stderr[-3000:]
+    bad = subprocess.run(script("--max-restarts", "x", run_dir=tmp_path), cwd=ROOT, env=ENV, capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "--max-restarts must be integers, got 'x'" in bad.stderr
 
 
 def test_hung_rank_times_out_in_the_named_collective(tmp_path):

@@ -4,7 +4,9 @@ both slurmds run on this machine, but SLURM allocates, places and signals the jo
 Skips, with the reason printed, only when Debian's SLURM packages cannot be installed here.
 """
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -99,3 +101,44 @@ def test_preemption_signal_checkpoints_requeues_and_resumes(cluster, tmp_path):
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     ref = reference_losses(tmp_path / "single", steps)
     assert max(abs(a - r["loss"]) for a, r in zip(ref, records)) <= 1e-4, (ref, [r["loss"] for r in records])
+
+
+def _rank_process(job: str, rank: int) -> int:
+    """The pid of the training process of `rank` in SLURM job `job` (tasks are children of slurmstepd)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            env = set((proc / "environ").read_bytes().split(b"\0"))
+            cmdline = (proc / "cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if f"SLURM_JOB_ID={job}".encode() in env and f"SLURM_PROCID={rank}".encode() in env \
+                and b"engine.train" in cmdline:
+            return int(proc.name)
+    raise AssertionError(f"no training process of rank {rank} in job {job}")
+
+
+def test_max_restarts_reruns_a_failed_step_in_the_same_allocation(cluster, tmp_path):
+    """--max-restarts 1 in a batch job: a rank killed on the second node makes srun end the step; the batch
+    shell starts a new one, which resumes from the last checkpoint, and the job completes on the curve."""
+    run_dir, out, steps = tmp_path / "run", tmp_path / "job.out", 40
+    job = cluster.sbatch([*FOUR_RANKS, f"--output={out}", "launch/run_pretrain.sh", "--max-restarts", "1",
+                          "--config", TINY, f"run.dir={run_dir}", f"train.steps={steps}", "checkpoint.interval=2"],
+                         cwd=ROOT, env=ENV)
+    deadline = time.monotonic() + 180
+    metrics = run_dir / "metrics.jsonl"
+    while not metrics.exists() or len(metrics.read_text().splitlines()) < 3:
+        assert time.monotonic() < deadline and cluster.state(job)[0] in ("PENDING", "RUNNING", "CONFIGURING"), \
+            (cluster.state(job), out.read_text()[-3000:] if out.exists() else "")
+        time.sleep(0.3)
+    os.kill(_rank_process(job, 3), signal.SIGKILL)
+    state, code = cluster.wait(job, timeout=240)
+    text = out.read_text()
+    assert (state, code) == ("COMPLETED", "0:0"), text[-3000:] + cluster.logs()
+    assert re.search(r"the run failed \(exit \d+\); restart 1 of 1, resuming from the latest checkpoint", text), \
+        text[-3000:]
+    resumed = int(re.search(r"resumed from \S+ at step (\d+)", text).group(1))
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    second = records[resumed - steps:]  # metrics.jsonl is appended to: the restarted attempt last
+    assert [r["step"] for r in second] == list(range(resumed + 1, steps + 1))
+    ref = reference_losses(tmp_path / "single", steps)
+    assert max(abs(ref[r["step"] - 1] - r["loss"]) for r in second) <= 1e-4
