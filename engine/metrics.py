@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 H100_BF16_PEAK_FLOPS = 989e12
+DATA_WAIT_SHOWN = 0.05  # the console line names the loader once it holds training back this much
 
 
 def flops_per_token(num_params: int, num_layers: int, hidden_size: int, seq_length: int) -> float:
@@ -47,6 +48,9 @@ class MetricsLog:
             parts.append(f"attention entropy {min(entropy):.2f}–{max(entropy):.2f} nats")
         if record.get("mfu") is not None:
             parts.append(f"MFU {100 * record['mfu']:.1f}%")
+        data_share = record.get("data_wait_s", 0.0) / max(record.get("step_time_s", 0.0), 1e-9)
+        if data_share >= DATA_WAIT_SHOWN:
+            parts.append(f"data wait {100 * data_share:.0f}% of the step")
         if record.get("skipped"):
             parts.append("SKIPPED (overflow)")
         self.console(" | ".join(parts))

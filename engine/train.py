@@ -223,7 +223,9 @@ class Trainer:
         for chunk in self.chunks:
             chunk.train()
         window_start = self.consumed_samples
+        data_start = time.perf_counter()  # the loader prefetches: this is the time training waited for data
         micro_batches = [mb.to(self.env.device, non_blocking=True) for mb in self.loader.next_global_batch()]
+        data_wait = time.perf_counter() - data_start
         self._check_token_ids(micro_batches)
         self.data_parallel.start_step(len(micro_batches))  # gradients are reduced on the last micro-batch
         micro_losses = self.forward_backward(micro_batches)
@@ -249,7 +251,7 @@ class Trainer:
                   "loss_scale": self.optimizer.scaler.scale, "tokens_per_s": tokens / elapsed,
                   "consumed_samples": self.consumed_samples,
                   "consumed_tokens": self.consumed_samples * self.cfg.model.seq_length,
-                  "step_time_s": elapsed, "peak_memory_gb": peak_memory_gb(self.env.device)}
+                  "step_time_s": elapsed, "data_wait_s": data_wait, "peak_memory_gb": peak_memory_gb(self.env.device)}
         if self.env.device.type == "cuda":
             record["mfu"] = tokens * self.flops_per_token / elapsed / (H100_BF16_PEAK_FLOPS * self.env.world_size)
         self._monitor(record, losses_by_rank, window_start, micro_batches[0])

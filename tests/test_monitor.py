@@ -1,14 +1,17 @@
 """Training health (engine/monitor.py): a NaN is traced to the samples that caused it, on one process and
 across data- and pipeline-parallel ranks; attention entropy per layer is what the attention does and
-the same on every layout (≤ 1e-5); the gradient-norm alarm fires above its threshold only."""
+the same on every layout (≤ 1e-5); the gradient-norm alarm fires above its threshold only; the time a step
+waits for data is measured."""
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from engine.config import ConfigError, load_config, validate
+from engine.metrics import MetricsLog
 from engine.monitor import NonFiniteTraining, _ranges
 from engine.train import Trainer
 from parallel.distributed import DistEnv
@@ -170,3 +173,26 @@ def test_ranges_and_validation():
         with pytest.raises(ConfigError, match=message):
             validate(load_config(TINY, overrides), 1)
     assert Path(TINY).exists()
+
+
+def test_data_wait_is_measured_and_named_once_it_holds_training_back(tmp_path):
+    """data_wait_s is the time a step waited for its batch; the console line names it from 5% of the step."""
+    trainer = make(0, 1, f"run.dir={tmp_path}")
+    fast = trainer.train_step()
+    assert 0.0 <= fast["data_wait_s"] < fast["step_time_s"]
+    next_batch = trainer.loader.next_global_batch
+
+    def slow_disk():
+        time.sleep(0.3)
+        return next_batch()
+    trainer.loader.next_global_batch = slow_disk
+    slow = trainer.train_step()
+    assert 0.3 <= slow["data_wait_s"] <= slow["step_time_s"]
+    lines = []
+    log = MetricsLog(tmp_path, enabled=True, console=lines.append)
+    log.write({**fast, "data_wait_s": 0.0})
+    log.write(slow)
+    log.close()
+    assert "data wait" not in lines[0]
+    share = round(100 * slow["data_wait_s"] / slow["step_time_s"])
+    assert f"data wait {share}% of the step" in lines[1]
