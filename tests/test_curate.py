@@ -1,10 +1,12 @@
 """tools/curate_data.py: each cleaning stage, the rejects file and summary, and the reversible flow
 raw JSONL -> curate -> preprocess -> training sample -> raw file and line."""
+import collections
 import json
 import os
 import random
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -13,6 +15,7 @@ sys.path.insert(0, ROOT)
 from data.indexed import IndexedDataset  # noqa: E402
 from data.loader import build_datasets, sample_provenance  # noqa: E402
 from tools import curate_data, preprocess_data, stdlib_corpus, train_tokenizer  # noqa: E402
+from tools._dedup import DuplicateFinder, components, lsh_bands  # noqa: E402
 from tools._pii import scrub  # noqa: E402
 
 ENGLISH = ("The committee published its annual report on the state of public libraries, noting that "
@@ -165,6 +168,10 @@ def test_near_and_exact_duplicates_removed_first_kept(tmp_path):
                                 6: ("dedup", "near_duplicate")}
     assert all(r["duplicate_of"] == {"source_file": raw, "source_line": 1} for r in rejects)
     assert summary["duplicates_removed"] == 3
+    assert sorted(os.listdir(tmp_path)) == ["raw.jsonl", "raw_clean.jsonl", "raw_clean.rejects.jsonl"]
+    work = tmp_path / "work"  # the signatures file goes to --dedup-workdir and is removed at the end
+    _, kept, _, _ = curate(tmp_path, records, "--dedup-workdir", str(work))
+    assert [r["source_line"] for r in kept] == [1, 2, 5] and not os.listdir(work)
     for unit, size in (("char", 5), ("word", 3)):
         _, kept, _, _ = curate(tmp_path, records, "--shingle-unit", unit, "--shingle-size", str(size))
         assert [r["source_line"] for r in kept] == [1, 2, 5]
@@ -172,6 +179,67 @@ def test_near_and_exact_duplicates_removed_first_kept(tmp_path):
     assert len(kept) == len(records)
     with pytest.raises(SystemExit):  # too few LSH bands for 128 permutations: a clear error, not a trace
         curate(tmp_path, records, "--dedup-threshold", "0.99")
+
+
+def test_components_are_connected_components_labelled_by_their_first_node():
+    rng = np.random.default_rng(0)
+    for n, edges in ((1, 0), (50, 30), (400, 350), (2000, 500)):
+        first, second = rng.integers(0, n, edges), rng.integers(0, n, edges)
+        neighbours = collections.defaultdict(set)
+        for a, b in zip(first.tolist(), second.tolist()):
+            neighbours[a].add(b)
+            neighbours[b].add(a)
+        want = list(range(n))
+        for start in range(n):  # a breadth-first search from each component's smallest node
+            if want[start] != start:
+                continue
+            frontier = [start]
+            while frontier:
+                node = frontier.pop()
+                for other in neighbours[node]:
+                    if want[other] == other and other > start:
+                        want[other] = start
+                        frontier.append(other)
+        assert components(n, first, second).tolist() == want
+
+
+def test_lsh_bands_match_datasketchs_choice():
+    from datasketch.lsh import _optimal_param
+    for threshold, num_perm in ((0.8, 128), (0.5, 128), (0.9, 256), (0.7, 64)):
+        assert lsh_bands(threshold, num_perm) == _optimal_param(threshold, num_perm, 0.5, 0.5)
+
+
+def test_duplicate_finder_at_scale_finds_planted_copies_and_chains(tmp_path):
+    """20,000 random signatures with planted copies (95% of values kept: all found, none invented), and a
+    chain A~B~C with A and C below the threshold: one cluster, kept A, C reported with its low estimate."""
+    rng = np.random.default_rng(1)
+    n, perm = 20_000, 128
+    signatures = rng.integers(0, 2**32, (n, perm), dtype=np.uint64).astype(np.uint32)
+    originals = rng.choice(n // 2, 500, replace=False)
+    copies = n // 2 + np.arange(500)
+    for original, copy in zip(originals, copies):
+        signatures[copy] = signatures[original]
+        changed = rng.choice(perm, 6, replace=False)
+        signatures[copy, changed] = rng.integers(0, 2**32, 6, dtype=np.uint64).astype(np.uint32)
+    chain = n - 3 + np.arange(3)  # A, B, C: B shares 85% with A, C shares 85% with B but ~72% with A
+    signatures[chain[1]] = signatures[chain[0]]
+    signatures[chain[1], :19] = 7
+    signatures[chain[2]] = signatures[chain[1]]
+    signatures[chain[2], 100:119] = 9
+    finder = DuplicateFinder(0.8, perm, str(tmp_path))
+    digests = rng.integers(0, 2**63, n)
+    digests[5] = digests[4]  # one exact pair (its signature is the same text's)
+    signatures[5] = signatures[4]
+    for digest, signature in zip(digests.tolist(), signatures):
+        finder.add(digest, signature)
+    root, similarity, exact = finder.find()
+    finder.close()
+    assert not os.listdir(tmp_path)  # the signatures file is gone
+    dropped = set(np.flatnonzero(root != np.arange(n)).tolist())
+    assert dropped == set(copies.tolist()) | {5, int(chain[1]), int(chain[2])}
+    assert (root[copies] == originals).all() and (similarity[copies] >= 0.9).all() and not exact[copies].any()
+    assert root[5] == 4 and exact[5] and similarity[5] == 1.0
+    assert root[chain[2]] == chain[0] and similarity[chain[2]] < 0.8
 
 
 def test_rejects_summary_and_malformed_lines(tmp_path, capsys):

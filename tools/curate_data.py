@@ -9,7 +9,10 @@ globs). Writes the kept documents as JSONL: each raw record's fields, its text c
 an earlier pass, keeps them). preprocess_data stores those in its provenance map, so
 data.loader.sample_provenance traces a training sample to the raw line. Every dropped document is in
 the rejects file with its stage and reason; nothing is dropped silently. Outputs appear only when
-complete. Memory stays flat with corpus size except for one MinHash signature per kept document.
+complete. Deduplication needs the whole corpus: the documents that pass the other stages are held in a
+pending file beside the output, their MinHash signatures in another (512 bytes each), and about 60 bytes
+each in memory; once all are read, duplicates are found by sorting (tools/_dedup.py) and the pending file
+is written out without them.
 """
 import argparse
 import collections
@@ -19,6 +22,8 @@ import os
 import sys
 import time
 
+import numpy as np
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
@@ -26,7 +31,7 @@ if ROOT not in sys.path:
 from tools import _pii, _quality  # noqa: E402
 from tools._corpus_io import (JSONL_SUFFIXES, ORIGIN_FIELDS, RecordError, add_input_arguments,  # noqa: E402
                               expand_inputs, iter_records, parse_record, record_origin, record_texts)
-from tools._dedup import SHINGLE_UNITS, DuplicateIndex, Signer  # noqa: E402
+from tools._dedup import SHINGLE_UNITS, DuplicateFinder, Signer  # noqa: E402
 from tools._parallel import batched, ordered_map  # noqa: E402
 
 LANGID_CHARS = 4096  # the head of a document decides its language: langid's cost grows with length
@@ -108,7 +113,7 @@ def _init_worker(stages):
 
 def _clean_task(records):
     """The per-document stages over one batch. Signatures are computed here, in parallel; the
-    duplicate index stays in the main process, which sees documents in corpus order."""
+    duplicate finder stays in the main process, which sees documents in corpus order."""
     stages = _worker["stages"]
     nbytes = sum(len(payload) for _, _, payload in records if isinstance(payload, bytes))
     return [stages.clean(*record) for record in records], nbytes
@@ -119,31 +124,38 @@ def default_rejects_path(output):
     return f"{stem}.rejects{ext}"
 
 
-def curate(args, files, stages, index, start):
-    """Stream `files` through the stages and the duplicate index (None: no deduplication) into
-    args.output and the rejects file; returns the summary (`start`: when the run began)."""
+def curate(args, files, stages, finder, start):
+    """Stream `files` through the stages into args.output and the rejects file, the duplicate finder (None:
+    no deduplication) deciding last; returns the summary (`start`: when the run began)."""
     dropped, pii = collections.Counter(), collections.Counter()
     counts = collections.Counter()
     last_report = time.time()
     out_tmp, rejects_tmp = args.output + ".tmp", args.rejects + ".tmp"
+    pending = args.output + ".pending"  # documents that passed the stages, until duplicates are known
     try:
-        with open(out_tmp, "w", encoding="utf-8") as out, open(rejects_tmp, "w", encoding="utf-8") as rejects:
-            batches = batched(iter_records(files, args.json_keys, all_fields=True), args.batch_size)
-            for results, nbytes in ordered_map(_clean_task, batches, args.workers, _init_worker, (stages,)):
-                counts["bytes"] += nbytes
-                for result in results:
-                    counts["documents"] += 1
-                    if isinstance(result, Kept) and index is not None:
-                        result = _deduplicate(index, result)
-                    if isinstance(result, Dropped):
-                        _write_reject(rejects, result, dropped, args.quiet)
-                        continue
-                    out.write(result.output + "\n")
-                    pii.update(result.pii)
-                    counts["kept"] += 1
-                if not args.quiet and time.time() - last_report > 10:
-                    last_report = time.time()
-                    print(f"curate: {counts['documents']:,} documents, {counts['kept']:,} kept", file=sys.stderr)
+        with open(rejects_tmp, "w", encoding="utf-8") as rejects:
+            with open(pending if finder is not None else out_tmp, "w", encoding="utf-8") as out:
+                batches = batched(iter_records(files, args.json_keys, all_fields=True), args.batch_size)
+                for results, nbytes in ordered_map(_clean_task, batches, args.workers, _init_worker, (stages,)):
+                    counts["bytes"] += nbytes
+                    for result in results:
+                        counts["documents"] += 1
+                        if isinstance(result, Dropped):
+                            _write_reject(rejects, result, dropped, args.quiet)
+                        elif finder is None:
+                            out.write(result.output + "\n")
+                            pii.update(result.pii)
+                            counts["kept"] += 1
+                        else:
+                            finder.add(*result.signature)
+                            # JSON output never holds a raw tab: the origin and PII counts go before one.
+                            out.write(json.dumps([result.origin, result.pii], ensure_ascii=False) + "\t"
+                                      + result.output + "\n")
+                    if not args.quiet and time.time() - last_report > 10:
+                        last_report = time.time()
+                        print(f"curate: {counts['documents']:,} documents read", file=sys.stderr)
+            if finder is not None:
+                _remove_duplicates(finder, pending, out_tmp, rejects, dropped, pii, counts, args.quiet)
         os.replace(rejects_tmp, args.rejects)
         os.replace(out_tmp, args.output)  # last: an output file means a finished run
     except BaseException:
@@ -151,6 +163,11 @@ def curate(args, files, stages, index, start):
             if os.path.exists(tmp):
                 os.remove(tmp)
         raise
+    finally:
+        if finder is not None:
+            finder.close()
+        if os.path.exists(pending):
+            os.remove(pending)
     by_stage = collections.defaultdict(dict)
     for (stage, reason), n in sorted(dropped.items(), key=lambda item: -item[1]):
         by_stage[stage][reason] = n
@@ -162,16 +179,34 @@ def curate(args, files, stages, index, start):
             "output": args.output, "rejects": args.rejects}
 
 
-def _deduplicate(index, kept):
-    digest, minhash = kept.signature
-    found = index.find(digest, minhash)
-    if found is None:
-        index.add(digest, minhash, kept.origin)
-        return kept
-    reason, (source, line), similarity = found
-    detail = (f"identical to {source}:{line}" if reason == "exact_duplicate"
-              else f"estimated Jaccard {similarity:.2f} with {source}:{line}")
-    return Dropped(kept.origin, "dedup", reason, detail, {"source_file": source, "source_line": line})
+def _remove_duplicates(finder, pending, out_path, rejects, dropped, pii, counts, quiet):
+    """Find the duplicates among the pending documents, then copy the others to `out_path` in order; each
+    duplicate's reject names the kept document of its cluster."""
+    if not quiet:
+        print(f"curate: finding duplicates among {len(finder):,} documents ({finder.bands} LSH bands of "
+              f"{finder.rows} rows)", file=sys.stderr)
+    root, similarity, exact = finder.find()
+    kept_origins = {}  # origins of the kept documents that others duplicate; each comes before its copies
+    needed = set(np.unique(root[root != np.arange(len(root))]).tolist())
+    with open(pending, encoding="utf-8") as src, open(out_path, "w", encoding="utf-8") as out:
+        for i, line in enumerate(src):
+            head, output = line.split("\t", 1)
+            origin, replaced = json.loads(head)
+            keeper = int(root[i])
+            if keeper == i:
+                out.write(output)
+                pii.update(replaced)
+                counts["kept"] += 1
+                if i in needed:
+                    kept_origins[i] = origin
+                continue
+            source, source_line = kept_origins[keeper]
+            if exact[i]:
+                reason, detail = "exact_duplicate", f"identical to {source}:{source_line}"
+            else:
+                reason, detail = "near_duplicate", f"estimated Jaccard {similarity[i]:.2f} with {source}:{source_line}"
+            _write_reject(rejects, Dropped(tuple(origin), "dedup", reason, detail,
+                                           {"source_file": source, "source_line": source_line}), dropped, quiet)
 
 
 def _write_reject(rejects, result, dropped, quiet):
@@ -248,6 +283,8 @@ def build_parser():
     g.add_argument("--shingle-size", type=int, default=5, help="n of the n-gram shingles (default: %(default)s)")
     g.add_argument("--shingle-unit", choices=SHINGLE_UNITS, default="word",
                    help="words (CJK characters count as words) or characters (default: %(default)s)")
+    g.add_argument("--dedup-workdir", help="where the signatures file goes, 512 bytes per document with 128 "
+                                           "permutations (default: the output's directory)")
     g = p.add_argument_group("runtime")
     g.add_argument("--workers", type=int, default=1, help="worker processes")
     g.add_argument("--batch-size", type=int, default=64, help="documents per worker task")
@@ -287,7 +324,8 @@ def main(argv=None):
     try:
         files = expand_inputs(args.input)
         stages = build_stages(args, files)
-        index = None if args.no_dedup else DuplicateIndex(args.dedup_threshold, args.num_perm)
+        finder = None if args.no_dedup else DuplicateFinder(
+            args.dedup_threshold, args.num_perm, args.dedup_workdir or os.path.dirname(os.path.abspath(args.output)))
     except ImportError as e:
         p.error(f"{e}: install the curate extra (pip install -e '.[curate]')")
     except (ValueError, OSError) as e:
@@ -297,7 +335,7 @@ def main(argv=None):
         p.error(f"{sorted(overwritten)[0]} is an input; curation never overwrites its raw corpus")
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.rejects)), exist_ok=True)
-    summary = curate(args, files, stages, index, start)
+    summary = curate(args, files, stages, finder, start)
     print(format_summary(summary, stages))
     return summary
 
