@@ -148,6 +148,8 @@ class RunConfig:
     attention_entropy_max: float = 0.0  # ... or above this; 0 = off
     head_grad_variance_alarm: float = 5.0  # warn when a layer's max/min per-head gradient variance exceeds; 0 = off
     max_memory_fragmentation: float = 0.3  # CUDA: 1 - peak allocated/reserved above which cached blocks are freed
+    replica_check_interval: int = 1000  # steps between checks that replicated parameters agree bit for bit
+    # across ranks (also at start); 0 = at start only (parallel/replicas.py)
 
 
 @dataclass
@@ -398,10 +400,11 @@ def validate(cfg: Config, world_size: int) -> None:
                           f"exit_after={ck.exit_after}: keep must be ≥ 1 and the others ≥ 0")
     r = cfg.run
     if (r.monitor_interval < 0 or r.grad_norm_alarm < 0 or r.head_grad_variance_alarm < 0
-            or r.max_nonfinite_steps < 0 or not 0.0 <= r.max_memory_fragmentation < 1.0):
+            or r.max_nonfinite_steps < 0 or r.replica_check_interval < 0 or not 0.0 <= r.max_memory_fragmentation < 1.0):
         raise ConfigError(f"run.monitor_interval={r.monitor_interval}, run.grad_norm_alarm={r.grad_norm_alarm} and "
                           f"run.head_grad_variance_alarm={r.head_grad_variance_alarm} (and "
-                          f"run.max_nonfinite_steps={r.max_nonfinite_steps}) must be ≥ 0, "
+                          f"run.max_nonfinite_steps={r.max_nonfinite_steps}, "
+                          f"run.replica_check_interval={r.replica_check_interval}) must be ≥ 0, "
                           f"run.max_memory_fragmentation={r.max_memory_fragmentation} within [0, 1)")
     if r.attention_entropy_max and r.attention_entropy_max <= r.attention_entropy_min:
         raise ConfigError(f"run.attention_entropy_max={r.attention_entropy_max} must exceed "

@@ -35,6 +35,7 @@ from parallel.p2p import PipelineComm
 from parallel.pipeline_schedules import forward_backward_pipeline, forward_only_pipeline
 from parallel.placement import describe_placement, placement_warnings
 from parallel.random import seed_all
+from parallel.replicas import differing
 from parallel.schedules import MicroBatch, forward_backward_no_pipeline, forward_only_no_pipeline
 from parallel.stage_layers import chunk_roles, stage_layer_ids
 from parallel.tensor import TensorParallel
@@ -106,6 +107,10 @@ def build_model_chunks(cfg: Config, topo: Topology, tp: TensorParallel) -> list[
     return chunks
 
 
+class ReplicaMismatch(RuntimeError):
+    """Parameters that ranks hold in copies differ between them; the message names them and the fix."""
+
+
 class Trainer:
     def __init__(self, cfg: Config, env: DistEnv):
         self.cfg, self.env = cfg, env
@@ -143,6 +148,40 @@ class Trainer:
         self.monitor = TrainingMonitor(cfg, Path(cfg.run.dir), env.rank, self.topo.dp_size, log.warning)
         self.flops_per_token = flops_per_token(num_parameters(cfg.model), cfg.model.num_layers,
                                                cfg.model.hidden_size, cfg.model.seq_length)
+        self.check_replicas()  # the seed (or the checkpoint just loaded) gave every copy the same values
+
+    def replica_sets(self) -> list:
+        """(what, group, [(name, tensor)]) for each kind of copy this rank holds: parameters kept whole on
+        every tensor-parallel rank (tp_dim None), and data-parallel copies: every parameter below ZeRO-3,
+        the shards across HSDP replicas at ZeRO-3 (where the TP check compares shard slices)."""
+        whole_on_tp = {id(p) for _, p in self.named_params if getattr(p, "tp_dim", None) is None}
+        if self.cfg.parallel.zero_stage == 3:
+            pieces = [(f"{name}[{a}:{b}]", unit.param_shard[lo:hi], p) for unit in self.data_parallel.units
+                      for name, p, a, b, lo, hi in unit.shard_ranges]
+            tp_named = [(n, t) for n, t, p in pieces if id(p) in whole_on_tp]
+            return [("tensor-parallel", self.topo.tp_group, tp_named),
+                    ("HSDP replica", self.data_parallel.replicate_group, [(n, t) for n, t, _ in pieces])]
+        tp_named = [(n, p) for n, p in self.named_params if id(p) in whole_on_tp]
+        return [("tensor-parallel", self.topo.tp_group, tp_named),
+                ("data-parallel", self.topo.dp_group, self.named_params)]
+
+    def check_replicas(self) -> None:
+        """Stop every rank if a replicated parameter's bits differ between the ranks that hold it."""
+        if self.env.world_size == 1:
+            return
+        found = [(what, names) for what, group, named in self.replica_sets()
+                 for names in [differing(named, group)] if names]
+        count = torch.tensor([len(found)], device=self.env.device)
+        comm.all_reduce(count, world_group())  # all ranks stop together, not only those that saw it
+        if not int(count.item()):
+            return
+        where = "; ".join(f"{what} copies differ in {len(names)} parameter(s): {', '.join(names[:3])}"
+                          f"{' …' if len(names) > 3 else ''}" for what, names in found) \
+            or "copies differ on other ranks (their messages name the parameters)"
+        raise ReplicaMismatch(f"step {self.step}, rank {self.env.rank}: {where}. A rank computed a different "
+                              f"update (a non-deterministic kernel, a faulty GPU or host) or loaded a damaged "
+                              f"checkpoint shard; resume from an earlier checkpoint, and exclude the node if it "
+                              f"happens again")
 
     @property
     def consumed_samples(self) -> int:
@@ -332,6 +371,9 @@ class Trainer:
             gpu, stop = control.check(self.step) if control else (None, 0)
             while self.step < self.cfg.train.steps and not stop:
                 record = self.train_step()
+                interval = self.cfg.run.replica_check_interval
+                if interval and self.step % interval == 0:
+                    self.check_replicas()
                 evaluated = self._evaluation_due()
                 if evaluated:
                     record["eval_loss"] = self.evaluate()
@@ -348,7 +390,7 @@ class Trainer:
                 elif self._checkpoint_after_step():
                     break
             self.checkpointer.wait()
-        except (ConfigError, NonFiniteTraining):  # every rank stops on its own, for the reason it prints
+        except (ConfigError, NonFiniteTraining, ReplicaMismatch):  # every rank stops, for the reason it prints
             raise
         except Exception as exc:
             if self.env.world_size > 1:  # a dead or hung peer: say who we are and where we waited
@@ -429,6 +471,10 @@ def main(argv=None) -> int:
         return final_failure(1)
     except NonFiniteTraining as exc:
         print(f"trilith: stopped: {exc}", file=sys.stderr)
+        return final_failure(1)
+    except ReplicaMismatch as exc:
+        print(f"trilith: replicas differ: {exc}", file=sys.stderr)
+        clean = True  # every rank stopped here after the same all-reduce: leave the process group together
         return final_failure(1)
     except StopRun as stop:  # preemption or GPU health: checkpointed, exit code tells the launcher why
         clean = True
