@@ -96,6 +96,18 @@ def _start_two_ranks(run_dir: Path, timeout_minutes: float, *extra: str, launche
     return proc
 
 
+def _output_or_kill(proc: subprocess.Popen, timeout: float, act=lambda: None) -> str:
+    """`act()`, then the launcher's output once it exits; it is killed if `act` fails or it outlives
+    `timeout` (the test fails then)."""
+    try:
+        act()
+        return proc.communicate(timeout=timeout)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def _rank_pid(proc: subprocess.Popen, rank: str) -> int:
     return next(p for p in _children(proc.pid) if _rank_of(p) == rank)
 
@@ -112,13 +124,8 @@ def _resume_one_step(run_dir: Path, step: int) -> None:
 
 def test_killed_rank_ends_the_job_with_its_name_and_the_last_checkpoint_loads(tmp_path):
     proc = _start_two_ranks(tmp_path, 0.5, "checkpoint.interval=2")
-    try:
-        os.kill(_rank_pid(proc, "1"), signal.SIGKILL)
-        out, _ = proc.communicate(timeout=90)  # the survivor sees the closed connection at once
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    # The survivor sees the closed connection at once.
+    out = _output_or_kill(proc, 90, lambda: os.kill(_rank_pid(proc, "1"), signal.SIGKILL))
     assert proc.returncode != 0
     assert "rank      : 1" in out and "Signal 9 (SIGKILL)" in out, out[-3000:]  # torchrun's summary: the dead one
     # The survivor says where it waited: a comm collective and its caller, or an async bucket wait; then,
@@ -134,13 +141,7 @@ def test_max_restarts_brings_a_killed_rank_back_on_the_uninterrupted_curve(tmp_p
     steps = 40
     proc = _start_two_ranks(tmp_path / "run", 0.5, "checkpoint.interval=2", f"train.steps={steps}",
                             launcher=("--max-restarts", "1"))
-    try:
-        os.kill(_rank_pid(proc, "1"), signal.SIGKILL)
-        out, _ = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    out = _output_or_kill(proc, 240, lambda: os.kill(_rank_pid(proc, "1"), signal.SIGKILL))
     assert proc.returncode == 0, out[-4000:]
     assert re.search(r"run_pretrain.sh: the run failed \(exit 1\); restart 1 of 1, resuming from the latest "
                      r"checkpoint", out), out[-4000:]
@@ -192,13 +193,8 @@ def test_sigterm_to_the_launcher_stops_every_rank_with_a_checkpoint_and_exit_3(t
     scratch = tmp_path / "tmp"  # where the launcher keeps its stop-code file
     scratch.mkdir()
     proc = _start_two_ranks(tmp_path, 1, "checkpoint.interval=100000", TMPDIR=str(scratch))
-    try:
-        proc.send_signal(signal.SIGTERM)  # to the launcher script, as `kill` or a scheduler would
-        out, _ = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    # To the launcher script, as `kill` or a scheduler would.
+    out = _output_or_kill(proc, 90, lambda: proc.send_signal(signal.SIGTERM))
     assert proc.returncode == 3, out[-3000:]
     assert not list(scratch.glob("trilith-stop*"))
     assert "ChildFailedError" not in out and "Traceback" not in out, out[-3000:]

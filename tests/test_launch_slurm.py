@@ -53,6 +53,17 @@ def reference_losses(run_dir: Path, steps: int) -> list[float]:
     return [r["loss"] for r in steps_per_attempt(run_dir)[0]]
 
 
+def wait_for_steps(cluster, job: str, run_dir: Path, out: Path, steps: int) -> Path:
+    """Wait until the job has logged `steps` steps (failing if it ends first); returns its metrics file."""
+    deadline = time.monotonic() + 180
+    metrics = run_dir / "metrics.jsonl"
+    while not metrics.exists() or len(metrics.read_text().splitlines()) < steps:
+        assert time.monotonic() < deadline and cluster.state(job)[0] in ("PENDING", "RUNNING", "CONFIGURING"), \
+            (cluster.state(job), out.read_text()[-3000:] if out.exists() else "")
+        time.sleep(0.3)
+    return metrics
+
+
 def test_sbatch_on_two_nodes_trains_and_names_a_split_tensor_group(cluster, tmp_path):
     """TP 2 × DP 2 over two nodes with SLURM's cyclic task distribution: ranks 0 and 1 (a TP pair) land on
     different nodes. The run says where every rank is, warns about the split group, and still follows the
@@ -79,12 +90,7 @@ def test_preemption_signal_checkpoints_requeues_and_resumes(cluster, tmp_path):
     run_dir, out, steps = tmp_path / "run", tmp_path / "job.out", 60
     job = cluster.sbatch([*FOUR_RANKS, f"--output={out}", "launch/run_pretrain.sh", "--config", TINY,
                           f"run.dir={run_dir}", f"train.steps={steps}"], cwd=ROOT, env=ENV)
-    deadline = time.monotonic() + 180
-    metrics = run_dir / "metrics.jsonl"
-    while not metrics.exists() or len(metrics.read_text().splitlines()) < 3:
-        assert time.monotonic() < deadline and cluster.state(job)[0] in ("PENDING", "RUNNING", "CONFIGURING"), \
-            (cluster.state(job), out.read_text()[-3000:] if out.exists() else "")
-        time.sleep(0.3)
+    wait_for_steps(cluster, job, run_dir, out, 3)
     cluster.run(["scancel", "--signal=USR1", job])
     state, code = cluster.wait(job, timeout=240)
     text = out.read_text()
@@ -124,12 +130,7 @@ def test_max_restarts_reruns_a_failed_step_in_the_same_allocation(cluster, tmp_p
     job = cluster.sbatch([*FOUR_RANKS, f"--output={out}", "launch/run_pretrain.sh", "--max-restarts", "1",
                           "--config", TINY, f"run.dir={run_dir}", f"train.steps={steps}", "checkpoint.interval=2"],
                          cwd=ROOT, env=ENV)
-    deadline = time.monotonic() + 180
-    metrics = run_dir / "metrics.jsonl"
-    while not metrics.exists() or len(metrics.read_text().splitlines()) < 3:
-        assert time.monotonic() < deadline and cluster.state(job)[0] in ("PENDING", "RUNNING", "CONFIGURING"), \
-            (cluster.state(job), out.read_text()[-3000:] if out.exists() else "")
-        time.sleep(0.3)
+    metrics = wait_for_steps(cluster, job, run_dir, out, 3)
     os.kill(_rank_process(job, 3), signal.SIGKILL)
     state, code = cluster.wait(job, timeout=240)
     text = out.read_text()
