@@ -15,6 +15,7 @@ sys.path.insert(0, ROOT)
 from data.indexed import IndexedDataset  # noqa: E402
 from data.loader import build_datasets, sample_provenance  # noqa: E402
 from tools import curate_data, preprocess_data, stdlib_corpus, train_tokenizer  # noqa: E402
+from tools._contamination import gram_hashes, word_hashes  # noqa: E402
 from tools._dedup import DuplicateFinder, components, lsh_bands  # noqa: E402
 from tools._pii import scrub  # noqa: E402
 
@@ -240,6 +241,55 @@ def test_duplicate_finder_at_scale_finds_planted_copies_and_chains(tmp_path):
     assert (root[copies] == originals).all() and (similarity[copies] >= 0.9).all() and not exact[copies].any()
     assert root[5] == 4 and exact[5] and similarity[5] == 1.0
     assert root[chain[2]] == chain[0] and similarity[chain[2]] < 0.8
+
+
+def test_rolled_gram_hashes_equal_hashing_each_gram():
+    words = word_hashes("One two, THREE four five; six seven eight nine ten")
+    base = 0x100000001B3
+    for k, got in gram_hashes(words, {1, 3, 10, 11}).items():
+        want = []
+        for i in range(len(words) - k + 1):
+            h = 0
+            for w in words[i:i + k].tolist():
+                h = (h * base + w) % 2**64
+            want.append(h)
+        assert got.tolist() == want, k
+    assert 11 not in gram_hashes(words, {11})  # longer than the text: no grams
+
+
+def test_documents_holding_evaluation_text_are_dropped(tmp_path, capsys):
+    """--decontaminate: a training page that quotes a benchmark question (13 words or more in common), or
+    holds a short evaluation answer whole, is dropped naming the evaluation record; the rest is kept."""
+    question = ("Which river flows through the city that hosted the first modern Olympic Games in the "
+                "year eighteen ninety six")
+    evaluation = write_jsonl(tmp_path / "eval.jsonl", [{"question": question, "answer": "none"},
+                                                       {"question": "Name the violin maker", "answer": "Amati"}])
+    records = [{"text": ENGLISH},
+               {"text": random_doc(1, 60) + " " + question.upper() + " " + random_doc(2, 60)},  # quoted
+               {"text": random_doc(3, 80)},
+               {"text": random_doc(4, 40) + " name the violin maker amati " + random_doc(5, 40)},  # short one whole
+               {"text": random_doc(6, 60) + " " + " ".join(question.split()[:12]) + " " + random_doc(7, 60)}]
+    raw, kept, rejects, summary = curate(tmp_path, records, "--decontaminate", evaluation,
+                                         "--decontaminate-keys", "question", "answer")
+    assert [r["source_line"] for r in kept] == [1, 3, 5]  # 12 words in common are not 13
+    assert reasons(rejects) == {2: ("decontamination", "evaluation_overlap"),
+                                4: ("decontamination", "evaluation_overlap")}
+    details = {r["source_line"]: r["detail"] for r in rejects}
+    assert details[2] == f"7 evaluation n-gram(s) (13 words, or a whole shorter text) shared with {evaluation}:1"
+    assert details[4] == f"1 evaluation n-gram(s) (13 words, or a whole shorter text) shared with {evaluation}:2"
+    assert summary["dropped_by_stage"]["decontamination"] == {"evaluation_overlap": 2}
+    _, kept, _, _ = curate(tmp_path, records, "--decontaminate", evaluation, "--decontaminate-keys", "question",
+                           "answer", "--decontaminate-ngram", "8")
+    assert [r["source_line"] for r in kept] == [1, 3]  # with 8-word n-grams the 12-word quote counts too
+    _, kept, _, _ = curate(tmp_path, records, "--decontaminate", evaluation, "--decontaminate-keys", "question",
+                           "answer", "--decontaminate-min-hits", "3")
+    assert [r["source_line"] for r in kept] == [1, 3, 4, 5]
+    for bad in (["--decontaminate", str(tmp_path / "missing.jsonl")],
+                ["--decontaminate", evaluation, "--decontaminate-keys", "prompt"],
+                ["--decontaminate", evaluation, "--decontaminate-ngram", "0"]):
+        with pytest.raises(SystemExit):
+            curate(tmp_path, records, *bad)
+    assert "evaluation set" in capsys.readouterr().err
 
 
 def test_rejects_summary_and_malformed_lines(tmp_path, capsys):

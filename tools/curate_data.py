@@ -1,5 +1,6 @@
-"""Clean a raw corpus before tokenization: language filter, PII scrubbing, quality heuristics and
-near-duplicate removal, with a map from every output document back to its raw file and line.
+"""Clean a raw corpus before tokenization: language filter, PII scrubbing, quality heuristics,
+decontamination against evaluation sets and near-duplicate removal, with a map from every output
+document back to its raw file and line.
 
     python tools/curate_data.py --input raw/ --output clean/corpus.jsonl --languages en,zh --workers 2
 
@@ -31,6 +32,7 @@ if ROOT not in sys.path:
 from tools import _pii, _quality  # noqa: E402
 from tools._corpus_io import (JSONL_SUFFIXES, ORIGIN_FIELDS, RecordError, add_input_arguments,  # noqa: E402
                               expand_inputs, iter_records, parse_record, record_origin, record_texts)
+from tools._contamination import EvaluationIndex  # noqa: E402
 from tools._dedup import SHINGLE_UNITS, DuplicateFinder, Signer  # noqa: E402
 from tools._parallel import batched, ordered_map  # noqa: E402
 
@@ -70,9 +72,10 @@ class LanguageFilter:
 class Stages:
     """The per-document stages, built once and shipped to each worker process."""
 
-    def __init__(self, files, keys, language=None, pii=True, rules=None, signer=None):
+    def __init__(self, files, keys, language=None, pii=True, rules=None, signer=None, evaluation=None):
         self.files, self.keys = files, keys
         self.language, self.pii, self.rules, self.signer = language, pii, rules, signer
+        self.evaluation = evaluation  # tools._contamination.EvaluationIndex, or None
 
     def clean(self, file_index, line, payload):
         """Kept (the output line, the MinHash signature for deduplication) or Dropped."""
@@ -87,6 +90,7 @@ class Stages:
             verdict = self.language.check("\n\n".join(texts))
             if verdict:
                 return Dropped(origin, "language", *verdict)
+        raw = "\n\n".join(texts)  # evaluation texts are compared before PII scrubbing changes anything
         replaced = collections.Counter()
         if self.pii:
             for i, text in enumerate(texts):
@@ -97,6 +101,10 @@ class Stages:
             verdict = _quality.check(text, self.rules)
             if verdict:
                 return Dropped(origin, "quality", *verdict)
+        if self.evaluation is not None:
+            verdict = self.evaluation.check(raw)
+            if verdict:
+                return Dropped(origin, "decontamination", *verdict)
         record.update(zip(self.keys, texts))
         record.update(zip(ORIGIN_FIELDS, origin))
         # default=str: Parquet/Arrow columns may hold dates or decimals, which JSON has no type for.
@@ -228,12 +236,12 @@ def format_summary(summary, stages):
              f"dropped in {seconds:.1f} s ({summary['input_bytes'] / 1e6 / max(seconds, 1e-9):.1f} MB/s)",
              "  dropped by stage and reason:"]
     enabled = {"input": True, "language": stages.language is not None, "quality": stages.rules is not None,
-               "dedup": stages.signer is not None}
+               "decontamination": stages.evaluation is not None, "dedup": stages.signer is not None}
     for stage in enabled:  # PII scrubbing replaces, it never drops
         reasons = summary["dropped_by_stage"].get(stage, {})
         detail = ", ".join(f"{reason} {count:,}" for reason, count in reasons.items())
         count = f"{sum(reasons.values()):,}" if enabled[stage] else "-"
-        lines.append(f"    {stage:<9}{count:>7}  {detail if enabled[stage] else 'off'}".rstrip())
+        lines.append(f"    {stage:<15}{count:>7}  {detail if enabled[stage] else 'off'}".rstrip())
     dedup = summary["dropped_by_stage"].get("dedup", {})
     lines.append(f"  duplicates removed: {summary['duplicates_removed']:,} "
                  f"({dedup.get('exact_duplicate', 0):,} exact, {dedup.get('near_duplicate', 0):,} near)")
@@ -274,6 +282,16 @@ def build_parser():
                    help="over words outside CJK scripts (default: %(default)s)")
     g.add_argument("--max-mean-word-length", type=float, default=defaults.max_mean_word_length,
                    help="(default: %(default)s)")
+    g = p.add_argument_group("decontamination (evaluation and validation sets)")
+    g.add_argument("--decontaminate", nargs="+", metavar="EVAL",
+                   help="evaluation sets (same formats as --input): training documents sharing text with them "
+                        "are dropped")
+    g.add_argument("--decontaminate-keys", nargs="+", default=["text"],
+                   help="keys of the evaluation records to compare, joined (default: text)")
+    g.add_argument("--decontaminate-ngram", type=int, default=13,
+                   help="words per n-gram (default: %(default)s, as GPT-3)")
+    g.add_argument("--decontaminate-min-hits", type=int, default=1,
+                   help="shared n-grams that make a document contaminated (default: %(default)s)")
     g = p.add_argument_group("near-duplicate removal (MinHash + LSH)")
     g.add_argument("--no-dedup", action="store_true", help="keep duplicates")
     g.add_argument("--dedup-threshold", type=float, default=0.8,
@@ -307,7 +325,11 @@ def build_stages(args, files):
             min_mean_word_length=args.min_mean_word_length, max_mean_word_length=args.max_mean_word_length,
             boilerplate=_quality.BOILERPLATE + extra)
     signer = None if args.no_dedup else Signer(args.num_perm, args.shingle_size, args.shingle_unit)
-    return Stages(files, args.json_keys, language, not args.no_pii, rules, signer)
+    evaluation = None
+    if args.decontaminate:
+        evaluation = EvaluationIndex(expand_inputs(args.decontaminate), args.decontaminate_keys,
+                                     args.decontaminate_ngram, args.decontaminate_min_hits)
+    return Stages(files, args.json_keys, language, not args.no_pii, rules, signer, evaluation)
 
 
 def main(argv=None):
@@ -330,7 +352,9 @@ def main(argv=None):
         p.error(f"{e}: install the curate extra (pip install -e '.[curate]')")
     except (ValueError, OSError) as e:
         p.error(str(e))
-    overwritten = {os.path.abspath(args.output), os.path.abspath(args.rejects)} & set(map(os.path.abspath, files))
+    evaluation_files = expand_inputs(args.decontaminate) if args.decontaminate else []
+    overwritten = {os.path.abspath(args.output), os.path.abspath(args.rejects)} & set(
+        map(os.path.abspath, files + evaluation_files))
     if overwritten:
         p.error(f"{sorted(overwritten)[0]} is an input; curation never overwrites its raw corpus")
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
