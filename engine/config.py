@@ -88,6 +88,7 @@ class TrainConfig:
     compile: bool = False  # torch.compile each transformer block
     eval_interval: int = 0  # steps between validation losses (and at the last step); 0 = no evaluation
     eval_iters: int = 10  # global batches of the validation split per evaluation (the same ones each time)
+    eval_per_dataset: bool = False  # also each data.paths dataset's own validation loss (eval_loss_by_dataset)
 
 
 @dataclass
@@ -366,6 +367,8 @@ def validate(cfg: Config, world_size: int) -> None:
         if t.recompute_switch_step < 1:
             raise ConfigError("train.micro_batch_size_after_switch needs train.recompute_switch_step ≥ 1 "
                               "(the step at which the micro batch changes)")
+    if t.eval_per_dataset and (t.eval_interval == 0 or cfg.data.mock):
+        raise ConfigError("train.eval_per_dataset=true needs train.eval_interval > 0 and data.paths (not data.mock)")
     if t.eval_interval < 0 or t.eval_iters < 1:
         raise ConfigError(f"train.eval_interval={t.eval_interval} must be ≥ 0 (0 = off) and train.eval_iters="
                           f"{t.eval_iters} at least 1")

@@ -43,6 +43,9 @@ class MetricsLog:
                  f"grad_norm {record['grad_norm']:.3f}", f"{record['tokens_per_s']:,.0f} tok/s"]
         if "eval_loss" in record:
             parts.append(f"eval loss {record['eval_loss']:.4f} (ppl {record['eval_ppl']:.1f})")
+        if record.get("eval_loss_by_dataset"):
+            parts.append("eval loss by dataset " + ", ".join(
+                f"{name} {loss:.4f}" for name, loss in record["eval_loss_by_dataset"].items()))
         if "attention_entropy" in record:
             entropy = record["attention_entropy"]
             parts.append(f"attention entropy {min(entropy):.2f}–{max(entropy):.2f} nats")

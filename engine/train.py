@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import logging
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -60,6 +61,28 @@ def build_split_datasets(cfg: Config) -> dict | None:
                               num_samples=num_samples, cache_dir=cfg.data.cache_dir or None)
     except (OSError, ValueError) as exc:  # missing or malformed shards: the message names the file
         raise ConfigError(f"data.paths: {exc}") from exc
+
+
+def build_dataset_validation_sets(cfg: Config) -> dict:
+    """{dataset name: its own validation split} for each prefix of data.paths (train.eval_per_dataset): the
+    same documents the blend validates on, measured per domain. The name is the prefix's file name."""
+    from data.loader import build_datasets, parse_paths
+    t = cfg.train
+    out = {}
+    for _, prefix in parse_paths(cfg.data.paths):
+        name = os.path.basename(prefix)
+        name = name if name not in out else f"{name}#{len(out)}"
+        try:
+            valid = build_datasets([prefix], cfg.model.seq_length, t.seed, split=cfg.data.split,
+                                   num_samples={"valid": t.eval_iters * t.global_batch_size},
+                                   cache_dir=cfg.data.cache_dir or None)["valid"]
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"data.paths: {exc}") from exc
+        if valid is None:
+            raise ConfigError(f"train.eval_per_dataset: data.split={cfg.data.split!r} leaves no validation documents "
+                              f"in {prefix}; give the valid split a larger share or set train.eval_per_dataset=false")
+        out[name] = {"train": None, "valid": valid, "test": None}
+    return out
 
 
 def build_loader(cfg: Config, topo: Topology, consumed_samples: int, datasets: dict | None = None,
@@ -139,6 +162,7 @@ class Trainer:
         self.datasets = build_split_datasets(cfg)
         if cfg.train.eval_interval > 0:  # a missing validation split fails now, not at the first evaluation
             build_loader(cfg, self.topo, 0, self.datasets, split="valid")
+        self.validation_sets = build_dataset_validation_sets(cfg) if cfg.train.eval_per_dataset else {}
         self.loader = build_loader(cfg, self.topo, resumed["consumed_samples"] if resumed else 0, self.datasets)
         self.pipe = PipelineComm.for_model(self.topo, cfg.model, cfg.train.micro_batch_size, p.sequence_parallel,
                                            self.dtype, env.device) if self.topo.pp_size > 1 else None
@@ -235,10 +259,10 @@ class Trainer:
         return dataclasses.replace(self.cfg, train=dataclasses.replace(self.cfg.train,
                                                                        micro_batch_size=self.micro_batch_size))
 
-    def evaluate(self) -> float:
-        """Mean loss over the first train.eval_iters global batches of the validation split: the same samples
-        at every evaluation, dropout off, no gradients, on any layout."""
-        loader = build_loader(self._loader_config(), self.topo, 0, self.datasets, split="valid")
+    def evaluate(self, datasets: dict | None = None) -> float:
+        """Mean loss over the first train.eval_iters global batches of the validation split (of `datasets`,
+        by default the run's): the same samples at every evaluation, dropout off, no gradients, any layout."""
+        loader = build_loader(self._loader_config(), self.topo, 0, datasets or self.datasets, split="valid")
         for chunk in self.chunks:
             chunk.eval()
         total = 0.0
@@ -378,6 +402,9 @@ class Trainer:
                 if evaluated:
                     record["eval_loss"] = self.evaluate()
                     record["eval_ppl"] = math.exp(min(record["eval_loss"], 100.0))
+                    if self.validation_sets:
+                        record["eval_loss_by_dataset"] = {name: self.evaluate(sets)
+                                                          for name, sets in self.validation_sets.items()}
                 gpu, stop = control.check(self.step) if control else (None, 0)
                 if gpu is not None:
                     record["gpu"] = gpu

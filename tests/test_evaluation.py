@@ -1,9 +1,11 @@
 """Validation loss (train.eval_interval / eval_iters): the mean loss of fixed held-out batches, computed
 without disturbing training. Layout independence (TP + SP + interleaved PP, PP × ZeRO-3, TP × ZeRO-1) is
 in tests/test_pipeline.py; the real data path's validation split in tests/test_train.py."""
+import numpy as np
 import pytest
 import torch
 
+from data.indexed import IndexedDatasetBuilder
 from engine.config import ConfigError, load_config, validate
 from engine.metrics import MetricsLog
 from engine.mock_data import MockBatchLoader
@@ -59,3 +61,36 @@ def test_evaluating_changes_nothing_in_training_even_with_dropout(tmp_path):
 def test_evaluation_config_is_validated(overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate(load_config(TINY, overrides), 1)
+
+
+def synthetic_dataset(prefix, seed, vocab=256, documents=60):
+    """Documents of random tokens below `vocab` (each dataset with its own token distribution)."""
+    rng = np.random.default_rng(seed)
+    builder = IndexedDatasetBuilder(str(prefix), np.uint16)
+    for _ in range(documents):
+        builder.add_document(rng.integers(seed * 50, seed * 50 + 60, rng.integers(20, 80)) % vocab)
+    builder.finalize()
+    return str(prefix)
+
+
+def test_validation_loss_of_each_dataset_of_a_blend(tmp_path):
+    """train.eval_per_dataset: each dataset's own validation loss, equal to evaluating that dataset alone."""
+    web, code = synthetic_dataset(tmp_path / "web_text_document", 1), synthetic_dataset(tmp_path / "code_text_document", 2)
+    data = ["data.mock=false", f"data.paths=[0.7, {web}, 0.3, {code}]", "data.split=80,20,0",
+            f"data.cache_dir={tmp_path / 'cache'}", "train.eval_interval=2", "train.eval_per_dataset=true"]
+    trainer = make(*data, f"run.dir={tmp_path / 'run'}")
+    lines = []
+    (tmp_path / "run").mkdir(exist_ok=True)
+    records = trainer.train(MetricsLog(tmp_path / "run", enabled=True, console=lines.append))
+    by_dataset = records[-1]["eval_loss_by_dataset"]
+    assert list(by_dataset) == ["web_text_document", "code_text_document"]
+    for name, prefix in (("web_text_document", web), ("code_text_document", code)):
+        alone = make(*data[:-1], f"data.paths=[{prefix}]", f"run.dir={tmp_path / name}").datasets
+        assert trainer.evaluate(alone) == by_dataset[name]
+    assert by_dataset["web_text_document"] != by_dataset["code_text_document"]
+    assert f"eval loss by dataset web_text_document {by_dataset['web_text_document']:.4f}" in lines[-1]
+    with pytest.raises(ConfigError, match="eval_per_dataset=true needs train.eval_interval > 0"):
+        make("train.eval_per_dataset=true")
+    few = synthetic_dataset(tmp_path / "few_text_document", 3, documents=3)  # too few for a 10% valid share
+    with pytest.raises(ConfigError, match=f"leaves no validation documents in {few}"):
+        make(*data, f"data.paths=[{web}, {few}]", "data.split=90,10,0")
