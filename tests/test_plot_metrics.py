@@ -58,3 +58,12 @@ def test_bad_input_is_named(tmp_path):
     assert done.returncode == 1 and f"{run / 'metrics.jsonl'}:3 is not a JSON record" in done.stderr
     missing = tool(tmp_path / "nowhere")
     assert missing.returncode == 1 and "does not exist; give a run directory" in missing.stderr
+
+
+def test_per_dataset_readings_are_one_series_each():
+    sys.path.insert(0, str(ROOT))
+    from tools.plot_metrics import series
+    records = [{"step": 2, "eval_loss_by_dataset": {"web": 4.0, "code": 5.0}}, {"step": 3, "loss": 1.0},
+               {"step": 4, "eval_loss_by_dataset": {"web": 3.5, "code": 4.5}}]
+    assert series(records, "eval_loss_by_dataset", "step") == {"web": ([2, 4], [4.0, 3.5]),
+                                                                "code": ([2, 4], [5.0, 4.5])}

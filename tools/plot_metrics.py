@@ -7,7 +7,8 @@ norm, throughput, attention entropy, per-head gradient variance.
 
 Each argument is a run directory (or a metrics.jsonl). One panel per key, every run overlaid; records
 without the key are skipped (evaluation and monitor readings come every N steps). Per-layer lists
-(`attention_entropy`, `head_grad_variance_ratio`) become one line per layer. A summary table is printed:
+(`attention_entropy`, `head_grad_variance_ratio`) become one line per layer, and per-dataset readings
+(`eval_loss_by_dataset`) one line per dataset. A summary table is printed:
 steps, final loss, best validation loss, median tokens/s, and, for every run after the first, the largest
 |loss difference| from the first at the steps both logged (layouts that must agree, e.g. TP×PP×DP vs 1
 process). Needs matplotlib (`pip install -e .[plot]`) for the figure; `--no-plot` prints the table only.
@@ -59,13 +60,16 @@ def smoothed(values: list[float], weight: float) -> list[float]:
 
 
 def series(records: list[dict], key: str, x_key: str) -> dict[str, tuple[list, list]]:
-    """{label: (xs, ys)}: one series for a scalar key, one per layer for a per-layer list."""
+    """{label: (xs, ys)}: one series for a scalar key, one per layer for a per-layer list, one per dataset
+    for a per-dataset dict."""
     rows = [r for r in records if key in r and x_key in r]
     if not rows:
         return {}
     if isinstance(rows[0][key], list):
         layers = len(rows[0][key])
         return {f"layer {i}": ([r[x_key] for r in rows], [r[key][i] for r in rows]) for i in range(layers)}
+    if isinstance(rows[0][key], dict):
+        return {name: ([r[x_key] for r in rows], [float(r[key][name]) for r in rows]) for name in rows[0][key]}
     return {"": ([r[x_key] for r in rows], [float(r[key]) for r in rows])}
 
 
