@@ -193,15 +193,17 @@ class Trainer:
         """Stop every rank if a replicated parameter's bits differ between the ranks that hold it."""
         if self.env.world_size == 1:
             return
-        found = [(what, names) for what, group, named in self.replica_sets()
-                 for names in [differing(named, group)] if names]
+        found = []
+        for what, group, named in self.replica_sets():
+            names = differing(named, group)
+            if names:
+                found.append(f"{what} copies differ in {len(names)} parameter(s): {', '.join(names[:3])}"
+                             f"{' …' if len(names) > 3 else ''}")
         count = torch.tensor([len(found)], device=self.env.device)
         comm.all_reduce(count, world_group())  # all ranks stop together, not only those that saw it
         if not int(count.item()):
             return
-        where = "; ".join(f"{what} copies differ in {len(names)} parameter(s): {', '.join(names[:3])}"
-                          f"{' …' if len(names) > 3 else ''}" for what, names in found) \
-            or "copies differ on other ranks (their messages name the parameters)"
+        where = "; ".join(found) or "copies differ on other ranks (their messages name the parameters)"
         raise ReplicaMismatch(f"step {self.step}, rank {self.env.rank}: {where}. A rank computed a different "
                               f"update (a non-deterministic kernel, a faulty GPU or host) or loaded a damaged "
                               f"checkpoint shard; resume from an earlier checkpoint, and exclude the node if it "
