@@ -3,7 +3,9 @@
 # (at most 9½ minutes of work: each part has its own time limit, and a part that runs out is reported,
 # not fatal). Everything it prints also lands in $OUT (default gpu_check_out/):
 #   env.txt        GPU, driver, torch / CUDA / flash-attn / apex versions
-#   tests.log      the kernel tests on this machine (CUDA-only ones included; they skip without CUDA)
+#   tests.log      the kernel and monitor tests on this machine (CUDA-only ones included; they skip without CUDA)
+#   engine/        the engine end to end on this device: 30 bf16 steps of the tiny model with validation,
+#                  the training monitor and NVML health on (metrics.jsonl, logs/ with health-<node>.jsonl)
 #   bench.md/.json tools/bench_gpu.py: eager backends × recompute modes (flash/apex rows say "skipped"
 #                  when those packages are absent)
 #   compile.md/.json  compiled blocks (inductor) with the chunked and the fused output loss
@@ -42,8 +44,11 @@ for name in ("flash_attn", "apex", "triton"):
 EOF
 } 2>&1 | tee "$OUT/env.txt"
 
-part "kernel tests" 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_model.py -rs \
-  2>&1 | tee "$OUT/tests.log"
-part "benchmark: eager" 240 "$PY" tools/bench_gpu.py --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.md"
-part "benchmark: compiled" 210 "$PY" tools/bench_gpu.py --attention sdpa flash --norm torch apex --recompute none \
+part "kernel tests" 100 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_model.py \
+  tests/test_monitor.py -rs 2>&1 | tee "$OUT/tests.log"
+part "engine" 50 env TRILITH_PYTHON="$PY" bash launch/run_pretrain.sh --config launch/configs/tiny.yaml \
+  "run.dir=$OUT/engine" train.steps=30 train.precision=bf16 train.eval_interval=10 run.monitor_interval=10 \
+  run.health_interval=10 2>&1
+part "benchmark: eager" 230 "$PY" tools/bench_gpu.py --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.md"
+part "benchmark: compiled" 190 "$PY" tools/bench_gpu.py --attention sdpa flash --norm torch apex --recompute none \
   --loss chunked fused --compile --json "$OUT/compile.json" 2>&1 | tee "$OUT/compile.md"
