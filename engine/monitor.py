@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from engine.config import Config
+from parallel.placement import compact_ranges
 
 
 class NonFiniteTraining(RuntimeError):
@@ -79,7 +80,7 @@ class TrainingMonitor:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(report, indent=1, default=lambda v: v.item() if hasattr(v, "item") else
                                        str(v)))
-            self.console(f"WARNING step {step}: {why} in samples {_ranges(samples)}; step skipped, "
+            self.console(f"WARNING step {step}: {why} in samples {compact_ranges(samples, ', ')}; step skipped, "
                          f"details in {path}")
         limit = self.cfg.run.max_nonfinite_steps
         if limit and self.nonfinite_streak >= limit:  # every rank sees the same losses: all stop together
@@ -153,15 +154,3 @@ class TrainingMonitor:
                              f"run.max_memory_fragmentation={limit}; released the allocator's cached blocks")
         torch.cuda.reset_peak_memory_stats(device)
         return {"memory_reserved_gb": reserved / 2**30, "memory_fragmentation": fragmentation}
-
-
-def _ranges(indices: list[int]) -> str:
-    """[3, 4, 5, 9] -> "3-5, 9"."""
-    out, start = [], None
-    for i, x in enumerate(indices):
-        if start is None:
-            start = x
-        if i + 1 == len(indices) or indices[i + 1] != x + 1:
-            out.append(f"{start}-{x}" if x != start else f"{x}")
-            start = None
-    return ", ".join(out)

@@ -11,16 +11,16 @@ from __future__ import annotations
 from parallel.topology import Layout
 
 
-def rank_ranges(ranks: list[int]) -> str:
-    """[0, 1, 2, 5, 7, 8] -> "0-2,5,7-8"."""
+def compact_ranges(values: list[int], separator: str = ",") -> str:
+    """Sorted integers as runs: [0, 1, 2, 5, 7, 8] -> "0-2,5,7-8" (ranks here, samples in engine/monitor.py)."""
     parts, start = [], None
-    for i, r in enumerate(ranks):
+    for i, v in enumerate(values):
         if start is None:
-            start = r
-        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
-            parts.append(str(start) if start == r else f"{start}-{r}")
+            start = v
+        if i + 1 == len(values) or values[i + 1] != v + 1:
+            parts.append(str(start) if start == v else f"{start}-{v}")
             start = None
-    return ",".join(parts)
+    return separator.join(parts)
 
 
 def describe_placement(nodes: list[str], shown: int = 4) -> str:
@@ -28,7 +28,7 @@ def describe_placement(nodes: list[str], shown: int = 4) -> str:
     by_node: dict[str, list[int]] = {}
     for rank, node in enumerate(nodes):
         by_node.setdefault(node, []).append(rank)
-    listed = [f"{node}: ranks {rank_ranges(ranks)}" for node, ranks in list(by_node.items())[:shown]]
+    listed = [f"{node}: ranks {compact_ranges(ranks)}" for node, ranks in list(by_node.items())[:shown]]
     if len(by_node) > shown:
         listed.append(f"… {len(by_node) - shown} more")
     return f"{len(by_node)} node{'s' if len(by_node) > 1 else ''} ({'; '.join(listed)})"
@@ -51,7 +51,7 @@ def placement_warnings(layout: Layout, nodes: list[str], dp_block_size: int = 0,
         example = split[0]
         warnings.append(
             f"{len(split)} of {layout.dp * layout.pp} tensor-parallel groups span nodes (ranks "
-            f"{rank_ranges(example)} on {', '.join(sorted({nodes[r] for r in example}))}): every layer's "
+            f"{compact_ranges(example)} on {', '.join(sorted({nodes[r] for r in example}))}): every layer's "
             f"all-reduce crosses the network. Place consecutive ranks on one node (srun -m block, the default), "
             f"keep parallel.rank_order with tp first and parallel.tensor at most the ranks per node")
     if dp_block_size:
@@ -60,6 +60,6 @@ def placement_warnings(layout: Layout, nodes: list[str], dp_block_size: int = 0,
         if split:
             warnings.append(
                 f"{dp_block_key}={dp_block_size}: {len(split)} of {len(blocks)} data-parallel groups meant to share "
-                f"a node span nodes (ranks {rank_ranges(split[0])}); set it to the data-parallel ranks each node "
+                f"a node span nodes (ranks {compact_ranges(split[0])}); set it to the data-parallel ranks each node "
                 f"holds")
     return warnings

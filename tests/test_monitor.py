@@ -12,9 +12,10 @@ import torch
 
 from engine.config import ConfigError, load_config, validate
 from engine.metrics import MetricsLog
-from engine.monitor import NonFiniteTraining, _ranges
+from engine.monitor import NonFiniteTraining
 from engine.train import Trainer
 from parallel.distributed import DistEnv
+from parallel.placement import compact_ranges
 from tests.distributed import worker_pools
 
 TINY = "launch/configs/tiny.yaml"
@@ -166,7 +167,7 @@ def test_memory_fragmentation_is_reported_on_cuda(tmp_path):
 
 
 def test_ranges_and_validation():
-    assert _ranges([3, 4, 5, 9, 11, 12]) == "3-5, 9, 11-12"
+    assert compact_ranges([3, 4, 5, 9, 11, 12], ", ") == "3-5, 9, 11-12"
     for overrides, message in ((["run.monitor_interval=-1"], "monitor_interval=-1"),
                                (["run.attention_entropy_min=3", "run.attention_entropy_max=2"], "must exceed"),
                                (["run.max_memory_fragmentation=1.5"], "within")):

@@ -1,11 +1,11 @@
 """Where ranks run: the placement line and the warnings for groups that should share a node and do not."""
 from parallel.distributed import node_name
-from parallel.placement import describe_placement, placement_warnings, rank_ranges
+from parallel.placement import describe_placement, placement_warnings, compact_ranges
 from parallel.topology import Layout
 
 
-def test_rank_ranges_and_placement_line():
-    assert rank_ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8" and rank_ranges([3]) == "3"
+def test_compact_ranges_and_placement_line():
+    assert compact_ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8" and compact_ranges([3]) == "3"
     assert describe_placement(["a", "a", "b", "b"]) == "2 nodes (a: ranks 0-1; b: ranks 2-3)"
     assert describe_placement(["a", "b", "a", "b"]) == "2 nodes (a: ranks 0,2; b: ranks 1,3)"
     assert describe_placement(["solo"] * 3) == "1 node (solo: ranks 0-2)"
