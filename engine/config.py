@@ -38,7 +38,7 @@ class ModelConfig:
     deepnorm_init: bool = False  # scale v/o/ffn init by (8 L)^-1/4 (DeepNet) for stability without clipping
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
-    attention_backend: str = "auto"  # auto (flash on CUDA when installed, else sdpa) | flash | sdpa | reference
+    attention_backend: str = "auto"  # auto (see kernels/attention.select_backend) | flash | cudnn | sdpa | reference
     attention_window: int = 0  # sliding-window attention: tokens each query sees (itself included); 0 = all
     norm_backend: str = "auto"  # auto (apex on CUDA when installed, else torch) | apex | torch
     loss_chunk_tokens: int = 4096  # cross-entropy rows per fp32 chunk (kernels/cross_entropy.py); 0 = all
@@ -166,7 +166,7 @@ class Config:
 
 CHOICES = {
     ("model", "position_embedding"): ("rope", "alibi"),
-    ("model", "attention_backend"): ("auto", "flash", "sdpa", "reference"),
+    ("model", "attention_backend"): ("auto", "flash", "cudnn", "sdpa", "reference"),
     ("model", "norm_backend"): ("auto", "apex", "torch"),
     ("train", "recompute"): ("none", "selective", "full"),
     ("train", "recompute_after_switch"): ("none", "selective", "full"),

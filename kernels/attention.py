@@ -1,4 +1,5 @@
-"""Causal self-attention core: flash-attn on CUDA when installed, else PyTorch SDPA, else a reference.
+"""Causal self-attention core: flash-attn on CUDA when installed, PyTorch SDPA with cuDNN's kernel first
+on Hopper, else PyTorch SDPA (torch's own kernel order), else a reference.
 
 All take q [b, hq, s, d] and k, v [b, hkv, s, d] (grouped-query when hkv < hq) and return [b, hq, s, d].
 Optional extras, honoured by every backend:
@@ -8,12 +9,17 @@ Optional extras, honoured by every backend:
   - `segment_ids` [b, s]: document ids of packed sequences; a query never sees another document
     (flash-attn runs its varlen kernel on the documents, the others mask).
 GQA never repeats K/V in memory on the flash and SDPA paths; only the reference repeats them.
+
+Why `cudnn`: SDPA tries its built-in FlashAttention-2 first, but on Hopper (sm90) cuDNN's fused attention
+is faster for training shapes; `cudnn` is SDPA with cuDNN moved to the front of the priority order (a
+preference: shapes cuDNN cannot serve fall back to torch's order, so it is always correct).
 """
 import math
 import weakref
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 try:  # GPU-only optional dependency
     from flash_attn import flash_attn_func as _flash_attn_func
@@ -21,7 +27,9 @@ try:  # GPU-only optional dependency
 except ImportError:
     _flash_attn_func = _flash_attn_varlen_func = None
 
-BACKENDS = ("auto", "flash", "sdpa", "reference")
+BACKENDS = ("auto", "flash", "cudnn", "sdpa", "reference")
+CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+               SDPBackend.MATH]
 
 
 def flash_available() -> bool:
@@ -85,6 +93,17 @@ def attention_sdpa(q, k, v, bias=None, dropout_p: float = 0.0, window: int = 0, 
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
 
 
+def attention_cudnn(q, k, v, bias=None, dropout_p: float = 0.0, window: int = 0, segment_ids=None):
+    """SDPA with cuDNN's kernel preferred (torch.compile traces the context manager)."""
+    with sdpa_kernel(CUDNN_FIRST, set_priority=True):
+        return attention_sdpa(q, k, v, bias, dropout_p, window, segment_ids)
+
+
+def is_hopper(t: torch.Tensor) -> bool:
+    # get_device_properties, not get_device_capability: torch.compile folds it to a constant
+    return t.is_cuda and torch.cuda.get_device_properties(t.device).major == 9
+
+
 _cu_seqlens_cache: list = [None, -1, None]  # (weak reference to segment_ids, its version, result)
 
 
@@ -145,34 +164,43 @@ def attention_entropy(q, k, bias=None, window: int = 0, segment_ids=None, slopes
     return total, q.shape[0] * q.shape[1] * q.shape[2]
 
 
-def select_backend(requested: str, q: torch.Tensor) -> str:
-    """The backend that will run for `q`: an explicit request is honoured or refused, `auto` picks."""
+def select_backend(requested: str, q: torch.Tensor, plain: bool = True) -> str:
+    """The backend that will run for `q`: an explicit request is honoured or refused, `auto` picks.
+    `plain`: causal attention with no documents, window or ALiBi (where cuDNN's kernel is measured best)."""
     if requested not in BACKENDS:
         raise ValueError(f"attention backend {requested!r} is not one of {BACKENDS}; "
                          f"set model.attention_backend to one of them")
+    low_precision = q.dtype in (torch.float16, torch.bfloat16)
     if requested == "flash":
         if _flash_attn_func is None:
             raise RuntimeError("model.attention_backend=flash needs flash-attn (pip install -e .[gpu] on a CUDA "
                                "machine); use model.attention_backend=auto to fall back to SDPA")
-        if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+        if not q.is_cuda or not low_precision:
             raise RuntimeError(f"model.attention_backend=flash needs CUDA tensors in bf16/fp16, got "
                                f"{q.device.type} {q.dtype}; use train.precision=bf16 on a GPU or "
                                f"model.attention_backend=auto")
+    if requested == "cudnn" and not (q.is_cuda and low_precision):
+        raise RuntimeError(f"model.attention_backend=cudnn needs CUDA tensors in bf16/fp16, got {q.device.type} "
+                           f"{q.dtype}; use train.precision=bf16 on a GPU or model.attention_backend=auto")
     if requested != "auto":
         return requested
-    if _flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        return "flash"
-    return "sdpa"
+    if not (q.is_cuda and low_precision):
+        return "sdpa"
+    if plain and is_hopper(q):
+        return "cudnn"
+    return "flash" if _flash_attn_func is not None else "sdpa"
 
 
 def causal_attention(q, k, v, bias=None, dropout_p: float = 0.0, backend: str = "auto", slopes=None,
                      window: int = 0, segment_ids=None):
     """Causal attention through the chosen backend; see the module docstring for the arguments."""
-    chosen = select_backend(backend, q)
+    chosen = select_backend(backend, q, plain=bias is None and slopes is None and window == 0 and segment_ids is None)
     if chosen == "flash":  # flash-attn applies ALiBi from the slopes itself and wants them in fp32
         return attention_flash(q, k, v, dropout_p, None if slopes is None else slopes.float(), window, segment_ids)
     if bias is None and slopes is not None:  # built only here: [h, s, s] is large and flash never needs it
         bias = alibi_bias(slopes, q.shape[2], q.device)
     if chosen == "sdpa":
         return attention_sdpa(q, k, v, bias, dropout_p, window, segment_ids)
+    if chosen == "cudnn":
+        return attention_cudnn(q, k, v, bias, dropout_p, window, segment_ids)
     return attention_reference(q, k, v, bias, dropout_p, window, segment_ids)

@@ -16,7 +16,10 @@ class _SwiGLU(torch.autograd.Function):
     def forward(ctx, gate, up):
         ctx.save_for_backward(gate, up)
         g = gate.float()
-        return (g * torch.sigmoid(g) * up.float()).to(gate.dtype)
+        out = g * torch.sigmoid(g) * up.float()
+        # no `.to` when it would be a no-op: torch 2.11's compiled autograd.Function drops the input
+        # gradients when the output is such an alias (fp32 blocks got zero MLP gradients)
+        return out if out.dtype == gate.dtype else out.to(gate.dtype)
 
     @staticmethod
     def backward(ctx, grad):

@@ -11,6 +11,8 @@ from tests.flash_double import FlashAttnDouble
 
 CUDA = torch.cuda.is_available()
 needs_flash = pytest.mark.skipif(not attention.flash_available(), reason="flash-attn needs CUDA and the gpu extra")
+needs_hopper = pytest.mark.skipif(not (CUDA and torch.cuda.get_device_capability()[0] == 9),
+                                  reason="cuDNN attention is preferred on Hopper (sm90) GPUs only")
 needs_apex = pytest.mark.skipif(not norm.apex_available(), reason="apex needs CUDA and a --cuda_ext build")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 DTYPES = [torch.float32, torch.bfloat16]
@@ -152,9 +154,59 @@ def test_attention_backend_selection():
         attention.select_backend("flash", q)  # CPU fp32 tensors: refused whether or not flash-attn is installed
     with pytest.raises(ValueError, match="not one of"):
         attention.select_backend("xformers", q)
+    with pytest.raises(RuntimeError, match="attention_backend=cudnn needs CUDA tensors in bf16/fp16"):
+        attention.select_backend("cudnn", q)
     if attention.flash_available():
-        assert attention.select_backend("auto", q.cuda().bfloat16()) == "flash"
+        on_hopper = torch.cuda.get_device_capability()[0] == 9
+        assert attention.select_backend("auto", q.cuda().bfloat16()) == ("cudnn" if on_hopper else "flash")
         assert attention.select_backend("auto", q.cuda()) == "sdpa"  # fp32: flash-attn has no fp32 kernel
+
+
+class FakeCudaQuery:
+    """What select_backend reads of a query, as a bf16 CUDA tensor would answer (CPU machines have none)."""
+    is_cuda, dtype = True, torch.bfloat16
+
+
+@pytest.mark.parametrize("hopper", [True, False], ids=["hopper", "other-gpu"])
+@pytest.mark.parametrize("flash_installed", [True, False], ids=["flash-attn", "no-flash-attn"])
+def test_auto_attention_prefers_cudnn_on_hopper_for_plain_causal(monkeypatch, hopper, flash_installed):
+    monkeypatch.setattr(attention, "is_hopper", lambda t: hopper)
+    monkeypatch.setattr(attention, "_flash_attn_func", object() if flash_installed else None)
+    q = FakeCudaQuery()
+    fallback = "flash" if flash_installed else "sdpa"
+    assert attention.select_backend("auto", q, plain=True) == ("cudnn" if hopper else fallback)
+    assert attention.select_backend("auto", q, plain=False) == fallback  # documents/window/ALiBi: not cuDNN
+    assert attention.select_backend("cudnn", q, plain=False) == "cudnn"  # asked for: always honoured
+
+
+@pytest.mark.parametrize("variant", ["causal", "window", "documents", "alibi"])
+def test_cudnn_preference_is_sdpa_with_the_same_numbers(variant):
+    """On CPU the priority order changes nothing: the wrapper must pass every argument through, also when
+    torch.compile traces its context manager."""
+    b, hq, hkv, s, d = ATTN_SHAPES[0]
+    q, k, v = rand(b, hq, s, d, seed=1), rand(b, hkv, s, d, seed=2), rand(b, hkv, s, d, seed=3)
+    kw = {"window": {"window": 3}, "documents": {"segment_ids": segments(b, s)},
+          "alibi": {"bias": attention.alibi_bias(attention.alibi_slopes(hq), s)}}.get(variant, {})
+    want = run_with_grads(lambda *t: attention.attention_reference(*t, **kw), q, k, v)
+    assert_close(run_with_grads(lambda *t: attention.attention_cudnn(*t, **kw), q, k, v), want, torch.float32,
+                 f"cudnn {variant}")
+    compiled = torch.compile(attention.attention_cudnn, backend="aot_eager", fullgraph=True)
+    assert_close(run_with_grads(lambda *t: compiled(*t, **kw), q, k, v), want, torch.float32,
+                 f"compiled cudnn {variant}")
+
+
+@needs_hopper
+@pytest.mark.parametrize("shape", [(2, 8, 2, 256, 64), (1, 4, 4, 128, 128)], ids=["gqa", "mha"])
+def test_cudnn_attention_runs_cudnn_and_matches_reference_on_hopper(shape):
+    b, hq, hkv, s, d = shape
+    q, k, v = rand(b, hq, s, d, seed=1), rand(b, hkv, s, d, seed=2), rand(b, hkv, s, d, seed=3)
+    want = run_with_grads(attention.attention_reference, q, k, v)
+    low = [t.detach().cuda().bfloat16().requires_grad_() for t in (q, k, v)]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        got = run_with_grads(lambda *t: attention.causal_attention(*t, backend="auto"), *low)
+    assert_close([g.cpu() for g in got], want, torch.bfloat16, "cudnn attention")
+    ops = {event.name for event in prof.events()}
+    assert "aten::_scaled_dot_product_cudnn_attention" in ops, sorted(o for o in ops if "attention" in o)
 
 
 # ---- norm, rope, swiglu ----------------------------------------------------------------------------------

@@ -121,7 +121,7 @@ def test_model_on_the_flash_path_equals_sdpa(monkeypatch, position):
     double = FlashAttnDouble()
     monkeypatch.setattr(attention, "_flash_attn_func", double.flash_attn_func)
     monkeypatch.setattr(attention, "_flash_attn_varlen_func", double.flash_attn_varlen_func)
-    monkeypatch.setattr(attention, "select_backend", lambda requested, q: "flash")
+    monkeypatch.setattr(attention, "select_backend", lambda requested, q, plain=True: "flash")
     flash = loss_and_grads(make(cfg), inputs, labels, segment_ids=ids)
     assert double.calls == [("varlen", (4, 0), [7, 9, 7, 5, 4])] * cfg.num_layers  # one varlen call per layer
     assert max_diff(flash, sdpa) <= 1e-5

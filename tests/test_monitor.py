@@ -161,7 +161,9 @@ def test_entropy_warning_and_grad_norm_alarm(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="memory fragmentation is read from the CUDA allocator")
 def test_memory_fragmentation_is_reported_on_cuda(tmp_path):
-    trainer = make(0, 1, f"run.dir={tmp_path}", "train.device=cuda")
+    cfg = load_config(TINY, ["model.num_layers=2", f"run.dir={tmp_path}", "train.device=cuda"])
+    validate(cfg, 1)
+    trainer = Trainer(cfg, DistEnv(0, 1, device=torch.device("cuda", torch.cuda.current_device())))
     record = trainer.train_step()
     assert 0.0 <= record["memory_fragmentation"] < 1.0 and record["memory_reserved_gb"] > 0
 

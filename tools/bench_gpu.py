@@ -53,6 +53,8 @@ class Case:
     def skip_reason(self, device: torch.device) -> str | None:
         if self.attention == "flash" and not (flash_available() and device.type == "cuda"):
             return "flash-attn not installed / no CUDA"
+        if self.attention == "cudnn" and device.type != "cuda":
+            return "cuDNN attention needs CUDA"
         if self.norm == "apex" and not (apex_available() and device.type == "cuda"):
             return "apex not installed / no CUDA"
         if self.compile and device.type != "cuda":
@@ -132,7 +134,8 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first")
     parser.add_argument("--accum", type=int, default=None, help="micro-batches per step")
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
-    parser.add_argument("--attention", nargs="+", default=["reference", "sdpa", "flash"])
+    parser.add_argument("--attention", nargs="+", default=["reference", "sdpa", "cudnn", "flash"],
+                        help="sdpa: torch's kernel order; cudnn: SDPA with cuDNN first (auto's pick on Hopper)")
     parser.add_argument("--norm", nargs="+", default=["torch", "apex"])
     parser.add_argument("--recompute", nargs="+", default=["none", "selective", "full"])
     parser.add_argument("--loss", nargs="+", default=["chunked"], choices=["chunked", "fused"],
