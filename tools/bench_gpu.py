@@ -11,6 +11,10 @@ row: tokens/s, TFLOP/s, MFU (6N + 12·L·H·Q·T FLOPs per token, against 989 TF
 peak memory, and the speed ratio to the plain-PyTorch path (reference attention, torch norm, no
 recompute, eager; RoPE/SwiGLU nodes and the chunked loss are the same in every row). A backend that is not installed is listed as skipped; an out-of-memory configuration is
 listed as OOM. Speed is only printed, never asserted.
+
+`--profile K` then profiles two more steps of every configuration and prints where the time goes: the
+fraction of wall time the GPU is busy, kernel time by kind (matmul, attention, compiled elementwise,
+optimizer, other) and the K costliest kernels (on CPU: operators).
 """
 from __future__ import annotations
 
@@ -18,7 +22,9 @@ import argparse
 import dataclasses
 import itertools
 import json
+import re
 import sys
+from collections import defaultdict
 import time
 from pathlib import Path
 
@@ -111,7 +117,51 @@ def run_case(cfg, case, args, device, dtype) -> dict:
     flops = tokens_per_s * flops_per_token(num_parameters(cfg), cfg.num_layers, cfg.hidden_size, cfg.seq_length)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     return {"tokens_per_s": tokens_per_s, "tflops": flops / 1e12,
-            "mfu": flops / H100_BF16_PEAK_FLOPS if device.type == "cuda" else None, "peak_gib": peak}
+            "mfu": flops / H100_BF16_PEAK_FLOPS if device.type == "cuda" else None, "peak_gib": peak,
+            "profile": profile_report(step, device, args.profile) if args.profile else None}
+
+
+KERNEL_KINDS = [("attention", re.compile(r"flash|fmha|cudnn|sdpa|attention", re.I)),
+                ("matmul", re.compile(r"gemm|matmul|cutlass|xmma|nvjet|cublas|wgmma|aten::(add|b)?mm$", re.I)),
+                ("optimizer", re.compile(r"adam|multi_tensor", re.I)),
+                ("compiled elementwise", re.compile(r"^triton_")),
+                ("other", re.compile(""))]
+
+
+def kernel_kind(name: str) -> str:
+    return next(kind for kind, pattern in KERNEL_KINDS if pattern.search(name))
+
+
+def profile_report(step, device, top: int) -> str:
+    """Two profiled steps: busy fraction, time per kernel kind and the `top` costliest kernels, as text."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    sync(device)
+    start = time.perf_counter()
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(2):
+            step()
+        sync(device)
+    wall_us = (time.perf_counter() - start) * 1e6
+    per_name = defaultdict(float)
+    if device.type == "cuda":
+        for event in prof.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                per_name[event.name] += event.time_range.elapsed_us()
+    else:
+        for average in prof.key_averages():
+            per_name[average.key] += average.self_cpu_time_total
+    busy = sum(per_name.values())
+    by_kind = defaultdict(float)
+    for name, us in per_name.items():
+        by_kind[kernel_kind(name)] += us
+    what = "GPU kernels" if device.type == "cuda" else "CPU operators (self time)"
+    lines = [f"  profile of 2 steps: {what} busy {100 * busy / wall_us:.1f}% of {wall_us / 1e3:.1f} ms; "
+             + ", ".join(f"{kind} {100 * by_kind[kind] / busy:.1f}%" for kind, _ in KERNEL_KINDS)]
+    for name, us in sorted(per_name.items(), key=lambda item: -item[1])[:top]:
+        lines.append(f"  {100 * us / busy:5.1f}%  {us / 2e3:8.2f} ms/step  {name[:100]}")
+    return "\n".join(lines)
 
 
 def cases(args) -> list[Case]:
@@ -141,6 +191,8 @@ def main(argv=None) -> int:
     parser.add_argument("--loss", nargs="+", default=["chunked"], choices=["chunked", "fused"],
                         help="output layer + loss: chunked cross-entropy after the logits, or fused (no logits kept)")
     parser.add_argument("--compile", action="store_true", help="also every configuration with compiled blocks")
+    parser.add_argument("--profile", type=int, default=0, metavar="K",
+                        help="also profile 2 steps per configuration and print the K costliest kernels")
     parser.add_argument("--json", help="write the rows to this file as JSON")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -183,6 +235,8 @@ def main(argv=None) -> int:
         peak = f"{result['peak_gib']:.1f}" if result["peak_gib"] is not None else "-"
         print(fmt_row(label + [f"{result['tokens_per_s']:,.0f}", f"{result['tflops']:.2f}", mfu, peak, ratio]),
               flush=True)
+        if result["profile"]:
+            print(result["profile"], flush=True)
         rows.append({**dataclasses.asdict(case), **result})
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
