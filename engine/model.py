@@ -189,6 +189,7 @@ class CausalLM(nn.Module):
                 self.lm_head.weight.init_name = "model.embed_tokens.weight"
                 self.lm_head.weight.pipeline_duplicate = True
         self._rope_cache: dict = {}
+        self.loss_compile_backend: str | None = None  # set by compile_blocks
 
     def init_weights(self, seed: int) -> None:
         initialize_parameters(self, seed, self.tp)
@@ -215,9 +216,11 @@ class CausalLM(nn.Module):
         return sums
 
     def compile_blocks(self, backend: str = "inductor") -> None:
-        """torch.compile each block's body (one graph per block, reused by every layer of the same shape)."""
+        """torch.compile each block's body (one graph per block, reused by every layer of the same shape) and
+        the cross-entropy's per-chunk kernels."""
         for layer in self.model.layers.values():
             layer.body = torch.compile(layer._body, backend=backend)
+        self.loss_compile_backend = backend
 
     def output_weight(self) -> torch.Tensor:
         return self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
@@ -255,10 +258,12 @@ class CausalLM(nn.Module):
             return F.linear(hidden, self.output_weight())
         if self.cfg.fused_lm_head_loss:
             losses = vocab_parallel_linear_cross_entropy(hidden, self.output_weight(), labels, self.tp,
-                                                         self.cfg.vocab_size, self.cfg.loss_chunk_tokens)
+                                                         self.cfg.vocab_size, self.cfg.loss_chunk_tokens,
+                                                         self.loss_compile_backend)
         else:
             losses = vocab_parallel_cross_entropy(F.linear(hidden, self.output_weight()), labels, self.tp,
-                                                  self.cfg.vocab_size, chunk_tokens=self.cfg.loss_chunk_tokens)
+                                                  self.cfg.vocab_size, self.cfg.loss_chunk_tokens,
+                                                  self.loss_compile_backend)
         if loss_mask is None:
             return losses.mean()
         return (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)

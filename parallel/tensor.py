@@ -137,25 +137,29 @@ class VocabParallelEmbedding(nn.Module):
 
 
 def vocab_parallel_cross_entropy(local_logits: torch.Tensor, labels: torch.Tensor, tp: TensorParallel,
-                                 vocab_size: int, chunk_tokens: int = 0) -> torch.Tensor:
+                                 vocab_size: int, chunk_tokens: int = 0, compile_backend: str | None = None
+                                 ) -> torch.Tensor:
     """Per-token loss [..] from this rank's logits slice [.., V_padded / tp], never gathering the full logits.
 
     The softmax statistics are combined over the TP group with three all-reduces of one fp32 value per token
     (max, target logit, sum of exponentials); `chunk_tokens` > 0 bounds the fp32 working set to that many
-    rows (kernels/cross_entropy.py), 0 processes all tokens at once."""
+    rows (kernels/cross_entropy.py), 0 processes all tokens at once; `compile_backend` compiles the per-chunk
+    kernels (the all-reduces stay outside them)."""
     vocab_start = tp.rank * local_logits.shape[-1]
     reduce = functools.partial(_all_reduce_over, tp.group) if tp.group is not None else None
-    return cross_entropy(local_logits, labels, chunk_tokens, vocab_start, vocab_size, reduce)
+    return cross_entropy(local_logits, labels, chunk_tokens, vocab_start, vocab_size, reduce, compile_backend)
 
 
 def vocab_parallel_linear_cross_entropy(hidden: torch.Tensor, local_weight: torch.Tensor, labels: torch.Tensor,
-                                        tp: TensorParallel, vocab_size: int, chunk_tokens: int) -> torch.Tensor:
+                                        tp: TensorParallel, vocab_size: int, chunk_tokens: int,
+                                        compile_backend: str | None = None) -> torch.Tensor:
     """Per-token loss of the output layer (this rank's vocabulary rows [V_padded / tp, h]) and cross-entropy in
     one (kernels/cross_entropy.linear_cross_entropy): the logits slice is never held whole. `hidden` must
     be the full sequence on every TP rank (after tp.enter), as for the unfused output layer."""
     vocab_start = tp.rank * local_weight.shape[0]
     reduce = functools.partial(_all_reduce_over, tp.group) if tp.group is not None else None
-    return linear_cross_entropy(hidden, local_weight, labels, chunk_tokens, vocab_start, vocab_size, reduce)
+    return linear_cross_entropy(hidden, local_weight, labels, chunk_tokens, vocab_start, vocab_size, reduce,
+                                compile_backend)
 
 
 def _all_reduce_over(group, tensor: torch.Tensor, op: str) -> None:

@@ -302,6 +302,29 @@ def test_linear_cross_entropy_matches_linear_then_torch(dtype, chunk, vocab):
     assert got[2][vocab:].abs().sum() == 0  # no gradient reaches the padding rows
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.skipif(
+    not CUDA, reason="inductor's CPU backend needs a C++ toolchain and minutes per graph; GPUs run it"))])
+@pytest.mark.parametrize("chunk", [0, 5])
+def test_compiled_chunk_kernels_match_torch(backend, chunk):
+    """train.compile's cross-entropy: the per-chunk kernels through torch.compile, with vocabulary padding
+    (30 of 37 columns real), chunked and unchunked, unfused and fused with the output layer."""
+    device = "cuda" if backend == "inductor" else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    hidden, weight = rand(2, 9, 16, seed=1), rand(37, 16, seed=2)
+    labels = torch.randint(0, 30, (2, 9), generator=torch.Generator().manual_seed(3))
+    want = run_with_grads(lambda h, w: cross_entropy.cross_entropy_reference(h @ w[:30].t(), labels), hidden, weight)
+    low = [t.detach().to(device, dtype).requires_grad_() for t in (hidden, weight)]
+    on = labels.to(device)
+    unfused = run_with_grads(lambda h, w: cross_entropy.cross_entropy(h @ w.t(), on, chunk, vocab_size=30,
+                                                                      compile_backend=backend), *low)
+    fused = run_with_grads(lambda h, w: cross_entropy.linear_cross_entropy(h, w, on, chunk, vocab_size=30,
+                                                                           compile_backend=backend), *low)
+    for got, what in ((unfused, "compiled cross_entropy"), (fused, "compiled linear_cross_entropy")):
+        assert_close([g.cpu() for g in got], want, dtype, f"{what} chunk={chunk}")
+        assert got[2][30:].abs().sum() == 0
+    assert backend in cross_entropy._compiled  # the compiled kernels ran, not the eager ones
+
+
 # ---- AdamW -----------------------------------------------------------------------------------------------
 
 def _adamw_run(implementation):

@@ -8,7 +8,8 @@
 #                  the training monitor and NVML health on (metrics.jsonl, logs/ with health-<node>.jsonl)
 #   bench.md/.json tools/bench_gpu.py: eager backends × recompute modes (flash/apex rows say "skipped"
 #                  when those packages are absent)
-#   compile.md/.json  compiled blocks (inductor) with the chunked and the fused output loss
+#   compile.md/.json  compiled blocks and loss kernels (inductor), chunked and fused output loss, 4 sequences
+#                  per micro-batch (the best shape measured), each row with a kernel-time profile
 # Usage, from the checkout, with the Python that has CUDA torch:  PY=python3 bash tools/gpu_check.sh
 # Without CUDA it still runs (tiny shapes), which is how it was checked on CPU.
 set -uo pipefail
@@ -50,5 +51,6 @@ part "engine" 50 env TRILITH_PYTHON="$PY" bash launch/run_pretrain.sh --config l
   "run.dir=$OUT/engine" train.steps=30 train.precision=bf16 train.eval_interval=10 run.monitor_interval=10 \
   run.health_interval=10 2>&1
 part "benchmark: eager" 230 "$PY" tools/bench_gpu.py --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.md"
-part "benchmark: compiled" 190 "$PY" tools/bench_gpu.py --attention sdpa flash --norm torch apex --recompute none \
-  --loss chunked fused --compile --json "$OUT/compile.json" 2>&1 | tee "$OUT/compile.md"
+part "benchmark: compiled" 190 "$PY" tools/bench_gpu.py --attention cudnn flash --norm torch apex --recompute none \
+  --loss chunked fused --compile --micro-batch 4 --accum 2 --steps 5 --warmup 2 --profile 12 \
+  --json "$OUT/compile.json" 2>&1 | tee "$OUT/compile.md"
