@@ -9,7 +9,8 @@
 #   bench.md/.json tools/bench_gpu.py: eager backends × recompute modes (flash/apex rows say "skipped"
 #                  when those packages are absent)
 #   compile.md/.json  compiled blocks and loss kernels (inductor), chunked and fused output loss, 4 sequences
-#                  per micro-batch (the best shape measured), each row with a kernel-time profile
+#                  per micro-batch (the best shape measured) × 8 per step (131k tokens: the optimizer's
+#                  share nearer a real global batch's), each row with a kernel-time profile
 # Usage, from the checkout, with the Python that has CUDA torch:  PY=python3 bash tools/gpu_check.sh
 # Without CUDA it still runs (tiny shapes), which is how it was checked on CPU.
 set -uo pipefail
@@ -52,5 +53,5 @@ part "engine" 50 env TRILITH_PYTHON="$PY" bash launch/run_pretrain.sh --config l
   run.health_interval=10 2>&1
 part "benchmark: eager" 230 "$PY" tools/bench_gpu.py --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.md"
 part "benchmark: compiled" 190 "$PY" tools/bench_gpu.py --attention cudnn flash --norm torch apex --recompute none \
-  --loss chunked fused --compile --micro-batch 4 --accum 2 --steps 5 --warmup 2 --profile 12 \
+  --loss chunked fused --compile --micro-batch 4 --accum 8 --steps 4 --warmup 1 --profile 12 \
   --json "$OUT/compile.json" 2>&1 | tee "$OUT/compile.md"
