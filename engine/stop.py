@@ -3,8 +3,9 @@
 SIGTERM or SIGUSR1 (what SLURM sends before preemption or the time limit; `#SBATCH --signal=USR1@120`)
 only sets a flag: the current step finishes, then all ranks agree (one MAX all-reduce of a small integer
 per step) to stop at the same step, save a checkpoint and exit with PREEMPTED_EXIT, which
-launch/run_pretrain.sh turns into a SLURM requeue. A GPU-health stop exits with HEALTH_EXIT and is not
-requeued: someone should look at the card named in the log first.
+launch/run_pretrain.sh turns into a SLURM requeue. A GPU-health stop exits with HEALTH_EXIT; the nodes
+whose GPUs crossed a threshold are gathered to rank 0 and left in the launcher's stop file, so that under
+sbatch the job can be requeued without them (the same GPU would fail again).
 """
 from __future__ import annotations
 
@@ -19,21 +20,23 @@ import torch.distributed as dist
 
 from engine.health import HealthMonitor
 from parallel import comm
-from parallel.distributed import DistEnv, world_group
+from parallel.distributed import DistEnv, node_name, world_group
 
 PREEMPTED_EXIT = 3
 HEALTH_EXIT = 4
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
-def exit_status(code: int) -> int:
+def exit_status(code: int, unhealthy_nodes: tuple = ()) -> int:
     """The process exit status for a stop. Under the sbatch wrapper (TRILITH_STOP_FILE set) every rank exits 0,
-    so srun's --kill-on-bad-exit cannot race the others, and rank 0 leaves the code in the file instead."""
+    so srun's --kill-on-bad-exit cannot race the others, and rank 0 leaves the code in the file instead,
+    with a second line `unhealthy NODE[,NODE...]` after a GPU-health stop."""
     path = os.environ.get("TRILITH_STOP_FILE")
     if not path:
         return code
     if not dist.is_initialized() or dist.get_rank() == 0:
-        Path(path).write_text(f"{code}\n")
+        nodes = f"unhealthy {','.join(unhealthy_nodes)}\n" if unhealthy_nodes else ""
+        Path(path).write_text(f"{code}\n{nodes}")
     return 0
 
 
@@ -51,15 +54,16 @@ def final_failure(code: int) -> int:
 class StopRun(Exception):
     """Raised after the checkpoint of an early stop; `code` is the process exit status."""
 
-    def __init__(self, code: int, message: str):
+    def __init__(self, code: int, message: str, unhealthy_nodes: tuple = ()):
         super().__init__(message)
-        self.code = code
+        self.code, self.unhealthy_nodes = code, unhealthy_nodes
 
 
 class StopControl:
     def __init__(self, env: DistEnv, health: HealthMonitor | None = None):
         self.env, self.health = env, health
         self.signal_name = ""
+        self.unhealthy_nodes: tuple = ()  # after a GPU-health stop: the nodes whose GPUs crossed a threshold
         # Python only lets the main thread install handlers (run() may be called from a worker thread).
         self.installed = threading.current_thread() is threading.main_thread()
         for sig in STOP_SIGNALS if self.installed else ():
@@ -81,14 +85,28 @@ class StopControl:
                 local = HEALTH_EXIT
         flag = torch.tensor([local], dtype=torch.int32, device=self.env.device)
         comm.all_reduce(flag, world_group(), op=dist.ReduceOp.MAX)
-        return readings, int(flag.item())
+        code = int(flag.item())
+        if code == HEALTH_EXIT:
+            self.unhealthy_nodes = self._gather_unhealthy(local == HEALTH_EXIT)
+        return readings, code
+
+    def _gather_unhealthy(self, mine: bool) -> tuple:
+        """Every rank learns which nodes reported a GPU past a threshold (once per run: it stops after)."""
+        here = node_name() if mine else None
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, here)
+        else:
+            every = [here]
+        return tuple(sorted({n for n in every if n}))
 
     def message(self, code: int, step: int) -> str:
         if code == PREEMPTED_EXIT:
             why = f"received {self.signal_name}" if self.signal_name else "another rank received a stop signal"
             return f"trilith: stopped at step {step}: {why}; exit {code} (requeue and rerun to resume)"
-        return f"trilith: stopped at step {step}: GPU health threshold crossed (see stderr / logs/health-*.jsonl)" \
-               f"; exit {code}"
+        nodes = ", ".join(self.unhealthy_nodes) or "a node"
+        return f"trilith: stopped at step {step}: GPU health threshold crossed on {nodes} (see stderr / " \
+               f"logs/health-*.jsonl); exit {code}"
 
     def barrier(self) -> None:
         """Every rank has saved its part before anyone exits (a launcher may kill the rest on the first exit)."""

@@ -430,7 +430,7 @@ class Trainer:
         if stop:
             control.barrier()
             log.info(control.message(stop, self.step))
-            raise StopRun(stop, control.message(stop, self.step))
+            raise StopRun(stop, control.message(stop, self.step), control.unhealthy_nodes)
         return history
 
 
@@ -507,7 +507,7 @@ def main(argv=None) -> int:
         return final_failure(1)
     except StopRun as stop:  # preemption or GPU health: checkpointed, exit code tells the launcher why
         clean = True
-        return exit_status(stop.code)
+        return exit_status(stop.code, stop.unhealthy_nodes)
     finally:
         shutdown(clean)
     return 0

@@ -10,7 +10,8 @@
 #   --max-restarts K (with --nproc, or in an sbatch job): after a failure (a rank died, a collective timed
 #   out), start all ranks again, up to K times; they resume from the latest checkpoint.
 # Exit status: 0 done, 2 configuration error, 3 preempted after a checkpoint (a SLURM batch job requeues
-# itself), 4 stopped by a GPU-health threshold after a checkpoint, anything else: failure.
+# itself), 4 stopped by a GPU-health threshold after a checkpoint (a SLURM batch job requeues itself
+# without the node(s) named; TRILITH_EXCLUDE_UNHEALTHY=0 stops instead), anything else: failure.
 #
 # SLURM defaults: edit, or override on the sbatch command line (sbatch --nodes=4 ...).
 #SBATCH --job-name=trilith
@@ -91,7 +92,11 @@ if [[ -n "${SLURM_JOB_ID:-}" && -z "${SLURM_STEP_ID:-}" && -z "${RANK:-}" && "$N
     srun --kill-on-bad-exit=1 --export=ALL bash "$ROOT/launch/run_pretrain.sh" "${MODE[@]}" "${ARGS[@]}"
     status=$?
     set -e
-    if [[ -s "$TRILITH_STOP_FILE" ]]; then status="$(cat "$TRILITH_STOP_FILE")"; fi
+    UNHEALTHY=""
+    if [[ -s "$TRILITH_STOP_FILE" ]]; then
+      status="$(head -n 1 "$TRILITH_STOP_FILE")"
+      UNHEALTHY="$(sed -n 's/^unhealthy //p' "$TRILITH_STOP_FILE")"
+    fi
     restart_allowed "$status" "$attempt" || break
     announce_restart "$status" "$attempt"
     attempt=$(( attempt + 1 ))
@@ -100,6 +105,28 @@ if [[ -n "${SLURM_JOB_ID:-}" && -z "${SLURM_STEP_ID:-}" && -z "${RANK:-}" && "$N
   if [[ "$status" -eq 3 && "${TRILITH_REQUEUE:-1}" == 1 ]]; then
     echo "run_pretrain.sh: preempted (exit 3); requeueing job $SLURM_JOB_ID to resume from run.dir" >&2
     scontrol requeue "$SLURM_JOB_ID"
+  fi
+  # A GPU-health stop: the same GPU would fail again, so the job goes back to the queue without the nodes
+  # the ranks named (added to any it already excluded) and resumes from run.dir on others. SLURM does not
+  # change a running job's excluded nodes: a one-task job that starts once this one has ended holds it in
+  # the queue, sets them and releases it.
+  if [[ "$status" -eq 4 && -n "$UNHEALTHY" && "${TRILITH_EXCLUDE_UNHEALTHY:-1}" == 1 ]]; then
+    job_info="$(scontrol show job "$SLURM_JOB_ID")"
+    excluded="$(sed -n 's/.*ExcNodeList=\([^ ]*\).*/\1/p' <<<"$job_info")"
+    [[ -z "$excluded" || "$excluded" == "(null)" ]] && excluded="$UNHEALTHY" || excluded="$excluded,$UNHEALTHY"
+    job_out="$(sed -n 's/.*StdOut=\([^ ]*\).*/\1/p' <<<"$job_info")"
+    requeue="scontrol requeuehold $SLURM_JOB_ID && scontrol update JobId=$SLURM_JOB_ID ExcNodeList=$excluded"
+    requeue+=" && scontrol release $SLURM_JOB_ID"
+    if sbatch --quiet --job-name="trilith-exclude-$SLURM_JOB_ID" --dependency="afterany:$SLURM_JOB_ID" \
+        --ntasks=1 --cpus-per-task=1 --time=10 --output=/dev/null \
+        --wrap "$requeue && echo 'run_pretrain.sh: job $SLURM_JOB_ID requeued without node(s) $excluded' >> '$job_out'"
+    then
+      echo "run_pretrain.sh: GPU health stop (exit 4) on $UNHEALTHY; job $SLURM_JOB_ID goes back to the queue" \
+        "without node(s) $excluded once it has ended, to resume from run.dir elsewhere" >&2
+    else
+      echo "run_pretrain.sh: GPU health stop (exit 4) on $UNHEALTHY; could not submit the requeue; do it by hand:" \
+        "$requeue" >&2
+    fi
   fi
   exit "$status"
 fi

@@ -8,7 +8,7 @@ import torch
 from engine.config import RunConfig
 from engine.health import EccWindow, HealthMonitor, throttle_names
 from engine.preflight import memory_growth, verdicts
-from engine.stop import PREEMPTED_EXIT, StopControl
+from engine.stop import HEALTH_EXIT, PREEMPTED_EXIT, StopControl, exit_status
 from parallel.distributed import DistEnv, LaunchError, discover, expand_nodelist, pick_device, rendezvous
 
 
@@ -120,6 +120,27 @@ def test_sigusr1_sets_the_preemption_exit_code():
         assert "received SIGUSR1" in control.message(PREEMPTED_EXIT, 4)
     finally:
         control.restore()
+
+
+def test_health_stop_names_the_unhealthy_node_for_the_launcher(tmp_path, monkeypatch):
+    """A GPU past a threshold: the stop code is HEALTH_EXIT, the node is named in the message and, under the
+    sbatch wrapper, in the stop file beside the code (launch/run_pretrain.sh requeues without it)."""
+    monkeypatch.setenv("SLURMD_NODENAME", "gpu-node-7")
+    frames = [[{"temperature_c": 60, "ecc_corrected": 0}], [{"temperature_c": 97, "ecc_corrected": 0}]]
+    cfg = RunConfig(health_interval=2, max_gpu_temperature=90)
+    control = StopControl(DistEnv(), HealthMonitor(cfg, tmp_path, reader_factory=lambda: ScriptedNvml(frames)))
+    try:
+        assert control.check(2)[1] == 0 and control.unhealthy_nodes == ()
+        assert control.check(3)[1] == 0  # not due: nothing read
+        assert control.check(4)[1] == HEALTH_EXIT and control.unhealthy_nodes == ("gpu-node-7",)
+        assert "GPU health threshold crossed on gpu-node-7" in control.message(HEALTH_EXIT, 4)
+    finally:
+        control.restore()
+    stop_file = tmp_path / "stop"
+    monkeypatch.setenv("TRILITH_STOP_FILE", str(stop_file))
+    assert exit_status(HEALTH_EXIT, control.unhealthy_nodes) == 0
+    assert stop_file.read_text() == "4\nunhealthy gpu-node-7\n"
+    assert exit_status(PREEMPTED_EXIT) == 0 and stop_file.read_text() == "3\n"
 
 
 def _records(losses, norms, skipped=None):

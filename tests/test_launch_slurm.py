@@ -143,3 +143,80 @@ def test_max_restarts_reruns_a_failed_step_in_the_same_allocation(cluster, tmp_p
     assert [r["step"] for r in second] == list(range(resumed + 1, steps + 1))
     ref = reference_losses(tmp_path / "single", steps)
     assert max(abs(ref[r["step"] - 1] - r["loss"]) for r in second) <= 1e-4
+
+
+# nvidia-ml-py's module as the monitor uses it, for a CPU job: one GPU whose temperature crosses 90 °C at
+# its second reading in the job's first run, and stays at 60 °C once SLURM has requeued the job.
+FAKE_PYNVML = '''
+import os
+
+
+class NVMLError(Exception):
+    pass
+
+
+NVML_TEMPERATURE_GPU, NVML_CLOCK_SM, NVML_CLOCK_MEM, NVML_VOLATILE_ECC = 0, 1, 2, 1
+NVML_MEMORY_ERROR_TYPE_CORRECTED, NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 0, 1
+readings = 0
+
+
+def nvmlInit():
+    pass
+
+
+def nvmlDeviceGetCount():
+    return 1
+
+
+def nvmlDeviceGetHandleByIndex(index):
+    return index
+
+
+def nvmlDeviceGetUUID(handle):
+    return "GPU-fake-0"
+
+
+def nvmlDeviceGetTemperature(handle, sensor):
+    global readings
+    readings += 1
+    return 95 if readings >= 2 and os.environ.get("SLURM_RESTART_COUNT", "0") == "0" else 60
+
+
+def unsupported(*args):
+    raise NVMLError("not supported on this GPU")
+
+
+nvmlDeviceGetPowerUsage = nvmlDeviceGetEnforcedPowerLimit = nvmlDeviceGetCurrentClocksEventReasons = unsupported
+nvmlDeviceGetTotalEccErrors = nvmlDeviceGetClockInfo = unsupported
+'''
+
+
+def test_gpu_health_stop_requeues_the_job_without_the_hot_node(cluster, tmp_path):
+    """A GPU crosses run.max_gpu_temperature: every rank saves and stops (exit 4), the batch shell submits the
+    job that requeues it with the node the ranks named excluded; the next run lands on the other node,
+    resumes from the checkpoint and completes, every step once, on the uninterrupted loss curve."""
+    fake = tmp_path / "fake_nvml"
+    fake.mkdir()
+    (fake / "pynvml.py").write_text(FAKE_PYNVML)
+    run_dir, out, steps = tmp_path / "run", tmp_path / "job.out", 16
+    job = cluster.sbatch(["-N", "1", "-n", "2", "-c", "1", "--overcommit", "--open-mode=append", f"--output={out}",
+                          "launch/run_pretrain.sh", "--config", TINY, f"run.dir={run_dir}", f"train.steps={steps}",
+                          "run.health_interval=4", "run.max_gpu_temperature=90"],
+                         cwd=ROOT, env={**ENV, "PYTHONPATH": str(fake)})
+    state, code = cluster.wait(job, timeout=240, until=("COMPLETED",))  # FAILED (exit 4) first, then requeued
+    text = out.read_text()
+    assert (state, code) == ("COMPLETED", "0:0"), text[-3000:] + cluster.logs()
+    hot = re.search(r"stopped at step 4: GPU health threshold crossed on (\S+) ", text)
+    assert hot and hot.group(1) in cluster.nodes, text[-3000:]
+    assert "temperature 95 °C above run.max_gpu_temperature=90" in text
+    assert f"job {job} goes back to the queue without node(s) {hot.group(1)} once it has ended" in text, text[-3000:]
+    assert f"run_pretrain.sh: job {job} requeued without node(s) {hot.group(1)}" in text, text[-3000:]
+    shown = cluster.run(["scontrol", "show", "job", job]).stdout
+    assert "Restarts=1" in shown and f"ExcNodeList={hot.group(1)}" in shown, shown
+    placed = re.findall(r"placement: 1 nodes? \((\S+): ranks 0-1\)", text)
+    assert placed == [hot.group(1), next(n for n in cluster.nodes if n != hot.group(1))], text[-3000:]
+    assert f"resumed from {run_dir / 'checkpoints'}" in text and "at step 4" in text, text[-3000:]
+    records = steps_per_attempt(run_dir)[0]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    ref = reference_losses(tmp_path / "single", steps)
+    assert max(abs(a - r["loss"]) for a, r in zip(ref, records)) <= 1e-4, (ref, [r["loss"] for r in records])
