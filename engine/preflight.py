@@ -6,8 +6,10 @@ Same launcher, parallel layout, precision, optimizer, schedule shape and data (a
 steps × global-batch samples) as the real run; only the model is shrunk (head dimension 16, the fewest
 layers and heads the layout allows) and the step count cut. Checks, reported as PASS/FAIL lines on rank 0:
 finite loss and gradient norm, gradient norm neither vanishing nor exploding relative to the first step,
-loss falling, and memory (max over ranks) not growing from the early steps to the last ones. Exit status
-0 when every check passes, 1 otherwise (2 for configuration errors, like training).
+loss falling, and memory (max over ranks) not growing from the early steps to the last ones. A run that
+switches recomputation and micro batch mid-run (`train.recompute_switch_step`) switches half-way through
+the pre-flight, and memory is judged after the switch: that is the setting most of the run uses. Exit
+status 0 when every check passes, 1 otherwise (2 for configuration errors, like training).
 """
 from __future__ import annotations
 
@@ -47,7 +49,11 @@ def shrink(cfg: Config, world_size: int, steps: int) -> Config:
     m.seq_length = min(m.seq_length, seq_cap) if m.seq_length % p.tensor == 0 else seq_cap
     dp = data_parallel_size(small, world_size)
     t.micro_batch_size = min(t.micro_batch_size, 4)
-    t.global_batch_size = t.micro_batch_size * dp * (p.pipeline if p.pipeline > 1 else 2)
+    t.micro_batch_size_after_switch = min(t.micro_batch_size_after_switch, 4)
+    micro = math.lcm(t.micro_batch_size, t.micro_batch_size_after_switch or 1)
+    t.global_batch_size = micro * dp * (p.pipeline if p.pipeline > 1 else 2)
+    if t.recompute_switch_step > 0:
+        t.recompute_switch_step = max(1, steps // 2)
     t.steps, t.log_interval = steps, max(1, steps // 10)
     small.optim.warmup_steps = min(small.optim.warmup_steps, steps // 10)
     small.checkpoint.interval = 0
@@ -101,7 +107,9 @@ def preflight(cfg: Config, env: DistEnv, steps: int = STEPS) -> bool:
     m = small.model
     log.info(f"pre-flight: {env.world_size} ranks, TP {small.parallel.tensor} × PP {small.parallel.pipeline}, "
              f"model {m.num_layers}×{m.hidden_size} (heads {m.num_attention_heads}/{m.num_kv_heads}), seq "
-             f"{m.seq_length}, global batch {small.train.global_batch_size}, {steps} steps, {small.train.precision}")
+             f"{m.seq_length}, global batch {small.train.global_batch_size}, {steps} steps, {small.train.precision}"
+             + (f", recompute switch at step {small.train.recompute_switch_step}"
+                if small.train.recompute_switch_step > 0 else ""))
     trainer = Trainer(small, env)
     history, memory = [], []
     for _ in range(steps):
@@ -110,6 +118,8 @@ def preflight(cfg: Config, env: DistEnv, steps: int = STEPS) -> bool:
         memory.append(memory_mb(env.device))
         if trainer.step % small.train.log_interval == 0:
             log.info(f"pre-flight step {trainer.step}: loss {record['loss']:.4f} grad_norm {record['grad_norm']:.3g}")
+    if small.train.recompute_switch_step > 0:  # the micro batch changed at the switch: judge the phase after it
+        memory = memory[small.train.recompute_switch_step:]
     numbers = torch.tensor([memory_growth(memory), memory[0]], dtype=torch.float64, device=env.device)
     comm.all_reduce(numbers, world_group(), op=dist.ReduceOp.MAX)  # the worst rank decides
     checks = verdicts(history, numbers[0].item(), numbers[1].item())
