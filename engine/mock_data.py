@@ -27,3 +27,6 @@ class MockBatchLoader:
         samples = torch.stack([self.sample(start + i) for i in range(per_rank)])
         self.consumed_samples += self.global_batch_size
         return list(samples.split(self.micro_batch_size))
+
+    def close(self) -> None:
+        """Nothing runs in the background here (DistributedBatchLoader's prefetch thread does)."""

@@ -112,12 +112,15 @@ def preflight(cfg: Config, env: DistEnv, steps: int = STEPS) -> bool:
                 if small.train.recompute_switch_step > 0 else ""))
     trainer = Trainer(small, env)
     history, memory = [], []
-    for _ in range(steps):
-        record = trainer.train_step()
-        history.append(record)
-        memory.append(memory_mb(env.device))
-        if trainer.step % small.train.log_interval == 0:
-            log.info(f"pre-flight step {trainer.step}: loss {record['loss']:.4f} grad_norm {record['grad_norm']:.3g}")
+    try:
+        for _ in range(steps):
+            record = trainer.train_step()
+            history.append(record)
+            memory.append(memory_mb(env.device))
+            if trainer.step % small.train.log_interval == 0:
+                log.info(f"pre-flight step {trainer.step}: loss {record['loss']:.4f} grad_norm {record['grad_norm']:.3g}")
+    finally:
+        trainer.loader.close()  # no prefetch thread left reading at exit
     if small.train.recompute_switch_step > 0:  # the micro batch changed at the switch: judge the phase after it
         memory = memory[small.train.recompute_switch_step:]
     numbers = torch.tensor([memory_growth(memory), memory[0]], dtype=torch.float64, device=env.device)

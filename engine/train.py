@@ -251,6 +251,7 @@ class Trainer:
         if micro != self.micro_batch_size:
             # Same global batch and data order, fewer and larger micro-batches: the gradient is unchanged.
             self.micro_batch_size = micro
+            self.loader.close()  # its prefetch thread would otherwise keep running, holding batches
             self.loader = build_loader(self._loader_config(), self.topo, self.consumed_samples, self.datasets)
             if self.pipe is not None:  # the stages exchange activations of the new micro-batch shape
                 self.pipe = PipelineComm.for_model(self.topo, self.cfg.model, micro, self.cfg.parallel.sequence_parallel,
@@ -480,6 +481,9 @@ def run(cfg: Config, env: DistEnv) -> list[dict]:
         return trainer.train(metrics, control)
     finally:
         trainer.checkpointer.wait()  # also on errors: never exit with a background save half-written
+        # A prefetch thread still reading when the interpreter exits (after a configuration error found in
+        # the first batch, say) aborted the process ("terminate called without an active exception").
+        trainer.loader.close()
         metrics.close()
         control.restore()
 

@@ -135,3 +135,38 @@ def test_wall_time_checkpoints_agree_across_ranks(tmp_path):
     saved = sorted(d.name for d in (tmp_path / "checkpoints").iterdir() if d.name.startswith("step_"))
     assert saved == ["step_00000003", "step_00000004"]
     assert (tmp_path / "checkpoints" / "latest").read_text().strip().endswith("step_00000004")
+
+
+def test_a_config_error_in_the_first_batch_leaves_no_prefetch_thread(tmp_path):
+    """The vocabulary check fails on the first batch, which started the loader's prefetch thread: run() must
+    stop it (left reading at interpreter exit, it aborted the process now and then: status -6, "terminate
+    called without an active exception"). Also a switch of micro batch closes the loader it replaces."""
+    import threading
+
+    import numpy as np
+
+    from data.indexed import IndexedDatasetBuilder
+    from engine.config import ConfigError, load_config, validate
+    from engine.train import Trainer, run
+    from parallel.distributed import DistEnv
+
+    builder = IndexedDatasetBuilder(str(tmp_path / "d"), np.int32)
+    for doc in range(50):
+        builder.add_document(np.arange(40) + doc)  # ids up to 88
+    builder.finalize()
+    data = ["data.mock=false", f"data.paths=[{tmp_path / 'd'}]", "data.split=100,0,0"]
+    cfg = load_config(TINY, [*data, "model.vocab_size=64", f"run.dir={tmp_path / 'run'}"])
+    validate(cfg, 1)
+    with pytest.raises(ConfigError, match=r"holds token id \d+ but model.vocab_size=64"):
+        run(cfg, DistEnv())
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("trilith-data")]
+
+    cfg = load_config(TINY, [*data, "model.vocab_size=128", "train.recompute_switch_step=2",
+                             "train.micro_batch_size_after_switch=4", f"run.dir={tmp_path / 'switch'}"])
+    validate(cfg, 1)
+    trainer = Trainer(cfg, DistEnv())
+    first = trainer.loader
+    trainer.train_step()
+    trainer.train_step()
+    assert trainer.loader is not first and first._thread is None  # replaced at the switch, and stopped
+    trainer.loader.close()
