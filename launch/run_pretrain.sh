@@ -115,9 +115,15 @@ if [[ -n "${SLURM_JOB_ID:-}" && -z "${SLURM_STEP_ID:-}" && -z "${RANK:-}" && "$N
     excluded="$(sed -n 's/.*ExcNodeList=\([^ ]*\).*/\1/p' <<<"$job_info")"
     [[ -z "$excluded" || "$excluded" == "(null)" ]] && excluded="$UNHEALTHY" || excluded="$excluded,$UNHEALTHY"
     job_out="$(sed -n 's/.*StdOut=\([^ ]*\).*/\1/p' <<<"$job_info")"
+    # The helper is charged and queued like the job itself (same partition and account).
+    where=()
+    for field in Partition Account; do
+      value="$(sed -n "s/.*[[:space:]]$field=\([^ ]*\).*/\1/p" <<<"$job_info" | head -n 1)"
+      [[ -n "$value" && "$value" != "(null)" ]] && where+=("--${field,,}=$value")
+    done
     requeue="scontrol requeuehold $SLURM_JOB_ID && scontrol update JobId=$SLURM_JOB_ID ExcNodeList=$excluded"
     requeue+=" && scontrol release $SLURM_JOB_ID"
-    if sbatch --quiet --job-name="trilith-exclude-$SLURM_JOB_ID" --dependency="afterany:$SLURM_JOB_ID" \
+    if sbatch --quiet "${where[@]}" --job-name="trilith-exclude-$SLURM_JOB_ID" --dependency="afterany:$SLURM_JOB_ID" \
         --ntasks=1 --cpus-per-task=1 --time=10 --output=/dev/null \
         --wrap "$requeue && echo 'run_pretrain.sh: job $SLURM_JOB_ID requeued without node(s) $excluded' >> '$job_out'"
     then
