@@ -152,7 +152,7 @@ import os
 
 
 class NVMLError(Exception):
-    pass
+    """What nvidia-ml-py raises for a field a GPU does not report."""
 
 
 NVML_TEMPERATURE_GPU, NVML_CLOCK_SM, NVML_CLOCK_MEM, NVML_VOLATILE_ECC = 0, 1, 2, 1
@@ -161,7 +161,7 @@ readings = 0
 
 
 def nvmlInit():
-    pass
+    return None
 
 
 def nvmlDeviceGetCount():
