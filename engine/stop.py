@@ -91,14 +91,13 @@ class StopControl:
         return readings, code
 
     def _gather_unhealthy(self, mine: bool) -> tuple:
-        """Every rank learns which nodes reported a GPU past a threshold (once per run: it stops after)."""
-        here = node_name() if mine else None
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            every = [None] * dist.get_world_size()
-            dist.all_gather_object(every, here)
-        else:
-            every = [here]
-        return tuple(sorted({n for n in every if n}))
+        """Every rank learns which nodes reported a GPU past a threshold (once per run: it stops after):
+        one flag per rank, named through the node of every rank gathered at start (DistEnv.nodes)."""
+        flags = torch.zeros(self.env.world_size, dtype=torch.int32, device=self.env.device)
+        flags[self.env.rank] = int(mine)
+        comm.all_reduce(flags, world_group())
+        nodes = self.env.nodes or (node_name(),) * self.env.world_size
+        return tuple(sorted({nodes[r] for r in flags.nonzero().flatten().tolist()}))
 
     def message(self, code: int, step: int) -> str:
         if code == PREEMPTED_EXIT:

@@ -25,10 +25,10 @@ from __future__ import annotations
 import torch
 
 
-def _chunk_float(logits, start, stop, pad_from):
+def _chunk_float(logits, pad_from):
     if pad_from is None:
-        return logits[start:stop].float()
-    chunk = logits[start:stop].to(torch.float32, copy=True)  # never write into the caller's logits
+        return logits.float()
+    chunk = logits.to(torch.float32, copy=True)  # never write into the caller's logits
     chunk[:, pad_from:] = float("-inf")  # vocabulary padding must never take part in the softmax
     return chunk
 
@@ -41,7 +41,7 @@ def _local_labels(labels, vocab_start, local_vocab):
 
 def chunk_statistics(chunk, local_labels, pad_from):
     """Of one chunk of logits rows in their own dtype: fp32 row max, target logit and sum of exp(x − max)."""
-    chunk = _chunk_float(chunk, 0, chunk.shape[0], pad_from)
+    chunk = _chunk_float(chunk, pad_from)
     m = chunk.max(dim=-1).values
     target = chunk.gather(-1, local_labels[:, None]).squeeze(-1)
     shift = m.masked_fill(m == float("-inf"), 0.0)  # a rank holding only padding: its sum is 0
@@ -50,7 +50,7 @@ def chunk_statistics(chunk, local_labels, pad_from):
 
 def chunk_logits_grad(chunk, lse, local_labels, inside, grad_loss, pad_from):
     """d loss / d logits of one chunk (fp32): (softmax − one-hot of the target) × upstream grad."""
-    probs = (_chunk_float(chunk, 0, chunk.shape[0], pad_from) - lse[:, None]).exp_()
+    probs = (_chunk_float(chunk, pad_from) - lse[:, None]).exp_()
     probs.scatter_add_(-1, local_labels[:, None], -inside[:, None])
     return probs.mul_(grad_loss[:, None])
 
@@ -68,7 +68,7 @@ def chunk_kernels(compile_backend: str | None):
     return _compiled[compile_backend]
 
 
-def _statistics(chunk_of, n, step, local_labels, outside, all_reduce, device, stats_kernel):
+def _statistics(chunk_of, n, step, local_labels, outside, all_reduce, device, stats_kernel, pad_from):
     """Per token: the log-sum-exp over the whole vocabulary and the loss, from the chunks chunk_of(a, b)
     of this rank's columns; the three all-reduces combine the vocabulary-parallel ranks."""
     local_max = torch.empty(n, dtype=torch.float32, device=device)
@@ -77,7 +77,7 @@ def _statistics(chunk_of, n, step, local_labels, outside, all_reduce, device, st
     for start in range(0, n, step):
         stop = min(start + step, n)
         local_max[start:stop], target[start:stop], sum_exp[start:stop] = stats_kernel(
-            chunk_of(start, stop), local_labels[start:stop])
+            chunk_of(start, stop), local_labels[start:stop], pad_from)
     global_max = local_max.clone()
     all_reduce(global_max, "max")
     target = (target - global_max).masked_fill(outside, 0.0)
@@ -100,7 +100,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         step = chunk_tokens if chunk_tokens > 0 else max(n, 1)
         stats, ctx.grad_kernel = chunk_kernels(compile_backend)
         lse, loss = _statistics(lambda a, b: logits2[a:b], n, step, local_labels, outside, all_reduce,
-                                logits.device, lambda chunk, labels: stats(chunk, labels, pad_from))
+                                logits.device, stats, pad_from)
         ctx.save_for_backward(logits, local_labels, outside, lse)
         ctx.step, ctx.pad_from, ctx.shape = step, pad_from, logits.shape
         return loss.view(shape)
@@ -133,7 +133,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         step = chunk_tokens if chunk_tokens > 0 else max(n, 1)
         stats, ctx.grad_kernel = chunk_kernels(compile_backend)
         lse, loss = _statistics(lambda a, b: hidden2[a:b] @ weight.t(), n, step, local_labels, outside, all_reduce,
-                                hidden.device, lambda chunk, labels: stats(chunk, labels, pad_from))
+                                hidden.device, stats, pad_from)
         ctx.save_for_backward(hidden, weight, local_labels, outside, lse)
         ctx.step, ctx.pad_from = step, pad_from
         return loss.view(shape)

@@ -112,14 +112,17 @@ if [[ -n "${SLURM_JOB_ID:-}" && -z "${SLURM_STEP_ID:-}" && -z "${RANK:-}" && "$N
   # the queue, sets them and releases it.
   if [[ "$status" -eq 4 && -n "$UNHEALTHY" && "${TRILITH_EXCLUDE_UNHEALTHY:-1}" == 1 ]]; then
     job_info="$(scontrol show job "$SLURM_JOB_ID")"
-    excluded="$(sed -n 's/.*ExcNodeList=\([^ ]*\).*/\1/p' <<<"$job_info")"
-    [[ -z "$excluded" || "$excluded" == "(null)" ]] && excluded="$UNHEALTHY" || excluded="$excluded,$UNHEALTHY"
-    job_out="$(sed -n 's/.*StdOut=\([^ ]*\).*/\1/p' <<<"$job_info")"
+    job_field() {  # job_field NAME: the value scontrol shows for the job, empty for (null)
+      sed -n "s/.*[[:space:]]$1=\([^ ]*\).*/\1/p" <<<"$job_info" | head -n 1 | sed 's/^(null)$//'
+    }
+    excluded="$(job_field ExcNodeList)"
+    excluded="${excluded:+$excluded,}$UNHEALTHY"
+    job_out="$(job_field StdOut)"
     # The helper is charged and queued like the job itself (same partition and account).
     where=()
     for field in Partition Account; do
-      value="$(sed -n "s/.*[[:space:]]$field=\([^ ]*\).*/\1/p" <<<"$job_info" | head -n 1)"
-      [[ -n "$value" && "$value" != "(null)" ]] && where+=("--${field,,}=$value")
+      value="$(job_field "$field")"
+      [[ -n "$value" ]] && where+=("--${field,,}=$value")
     done
     requeue="scontrol requeuehold $SLURM_JOB_ID && scontrol update JobId=$SLURM_JOB_ID ExcNodeList=$excluded"
     requeue+=" && scontrol release $SLURM_JOB_ID"
