@@ -20,6 +20,10 @@ setup(
         "plot": ["matplotlib"],  # tools/plot_metrics.py
         # The suite launches real mpiexec jobs, curates corpora and draws curves, so `make test` (which
         # installs .[dev]) brings the MPI, curate and plot extras.
-        "dev": ["pytest", "transformers", "safetensors", "matplotlib", *MPI, *CURATE],
+        # gguf: `ckpt_convert --to gguf` and its read-back test; protobuf: loading SentencePiece exports in
+        # transformers; hypothesis: the fuzz tests over every reader of untrusted input.
+        "interop": ["gguf", "protobuf"],
+        "dev": ["pytest", "hypothesis", "transformers", "safetensors", "matplotlib", "gguf", "protobuf", *MPI,
+                *CURATE],
     },
 )
