@@ -16,6 +16,8 @@ from pathlib import Path
 
 import yaml
 
+from kernels.rope import rope_scaling_problem
+
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message names the key, the numbers and the fix."""
@@ -23,25 +25,34 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    hidden_size: int = 256
-    num_layers: int = 4
-    num_attention_heads: int = 8
-    num_kv_heads: int = 0  # 0 means "same as num_attention_heads" (no grouped-query attention)
-    ffn_hidden_size: int = 688
-    vocab_size: int = 8192
-    seq_length: int = 256
-    rope_theta: float = 10000.0
-    position_embedding: str = "rope"  # rope | alibi
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    init_std: float = 0.02
+    """The decoder-only Llama: its shape, position encoding, initialisation, dropout and kernel choices."""
+
+    hidden_size: int = 256  # model width
+    num_layers: int = 4  # transformer blocks
+    num_attention_heads: int = 8  # query heads
+    num_kv_heads: int = 0  # key/value heads (grouped-query attention); 0 = same as num_attention_heads
+    ffn_hidden_size: int = 688  # SwiGLU inner width
+    vocab_size: int = 8192  # vocabulary; padded to a multiple of TP inside, the padding never reaches the softmax
+    seq_length: int = 256  # training sequence length in tokens
+    rope_theta: float = 10000.0  # RoPE base (e.g. 500000 for long context)
+    # RoPE context extension {rope_type: linear | llama3 | yarn, parameters} (kernels/rope.py); {} = none
+    rope_scaling: dict = field(default_factory=dict)
+    kv_channels: int = 0  # dimension of each attention head; 0 = hidden_size / num_attention_heads
+    attention_bias: bool = False  # biases on the q/k/v projections (Qwen2); o_proj never has one
+    max_position_embeddings: int = 0  # the context the model is made for (Hugging Face export); 0 = seq_length
+    position_embedding: str = "rope"  # rotary embeddings (rope) or ALiBi attention biases (alibi)
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    tie_embeddings: bool = False  # share the input embedding and the output layer
+    init_std: float = 0.02  # standard deviation of the normal initialisation
     deepnorm_init: bool = False  # scale v/o/ffn init by (8 L)^-1/4 (DeepNet) for stability without clipping
-    attention_dropout: float = 0.0
-    hidden_dropout: float = 0.0
-    attention_backend: str = "auto"  # auto (see kernels/attention.select_backend) | flash | cudnn | sdpa | reference
+    attention_dropout: float = 0.0  # dropout on the attention probabilities
+    hidden_dropout: float = 0.0  # dropout on the embedding output and on each residual branch
+    attention_backend: str = "auto"  # auto: in bf16/fp16 on CUDA cudnn (Hopper, plain causal attention), else
+        # flash-attn when installed, else sdpa; sdpa on CPU (kernels/attention.select_backend)
     attention_window: int = 0  # sliding-window attention: tokens each query sees (itself included); 0 = all
-    norm_backend: str = "auto"  # auto (apex on CUDA when installed, else torch) | apex | torch
-    loss_chunk_tokens: int = 4096  # cross-entropy rows per fp32 chunk (kernels/cross_entropy.py); 0 = all
+    norm_backend: str = "auto"  # auto: apex's fused RMSNorm on CUDA when installed, else PyTorch
+    loss_chunk_tokens: int = 4096  # cross-entropy rows per fp32 chunk, so full fp32 logits never exist
+        # (kernels/cross_entropy.py); 0 = one chunk
     fused_lm_head_loss: bool = False  # output layer + loss per token chunk: logits never held whole (+1 matmul)
 
     @property
@@ -50,42 +61,49 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
 
 @dataclass
 class ParallelConfig:
-    tensor: int = 1
-    pipeline: int = 1
-    sequence_parallel: bool = False
-    zero_stage: int = 0
-    virtual_stages: int = 1
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
-    stage_layers: list[int] = field(default_factory=list)  # layers per pipeline chunk; empty = even split
+    """How the ranks share the work: the TP × PP × DP layout, pipeline schedule and data-parallel sharding."""
+
+    tensor: int = 1  # tensor-parallel size
+    pipeline: int = 1  # pipeline-parallel size; data-parallel size = world size / (tensor × pipeline)
+    sequence_parallel: bool = False  # shard norms and dropout over the sequence within the TP group
+    zero_stage: int = 0  # 0 bucketed DDP, 1 + optimizer state sharded, 2 + gradients, 3 + parameters (FSDP)
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedule)
+    schedule: str = "1f1b"  # pipeline schedule (parallel/pipeline_schedules.py)
+    stage_layers: list[int] = field(default_factory=list)  # layers per pipeline chunk in chunk order, e.g.
+        # [3, 3, 2, 2]; empty = even split (earlier chunks take the remainder)
     rank_order: str = "tp-dp-pp"  # fastest-varying dimension first: TP ranks adjacent by default
-    backend: str = "auto"  # auto (nccl with CUDA, else gloo) | gloo | nccl
-    timeout_minutes: float = 10.0
-    bucket_mb: float = 25.0  # zero_stage 0: gradient all-reduce bucket size
+    backend: str = "auto"  # collective backend; auto = nccl with CUDA, else gloo
+    timeout_minutes: float = 10.0  # collective timeout: a dead or hung rank ends the job instead of hanging it
+    bucket_mb: float = 25.0  # zero_stage 0: size of each gradient all-reduce bucket (MB)
     unit_process_groups: bool = False  # one DP communicator per sharding unit (zero_stage >= 1)
     hsdp_group_size: int = 0  # shard within groups of this many DP ranks, replicate across them; 0 = plain
     hierarchical_node_size: int = 0  # reduce inside groups of this many DP ranks first, then across; 0 = flat
-    fp32_reduce: list = field(default_factory=list)  # parameter-name substrings reduced in fp32 besides norms
+    fp32_reduce: list = field(default_factory=list)  # parameter-name substrings whose gradients are reduced in
+        # fp32 under bf16/fp16, besides norm weights
 
 
 @dataclass
 class TrainConfig:
-    micro_batch_size: int = 4
-    global_batch_size: int = 16
-    steps: int = 100
-    seed: int = 1234
-    precision: str = "fp32"  # fp32 | bf16 | fp16
-    log_interval: int = 1
-    device: str = "auto"  # auto | cpu | cuda
-    recompute: str = "none"  # activation recomputation per block: none | selective | full
+    """The step: batch sizes, run length, precision, recomputation, compilation and validation."""
+
+    micro_batch_size: int = 4  # sequences per micro-batch per data-parallel rank
+    global_batch_size: int = 16  # sequences per optimizer step = micro batch × accumulation steps × DP size
+    steps: int = 100  # optimizer steps
+    seed: int = 1234  # one seed for initialisation, data order and dropout
+    precision: str = "fp32"  # compute dtype; bf16/fp16 keep fp32 master weights, fp16 adds dynamic loss scaling
+    log_interval: int = 1  # steps between records in the console and metrics.jsonl
+    device: str = "auto"  # auto = cuda when available, else cpu
+    recompute: str = "none"  # activation recomputation per block: selective = attention core, full = whole block
     recompute_switch_step: int = 0  # from this step on use recompute_after_switch (0 = never switch)
-    recompute_after_switch: str = "full"
-    micro_batch_size_after_switch: int = 0  # micro batch from the switch step on (0 = unchanged)
-    compile: bool = False  # torch.compile each transformer block
+    recompute_after_switch: str = "full"  # recompute mode from train.recompute_switch_step on
+    micro_batch_size_after_switch: int = 0  # micro batch from the switch step on (0 = unchanged); the global
+        # batch and the data order stay the same
+    compile: bool = False  # torch.compile each transformer block and the cross-entropy's per-chunk kernels
     eval_interval: int = 0  # steps between validation losses (and at the last step); 0 = no evaluation
     eval_iters: int = 10  # global batches of the validation split per evaluation (the same ones each time)
     eval_per_dataset: bool = False  # also each data.paths dataset's own validation loss (eval_loss_by_dataset)
@@ -93,52 +111,62 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-4
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 10
-    schedule: str = "cosine"  # cosine | linear | constant | wsd | two_phase
-    weight_decay: float = 0.1
-    clip_grad: float = 1.0  # 0 disables clipping
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
+    """AdamW, gradient clipping and the learning-rate schedule (engine/lr_schedule.py)."""
+
+    lr: float = 3e-4  # peak learning rate
+    min_lr_ratio: float = 0.1  # final learning rate as a fraction of the peak
+    warmup_steps: int = 10  # linear warm-up steps
+    schedule: str = "cosine"  # after warm-up; wsd = warmup-stable-decay, two_phase = cosine, then linear
+    weight_decay: float = 0.1  # decoupled AdamW decay (not applied to norm weights or 1-D parameters)
+    clip_grad: float = 1.0  # global gradient-norm clip; 0 = off
+    beta1: float = 0.9  # AdamW first-moment decay
+    beta2: float = 0.95  # AdamW second-moment decay
+    eps: float = 1e-8  # AdamW denominator epsilon
     decay_fraction: float = 0.2  # wsd: last fraction of steps that decays; two_phase: the linear tail
-    implementation: str = "auto"  # AdamW kernel: auto | apex | fused | foreach (kernels/adamw.py)
+    implementation: str = "auto"  # AdamW kernel (kernels/adamw.py); auto = torch fused, on CUDA or CPU
 
 
 @dataclass
 class DataConfig:
+    """What training reads: token shards from tools/preprocess_data.py (or synthetic tokens), split and packing."""
+
     paths: list = field(default_factory=list)  # dataset prefixes, optionally weighted: ["0.6", "a", "0.4", "b"]
     tokenizer: str = ""  # tokenizer.json (or SentencePiece .model) used for samples and HF export
     mock: bool = False  # deterministic random tokens instead of files (tests, benchmarks)
-    split: str = "98,2,0"
-    cache_dir: str = ""
+    split: str = "98,2,0"  # train,valid,test weights, split by document
+    cache_dir: str = ""  # where sample-index arrays are cached; "" = index-cache/ beside the first dataset
     # Documents packed into one sample (data/documents.py): keep attention/positions inside each document,
     # and skip the loss after an end-of-document token. Megatron-LM's switches of the same names.
-    reset_attention_mask: bool = False
-    reset_position_ids: bool = False
-    eod_mask_loss: bool = False
-    eod_token_id: int = -1  # -1: the end-of-document token of data.tokenizer
+    reset_attention_mask: bool = False  # tokens never attend to earlier documents packed in the same sample
+    reset_position_ids: bool = False  # RoPE positions restart at 0 after each end-of-document token
+    eod_mask_loss: bool = False  # no loss where the input token is end-of-document
+    eod_token_id: int = -1  # end-of-document id of the three switches above; -1 = data.tokenizer's
+        # <|endoftext|> or </s>
 
 
 @dataclass
 class CheckpointConfig:
-    interval: int = 0  # 0 disables periodic saving
+    """When checkpoints are saved, which are kept, where they are copied and how they are loaded."""
+
+    interval: int = 0  # steps between checkpoints, and the last step is saved too; 0 = off
     interval_minutes: float = 0.0  # also save when this much wall time has passed since the last save; 0 = off
     keep: int = 3  # newest checkpoints kept
     keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this, forever (0 = off)
     load: str = ""  # a checkpoint (or checkpoints) directory to start from when run.dir has none
     mirror_dir: str = ""  # second location that receives a checksum-verified copy of every checkpoint
     async_save: bool = False  # snapshot to host memory, write in a background thread
-    verify: bool = True  # check SHA-256 of every file before loading
-    fallback: bool = False  # on a corrupt checkpoint, load the previous intact one instead of stopping
+    verify: bool = True  # check every file's SHA-256 before loading (sizes are always checked)
+    fallback: bool = False  # on a corrupt checkpoint, load the mirror's copy or the previous intact one
+        # instead of stopping
     exit_after: int = 0  # save and stop after this step (scheduled stops, resume drills); 0 = off
 
 
 @dataclass
 class RunConfig:
-    dir: str = "runs/default"
-    health_interval: int = 100  # steps between GPU health readings (NVML); 0 disables them
+    """The run directory, and the health checks that warn about a run or stop it."""
+
+    dir: str = "runs/default"  # run directory: config.yaml, metrics.jsonl, logs/, checkpoints/
+    health_interval: int = 100  # steps between GPU health readings (NVML; also at step 0); 0 = off
     max_ecc_errors_per_hour: int = 5  # more new ECC errors than this on one GPU within an hour stops the run
     max_gpu_temperature: int = 0  # °C above which the run stops; 0 = no temperature limit
     # Training health (engine/monitor.py)
@@ -146,11 +174,11 @@ class RunConfig:
     max_nonfinite_steps: int = 20  # stop after this many consecutive NaN/Inf (skipped) steps; 0 = never
     monitor_interval: int = 0  # steps between attention-entropy and per-head gradient-variance readings; 0 = off
     attention_entropy_min: float = 0.0  # warn when a layer's mean attention entropy (nats) is below; 0 = off
-    attention_entropy_max: float = 0.0  # ... or above this; 0 = off
+    attention_entropy_max: float = 0.0  # warn when a layer's mean attention entropy (nats) is above; 0 = off
     head_grad_variance_alarm: float = 5.0  # warn when a layer's max/min per-head gradient variance exceeds; 0 = off
     max_memory_fragmentation: float = 0.3  # CUDA: 1 - peak allocated/reserved above which cached blocks are freed
     replica_check_interval: int = 1000  # steps between checks that replicated parameters agree bit for bit
-    # across ranks (also at start); 0 = at start only (parallel/replicas.py)
+        # across ranks (also at start); 0 = at start only (parallel/replicas.py)
 
 
 @dataclass
@@ -206,6 +234,10 @@ def _coerce(value, typ, where: str):
         if not isinstance(value, list):
             raise ConfigError(f"{where}: expected a list of integers like [3, 3, 2, 2], got {value!r}")
         return [_coerce(v, int, f"{where}[{i}]") for i, v in enumerate(value)]
+    if typ is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping like {{rope_type: linear, factor: 2.0}}, got {value!r}")
+        return dict(value)
     if typ is list:
         if isinstance(value, str):
             return [value]
@@ -307,7 +339,7 @@ def validate(cfg: Config, world_size: int) -> None:
                         t.micro_batch_size), ("train.global_batch_size", t.global_batch_size)):
         if value < 1:
             raise ConfigError(f"{name}={value} must be at least 1")
-    if m.hidden_size % m.num_attention_heads:
+    if m.hidden_size % m.num_attention_heads and not m.kv_channels:
         raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
                           f"{m.num_attention_heads}; pick a head count that divides it")
     if m.num_attention_heads % m.kv_heads:
@@ -315,6 +347,12 @@ def validate(cfg: Config, world_size: int) -> None:
                           f"model.num_kv_heads={m.kv_heads}; grouped-query attention needs whole groups")
     if m.position_embedding == "rope" and m.head_dim % 2:
         raise ConfigError(f"RoPE needs an even head dimension, got hidden_size/heads = {m.head_dim}")
+    problem = rope_scaling_problem(m.rope_scaling)
+    if problem:
+        raise ConfigError(f"model.rope_scaling: {problem}")
+    if m.kv_channels < 0 or m.max_position_embeddings < 0:
+        raise ConfigError(f"model.kv_channels={m.kv_channels} and model.max_position_embeddings="
+                          f"{m.max_position_embeddings} must be ≥ 0 (0 = derived from hidden_size / seq_length)")
     if m.num_attention_heads % p.tensor:
         raise ConfigError(f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
                           f"parallel.tensor={p.tensor}; use a tensor-parallel size that divides the head count")
@@ -384,7 +422,7 @@ def validate(cfg: Config, world_size: int) -> None:
     d = cfg.data
     if (d.reset_attention_mask or d.reset_position_ids or d.eod_mask_loss) and d.eod_token_id < 0 and not d.tokenizer:
         raise ConfigError("data.reset_attention_mask / reset_position_ids / eod_mask_loss need the end-of-document "
-                          "token: set data.tokenizer (its <|endoftext|> or </s> is used) or data.eod_token_id")
+                          "token: set data.tokenizer (its eos_token is used) or data.eod_token_id")
     if d.eod_token_id >= m.vocab_size:
         raise ConfigError(f"data.eod_token_id={d.eod_token_id} is outside model.vocab_size={m.vocab_size}")
     if d.reset_position_ids and m.position_embedding != "rope":

@@ -1,7 +1,7 @@
 """Tokenizers for preprocessing, with an exact cache for byte-level BPE.
 
 `load_encoder` gives an object with `encode_batch(texts) -> list[np.ndarray]`, `vocab_size` and
-`eod_id`, for a Hugging Face `tokenizer.json`, a SentencePiece `.model` or GPT-2 vocab/merges files.
+`token_id(text)`, for a Hugging Face `tokenizer.json`, a SentencePiece `.model` or GPT-2 vocab/merges files.
 
 Why the cache is exact. GPT-2's byte-level pre-tokenizer splits text with the regex
     's|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+
@@ -27,7 +27,7 @@ import sys
 
 import numpy as np
 
-from data.eod import EOD_NAMES
+from data.eod import eod_id_from_tokenizer
 
 # Python's `\s` and Oniguruma's `\s` agree on these four; other characters that Python calls
 # whitespace (str.isspace) send the document to the plain encoder.
@@ -77,8 +77,6 @@ class HFEncoder:
         from tokenizers import Tokenizer
         self.tokenizer = Tokenizer.from_str(tokenizer_json)
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
-        self.eod_id = next((self.tokenizer.token_to_id(t) for t in EOD_NAMES
-                            if self.tokenizer.token_to_id(t) is not None), None)
         config = json.loads(tokenizer_json)
         self.cache_reason = self._cache_blocker(config) if use_cache else "disabled by the caller"
         self.cached = self.cache_reason is None
@@ -92,6 +90,9 @@ class HFEncoder:
                               if added else None)
             self._reset_cache()
         self._verified = 0
+
+    def token_id(self, text):
+        return self.tokenizer.token_to_id(text)
 
     @staticmethod
     def _cache_blocker(config):
@@ -214,10 +215,10 @@ class SentencePieceEncoder:
         import sentencepiece as spm
         self.sp = spm.SentencePieceProcessor(model_file=model_path)
         self.vocab_size = self.sp.get_piece_size()
-        self.eod_id = self.sp.eos_id() if self.sp.eos_id() >= 0 else None
-        for name in EOD_NAMES:
-            if self.eod_id is None and self.sp.piece_to_id(name) != self.sp.unk_id():
-                self.eod_id = self.sp.piece_to_id(name)
+
+    def token_id(self, text):
+        token_id = self.sp.piece_to_id(text)
+        return token_id if token_id != self.sp.unk_id() or text == self.sp.id_to_piece(token_id) else None
 
     def encode_batch(self, texts):
         return [np.asarray(ids, dtype=np.int64) for ids in self.sp.encode(list(texts))]
@@ -250,6 +251,24 @@ def tokenizer_spec(tokenizer_type, tokenizer_model, vocab_file=None, merge_file=
         return ("sp", path)
     with open(path, encoding="utf-8") as f:
         return ("hf", f.read())
+
+
+def eod_token_id(encoder, eod_token, tokenizer_type, tokenizer_model):
+    """The id --append-eod appends: --eod-token (an id or a token's text) first, else the tokenizer's own
+    eos token (data/eod.py), as Megatron-LM appends its tokenizer's eos id."""
+    if eod_token is not None:
+        token_id = int(eod_token) if eod_token.isdigit() else encoder.token_id(eod_token)
+        if token_id is None or token_id >= encoder.vocab_size:
+            raise ValueError(f"--eod-token {eod_token!r} is not in the tokenizer's vocabulary of "
+                             f"{encoder.vocab_size}; pass a token of it or an id below that")
+        return token_id
+    if tokenizer_type in GPT2_TYPES:
+        # Megatron-LM's GPT2BPETokenizer ends documents with this token: it is part of that format.
+        token_id = encoder.token_id("<|endoftext|>")
+        if token_id is None:
+            raise ValueError("--vocab-file has no <|endoftext|>, which GPT2BPETokenizer appends; pass --eod-token")
+        return token_id
+    return eod_id_from_tokenizer(tokenizer_model)
 
 
 def load_encoder(spec, use_cache=True):

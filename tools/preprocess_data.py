@@ -29,12 +29,13 @@ if ROOT not in sys.path:
 import numpy as np  # noqa: E402
 
 from data.indexed import (COMPRESSIONS, DEFAULT_BLOCK_TOKENS, IndexedDataset, IndexedDatasetBuilder,  # noqa: E402
-                          compressed_path, token_dtype, token_files)
+                          compressed_path, dataset_paths, token_dtype, token_files)
 from data.provenance import merge_provenance, write_provenance  # noqa: E402
-from tools._corpus_io import (REJECT_REASONS, RecordError, add_input_arguments, expand_inputs,  # noqa: E402
-                              iter_records, parse_record, record_origin, record_texts)
-from tools._encoder import load_encoder, tokenizer_spec  # noqa: E402
-from tools._parallel import batched, ordered_map  # noqa: E402
+from tools._corpus_io import (REJECT_REASONS, CorpusError, RecordError, add_input_arguments,  # noqa: E402
+                              expand_inputs, iter_records, parse_record, record_origin, record_texts,
+                              refuse_overwriting)
+from tools._encoder import eod_token_id, load_encoder, tokenizer_spec  # noqa: E402
+from tools._parallel import WorkerDied, batched, ordered_map  # noqa: E402
 
 REPORT_FIRST = 5  # rejects printed with file:line; all of them go to the rejects file
 
@@ -128,7 +129,8 @@ def preprocess(args, files, prefix, spec, vocab_size, eod):
     sources, prov_file, prov_line = _SourceTable(files), [], []
     progress = _Progress(args.quiet)
     try:
-        batches = batched(iter_records(files, args.json_keys), args.batch_size)
+        batches = batched(iter_records(files, args.json_keys, max_record_bytes=args.max_record_bytes),
+                          args.batch_size)
         init_args = (spec, args.json_keys, not args.no_cache, eod)
         for kept, rejects, per_key, nbytes in ordered_map(_encode_task, batches, args.workers, _init_worker,
                                                           init_args):
@@ -179,6 +181,7 @@ def merge(prefixes, output, compression="none", block_tokens=DEFAULT_BLOCK_TOKEN
     """Concatenate datasets (same token dtype, either kind) into one, with their provenance maps."""
     if not prefixes:
         raise SystemExit("merge: give --inputs PREFIX [PREFIX ...]")
+    refuse_overwriting(dataset_files(output), [path for p in prefixes for path in token_files(p)])
     dtype = IndexedDataset(prefixes[0]).dtype
     builder = IndexedDatasetBuilder(output, dtype, compression, block_tokens)
     try:
@@ -212,6 +215,11 @@ def add_compression_arguments(p):
                    help="tokens per compressed block (the unit a read decodes)")
 
 
+def dataset_files(prefix):
+    """Every file a dataset written at `prefix` may create or replace."""
+    return (*dataset_paths(prefix), compressed_path(prefix), prefix + ".prov.npz")
+
+
 def describe_output(prefix):
     """The files of a dataset for a summary line; a compressed one with its compression ratio."""
     dataset = IndexedDataset(prefix)
@@ -235,7 +243,9 @@ def build_parser():
     g.add_argument("--tokenizer-model", help="tokenizer.json (or its directory) or SentencePiece .model")
     g.add_argument("--vocab-file", help="GPT-2 vocab.json (GPT2BPETokenizer)")
     g.add_argument("--merge-file", help="GPT-2 merges.txt (GPT2BPETokenizer)")
-    g.add_argument("--append-eod", action="store_true", help="append the end-of-document token")
+    g.add_argument("--append-eod", action="store_true",
+                   help="append the end-of-document token: --eod-token, else the tokenizer's eos_token")
+    g.add_argument("--eod-token", help="--append-eod: this token (its text or id) instead of the eos_token")
     g.add_argument("--no-cache", action="store_true", help="disable the exact chunk cache")
     g = p.add_argument_group("output")
     g.add_argument("--output-prefix", required=True, help="writes <prefix>_<key>_document.bin/.idx (.arrow/.idx)")
@@ -261,8 +271,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.split_sentences:
         p.error("--split-sentences is not supported: Trilith trains on whole documents")
-    if args.workers < 1 or args.batch_size < 1 or args.partitions < 1 or args.block_tokens < 1:
-        p.error("--workers, --batch-size, --partitions and --block-tokens must be at least 1")
+    if min(args.workers, args.batch_size, args.partitions, args.block_tokens, args.max_record_bytes) < 1:
+        p.error("--workers, --batch-size, --partitions, --block-tokens and --max-record-bytes must be at least 1")
     start = time.time()
     try:
         files = expand_inputs(args.input)
@@ -270,13 +280,33 @@ def main(argv=None):
     except (FileNotFoundError, ValueError) as e:
         p.error(str(e))
     encoder = load_encoder(spec, not args.no_cache)
-    if args.append_eod and encoder.eod_id is None:
-        p.error("--append-eod: the tokenizer has no end-of-document token (<|endoftext|> or </s>); "
-                "train one with tools/train_tokenizer.py or drop --append-eod")
-    eod = encoder.eod_id if args.append_eod else None
+    if args.eod_token is not None and not args.append_eod:
+        p.error("--eod-token is the token --append-eod appends; add --append-eod")
+    eod = None
+    if args.append_eod:
+        try:
+            eod = eod_token_id(encoder, args.eod_token, args.tokenizer_type, args.tokenizer_model)
+        except (OSError, ValueError) as e:
+            p.error(f"--append-eod: {e}")
     if args.partitions > len(files):
         p.error(f"--partitions {args.partitions} exceeds the {len(files)} input files; "
                 f"partitions split the file list")
+    prefixes = [args.output_prefix] + [f"{args.output_prefix}_part{i}" for i in range(args.partitions)]
+    try:
+        refuse_overwriting([args.rejects or prefix + "_rejects.jsonl" for prefix in prefixes]
+                           + [path for prefix in prefixes for key in args.json_keys
+                              for path in dataset_files(output_prefix(prefix, key))], files)
+    except ValueError as e:
+        p.error(str(e))
+    try:
+        stats, rejects_path = _run(args, files, spec, encoder, eod)
+    except (CorpusError, WorkerDied) as e:
+        raise SystemExit(f"preprocess: {e}")
+    _summary(args, stats, rejects_path, encoder, start)
+
+
+def _run(args, files, spec, encoder, eod):
+    """Preprocess `files` in args.partitions groups, merged into one dataset; returns (counters, rejects)."""
     if args.partitions == 1:
         stats, rejects_path = preprocess(args, files, args.output_prefix, spec, encoder.vocab_size, eod)
     else:
@@ -296,6 +326,10 @@ def main(argv=None):
                 for part in parts:
                     for path in (*token_files(output_prefix(part, key)), output_prefix(part, key) + ".prov.npz"):
                         os.remove(path)
+    return stats, rejects_path
+
+
+def _summary(args, stats, rejects_path, encoder, start):
     elapsed = time.time() - start
     skipped = {r: stats[r] for r in REJECT_REASONS if stats[r]}
     tokens = sum(stats["tokens_" + k] for k in args.json_keys)

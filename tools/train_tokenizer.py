@@ -7,8 +7,9 @@ control slots <|reserved_0|>... . A held-out sample (--holdout-fraction) is kept
 and used to report compression (UTF-8 bytes per token) and the unknown-token rate. With --hit-terms
 FILE (one domain term per line: product names, abbreviations, idioms), it also reports the token hit
 rate, the share of those terms that became one token (as a word inside text, i.e. after a space, or
-on its own), which the seeds watch (healthy above 85%), and the terms that were split.
-Writes <output-dir>/tokenizer.json (BPE) or tokenizer.model (SentencePiece) and report.json.
+on its own; healthy above 85%), and the terms that were split.
+Writes <output-dir>/tokenizer.json + tokenizer_config.json (BPE: eos_token <|endoftext|>, pad_token <|pad|>)
+or tokenizer.model (SentencePiece: eos <|endoftext|>, pad <|pad|>, unk <unk>, no bos), and report.json.
 """
 import argparse
 import fnmatch
@@ -108,6 +109,12 @@ def train_bpe(args, texts):
     tok.train_from_iterator(texts, trainer, length=len(texts))
     path = os.path.join(args.output_dir, "tokenizer.json")
     tok.save(path)
+    # Declares the roles, so preprocessing, training and export read the end of document from the tokenizer
+    # itself (data/eod.py), and transformers 4 and 5 load the directory as it is.
+    with open(os.path.join(args.output_dir, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": SPECIAL_TOKENS[0],
+                   "pad_token": SPECIAL_TOKENS[1], "unk_token": None, "clean_up_tokenization_spaces": False},
+                  f, indent=2)
     return path, lambda batch: [e.ids for e in tok.encode_batch(batch)], None
 
 
