@@ -5,6 +5,7 @@ order so that document order, and therefore the shards, are deterministic. Recor
 (memory does not grow with corpus size) together with their source file and 1-based record number
 (line for JSONL, row for Parquet/Arrow), which is what provenance and reject reports point at.
 """
+import codecs
 import glob
 import io
 import json
@@ -16,7 +17,13 @@ TABLE_SUFFIXES = (".parquet", ".arrow")
 SUPPORTED = JSONL_SUFFIXES + ZSTD_SUFFIXES + TABLE_SUFFIXES
 
 # Why a record was skipped; the preprocessing summary and rejects file use these names.
-REJECT_REASONS = ("malformed_json", "invalid_utf8", "missing_key", "non_string", "empty")
+REJECT_REASONS = ("malformed_json", "invalid_utf8", "too_long", "too_deep", "missing_key", "non_string", "empty")
+
+# A JSONL line longer than this is a reject, read past in pieces: one line can decompress to gigabytes.
+MAX_RECORD_BYTES = 32 << 20
+# JSON nested deeper than this is a reject: real records are a few levels deep, and parsing or writing
+# deeper ones again runs into Python's recursion limit.
+MAX_DEPTH = 100
 
 # Fields naming a record's raw source, written by tools/curate_data.py: tools that read a cleaned
 # corpus point at these (the raw file and line) rather than at the cleaned file's own line.
@@ -28,12 +35,39 @@ def add_input_arguments(group, json_keys_help):
     group.add_argument("--input", nargs="+", required=True,
                        help="JSONL, JSONL.zst, Parquet or Arrow: files, directories or globs")
     group.add_argument("--json-keys", nargs="+", default=["text"], help=json_keys_help)
+    group.add_argument("--max-record-bytes", type=int, default=MAX_RECORD_BYTES,
+                       help="longer JSONL lines are skipped as too_long rejects (default: %(default)s)")
+
+
+def refuse_overwriting(outputs, inputs):
+    """ValueError naming the first of `outputs` that is (or resolves to, by symlink or hard link) one of the
+    `inputs`: writing it would destroy the corpus being read."""
+    real = {os.path.realpath(path): path for path in inputs}
+    stats = {}
+    for path in inputs:
+        st = os.stat(path)
+        stats[st.st_dev, st.st_ino] = path
+    for out in outputs:
+        found = real.get(os.path.realpath(out))
+        if found is None and os.path.exists(out):
+            st = os.stat(out)
+            found = stats.get((st.st_dev, st.st_ino))
+        if found is not None:
+            raise ValueError(f"output {out!r} is the input {found!r}; choose another output path "
+                             f"(the tools never overwrite what they read)")
 
 
 class RecordError(Exception):
     def __init__(self, reason, detail):
         super().__init__(detail)
         self.reason = reason
+
+    def __reduce__(self):  # travels to worker processes as a payload (see iter_records)
+        return RecordError, (self.reason, str(self))
+
+
+class CorpusError(Exception):
+    """A corpus file that cannot be read on (truncated, damaged, not of its format); the message names it."""
 
 
 def expand_inputs(specs):
@@ -60,12 +94,35 @@ def expand_inputs(specs):
 
 
 def _open_lines(path):
-    raw = open(path, "rb")
     if path.endswith(".zst"):
-        import zstandard
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True),
-                                 buffer_size=1 << 20)
-    return raw
+        # Arrow's stream reads across concatenated frames, decodes in bounded pieces (a small file may
+        # expand to gigabytes) and raises when the file ends inside a frame.
+        import pyarrow as pa
+        return io.BufferedReader(pa.CompressedInputStream(pa.OSFile(path), "zstd"), buffer_size=1 << 20)
+    return open(path, "rb")
+
+
+def _lines(path, max_bytes):
+    """(line number, line bytes) of a JSONL file; a line over `max_bytes` is a too_long RecordError
+    instead, its bytes skipped unread into memory. A UTF-8 byte-order mark is encoding, not content."""
+    with _open_lines(path) as f:
+        line_no = 0
+        while True:
+            line = f.readline(max_bytes + 1)
+            if not line:
+                return
+            line_no += 1
+            if line_no == 1 and line.startswith(codecs.BOM_UTF8):
+                line = line[len(codecs.BOM_UTF8):]
+            if len(line) > max_bytes and not line.endswith(b"\n"):
+                size = len(line)
+                while line and not line.endswith(b"\n"):
+                    line = f.readline(1 << 20)
+                    size += len(line)
+                yield line_no, RecordError("too_long", f"line of {size:,} bytes exceeds --max-record-bytes "
+                                                       f"{max_bytes:,}")
+            elif line.strip():
+                yield line_no, line
 
 
 def _table_batches(path, columns):
@@ -90,23 +147,29 @@ def _table_batches(path, columns):
             yield {k: col[row] for k, col in values.items() if columns is None or k in columns}
 
 
-def iter_records(files, keys, all_fields=False):
-    """Yield (file_index, record_number, payload): payload is a raw JSONL line (bytes) or a dict.
+def iter_records(files, keys, all_fields=False, max_record_bytes=MAX_RECORD_BYTES):
+    """Yield (file_index, record_number, payload): payload is a raw JSONL line (bytes), a dict, or the
+    RecordError of a line too long to read.
 
     Parsing is left to `parse_record` so that it can run in worker processes. Blank JSONL lines are
     not records (a trailing newline is common) and are not yielded. Table rows carry `keys` and
-    ORIGIN_FIELDS, or every column with `all_fields`.
+    ORIGIN_FIELDS, or every column with `all_fields`. A file that cannot be read to its end is a
+    CorpusError naming it.
     """
+    import pyarrow as pa
     columns = None if all_fields else list(keys) + list(ORIGIN_FIELDS)
     for file_index, path in enumerate(files):
-        if path.endswith(TABLE_SUFFIXES):
-            for row, values in enumerate(_table_batches(path, columns), 1):
-                yield file_index, row, values
-            continue
-        with _open_lines(path) as f:
-            for line_no, line in enumerate(f, 1):
-                if line.strip():
+        try:
+            if path.endswith(TABLE_SUFFIXES):
+                for row, values in enumerate(_table_batches(path, columns), 1):
+                    yield file_index, row, values
+            else:
+                for line_no, line in _lines(path, max_record_bytes):
                     yield file_index, line_no, line
+        except (OSError, pa.ArrowException) as e:
+            kind = "Parquet/Arrow" if path.endswith(TABLE_SUFFIXES) else "JSONL"
+            raise CorpusError(f"{path}: cannot be read as {kind} ({e}); the file is truncated or damaged: "
+                              f"fetch or write it again") from None
 
 
 def extract_texts(payload, keys):
@@ -116,6 +179,8 @@ def extract_texts(payload, keys):
 
 def parse_record(payload):
     """One record as a dict (a JSONL line is decoded and parsed), or RecordError."""
+    if isinstance(payload, RecordError):
+        raise payload
     if isinstance(payload, bytes):
         try:
             line = payload.decode("utf-8")
@@ -123,12 +188,45 @@ def parse_record(payload):
             raise RecordError("invalid_utf8", f"invalid UTF-8 at byte {e.start}") from None
         try:
             record = json.loads(line)
+        except RecursionError:
+            raise RecordError("too_deep", f"JSON nested deeper than {MAX_DEPTH} levels") from None
         except ValueError as e:
             raise RecordError("malformed_json", f"malformed JSON: {e}") from None
         if not isinstance(record, dict):
             raise RecordError("malformed_json", f"expected a JSON object, got {type(record).__name__}")
+        # Cheap byte counts decide when the full walks are needed: rarely.
+        if payload.count(b"[") + payload.count(b"{") > MAX_DEPTH and _depth(record) > MAX_DEPTH:
+            raise RecordError("too_deep", f"JSON nested deeper than {MAX_DEPTH} levels")
+        if (b"\\ud" in payload or b"\\uD" in payload) and _has_lone_surrogate(record):
+            raise RecordError("invalid_utf8", "a field holds an unpaired surrogate (\\ud800-\\udfff escape), "
+                                              "which is not text")
         return record
     return payload
+
+
+def _depth(value):
+    """Nesting depth of parsed JSON, without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        value, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if depth > MAX_DEPTH:
+            break
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
+    return deepest
+
+
+def _has_lone_surrogate(record):
+    """JSON escapes can smuggle unpaired surrogates into any string, keys included; such a record cannot be
+    written out as UTF-8."""
+    try:
+        json.dumps(record, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def record_texts(record, keys):

@@ -1,6 +1,12 @@
 """Streaming, order-preserving parallel map for the offline corpus tools."""
 import collections
+import concurrent.futures
 import multiprocessing
+from concurrent.futures.process import BrokenProcessPool
+
+
+class WorkerDied(RuntimeError):
+    """A worker process ended without finishing its task (the kernel's OOM killer, a signal)."""
 
 
 def batched(items, size):
@@ -19,23 +25,25 @@ def ordered_map(task, batches, workers, initializer, initargs):
     """Yield task(batch) in input order, keeping a bounded number of batches in flight (streaming).
 
     With one worker everything runs in this process; otherwise a pool whose processes each call
-    initializer(*initargs) once.
+    initializer(*initargs) once. A worker that dies raises WorkerDied: the executor notices a lost
+    process, where multiprocessing.Pool would wait for its result forever.
     """
     if workers <= 1:
         initializer(*initargs)
         yield from map(task, batches)
         return
     ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
-    pool = ctx.Pool(workers, initializer, initargs)
+    pool = concurrent.futures.ProcessPoolExecutor(workers, ctx, initializer, initargs)
     try:
         pending = collections.deque()
         for batch in batches:
-            pending.append(pool.apply_async(task, (batch,)))
+            pending.append(pool.submit(task, batch))
             if len(pending) >= 4 * workers:
-                yield pending.popleft().get()
+                yield pending.popleft().result()
         while pending:
-            yield pending.popleft().get()
-        pool.close()
+            yield pending.popleft().result()
+    except BrokenProcessPool:
+        raise WorkerDied("a worker process died (out of memory, or killed by a signal); rerun with fewer "
+                         "--workers or a smaller --batch-size") from None
     finally:
-        pool.terminate()
-        pool.join()
+        pool.shutdown(wait=True, cancel_futures=True)
