@@ -30,11 +30,12 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from tools import _pii, _quality  # noqa: E402
-from tools._corpus_io import (JSONL_SUFFIXES, ORIGIN_FIELDS, RecordError, add_input_arguments,  # noqa: E402
-                              expand_inputs, iter_records, parse_record, record_origin, record_texts)
+from tools._corpus_io import (JSONL_SUFFIXES, ORIGIN_FIELDS, CorpusError, RecordError,  # noqa: E402
+                              add_input_arguments, expand_inputs, iter_records, parse_record, record_origin,
+                              record_texts, refuse_overwriting)
 from tools._contamination import EvaluationIndex  # noqa: E402
 from tools._dedup import SHINGLE_UNITS, DuplicateFinder, Signer  # noqa: E402
-from tools._parallel import batched, ordered_map  # noqa: E402
+from tools._parallel import WorkerDied, batched, ordered_map  # noqa: E402
 
 LANGID_CHARS = 4096  # the head of a document decides its language: langid's cost grows with length
 REPORT_FIRST = 5     # unreadable records printed with file:line; all of them go to the rejects file
@@ -143,7 +144,8 @@ def curate(args, files, stages, finder, start):
     try:
         with open(rejects_tmp, "w", encoding="utf-8") as rejects:
             with open(pending if finder is not None else out_tmp, "w", encoding="utf-8") as out:
-                batches = batched(iter_records(files, args.json_keys, all_fields=True), args.batch_size)
+                records = iter_records(files, args.json_keys, all_fields=True, max_record_bytes=args.max_record_bytes)
+                batches = batched(records, args.batch_size)
                 for results, nbytes in ordered_map(_clean_task, batches, args.workers, _init_worker, (stages,)):
                     counts["bytes"] += nbytes
                     for result in results:
@@ -336,8 +338,8 @@ def main(argv=None):
     start = time.time()
     p = build_parser()
     args = p.parse_args(argv)
-    if args.workers < 1 or args.batch_size < 1 or args.shingle_size < 1:
-        p.error("--workers, --batch-size and --shingle-size must be at least 1")
+    if min(args.workers, args.batch_size, args.shingle_size, args.max_record_bytes) < 1:
+        p.error("--workers, --batch-size, --shingle-size and --max-record-bytes must be at least 1")
     if not 0 < args.dedup_threshold <= 1:
         p.error("--dedup-threshold must be in (0, 1]")
     if not args.output.endswith(JSONL_SUFFIXES):
@@ -350,16 +352,19 @@ def main(argv=None):
             args.dedup_threshold, args.num_perm, args.dedup_workdir or os.path.dirname(os.path.abspath(args.output)))
     except ImportError as e:
         p.error(f"{e}: install the curate extra (pip install -e '.[curate]')")
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, CorpusError) as e:
         p.error(str(e))
     evaluation_files = expand_inputs(args.decontaminate) if args.decontaminate else []
-    overwritten = {os.path.abspath(args.output), os.path.abspath(args.rejects)} & set(
-        map(os.path.abspath, files + evaluation_files))
-    if overwritten:
-        p.error(f"{sorted(overwritten)[0]} is an input; curation never overwrites its raw corpus")
+    try:
+        refuse_overwriting([args.output, args.rejects], files + evaluation_files)
+    except ValueError as e:
+        p.error(str(e))
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.rejects)), exist_ok=True)
-    summary = curate(args, files, stages, finder, start)
+    try:
+        summary = curate(args, files, stages, finder, start)
+    except (CorpusError, WorkerDied) as e:
+        raise SystemExit(f"curate: {e}")
     print(format_summary(summary, stages))
     return summary
 
