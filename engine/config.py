@@ -40,6 +40,7 @@ class ModelConfig:
     kv_channels: int = 0  # dimension of each attention head; 0 = hidden_size / num_attention_heads
     attention_bias: bool = False  # biases on the q/k/v projections (Qwen2); o_proj never has one
     max_position_embeddings: int = 0  # the context the model is made for (Hugging Face export); 0 = seq_length
+    hf_model_type: str = ""  # Hugging Face family to export as: llama | mistral | qwen2; "" = by the features used
     position_embedding: str = "rope"  # rotary embeddings (rope) or ALiBi attention biases (alibi)
     norm_eps: float = 1e-5  # RMSNorm epsilon
     tie_embeddings: bool = False  # share the input embedding and the output layer
@@ -196,6 +197,7 @@ CHOICES = {
     ("model", "position_embedding"): ("rope", "alibi"),
     ("model", "attention_backend"): ("auto", "flash", "cudnn", "sdpa", "reference"),
     ("model", "norm_backend"): ("auto", "apex", "torch"),
+    ("model", "hf_model_type"): ("", "llama", "mistral", "qwen2"),
     ("train", "recompute"): ("none", "selective", "full"),
     ("train", "recompute_after_switch"): ("none", "selective", "full"),
     ("optim", "implementation"): ("auto", "apex", "fused", "foreach"),

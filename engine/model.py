@@ -1,7 +1,8 @@
 """Decoder-only Llama built from `parallel/` layers: RMSNorm, RoPE (or ALiBi), SwiGLU, grouped-query attention.
 
 Parameter names and layouts are those of Hugging Face `LlamaForCausalLM` (at TP=1, without vocabulary
-padding), so conversion is a rename-free copy. At TP>1 the same classes hold slices; at PP>1 a model
+padding), so conversion is a rename-free copy; Mistral is the same with `attention_window`, Qwen2 with
+`attention_bias` (q/k/v biases). At TP>1 the same classes hold slices; at PP>1 a model
 chunk holds a subset of the layers under their global indices. The model issues no collective itself:
 only the `parallel.tensor` layers and the `TensorParallel` context do.
 """
@@ -70,17 +71,18 @@ class Attention(nn.Module):
         d, heads, kv = cfg.head_dim, cfg.num_attention_heads, cfg.kv_heads
         self.local_heads = divide(heads, tp.size, "model.num_attention_heads")
         residual_std = _scaled_std(cfg)
-        self.q_proj = ColumnParallelLinear(cfg.hidden_size, heads * d, tp, cfg.init_std)
+        bias = cfg.attention_bias
+        self.q_proj = ColumnParallelLinear(cfg.hidden_size, heads * d, tp, cfg.init_std, bias=bias)
         if kv >= tp.size:
             self.local_kv_heads = divide(kv, tp.size, "model.num_kv_heads")
-            self.k_proj = ColumnParallelLinear(cfg.hidden_size, kv * d, tp, cfg.init_std)
-            self.v_proj = ColumnParallelLinear(cfg.hidden_size, kv * d, tp, residual_std)
+            self.k_proj = ColumnParallelLinear(cfg.hidden_size, kv * d, tp, cfg.init_std, bias=bias)
+            self.v_proj = ColumnParallelLinear(cfg.hidden_size, kv * d, tp, residual_std, bias=bias)
         else:  # fewer KV heads than TP ranks: every rank keeps all of them and uses the one its queries need
             self.local_kv_heads = 1
             head = tp.rank * kv // tp.size
             rows = slice(head * d, (head + 1) * d)
-            self.k_proj = ReplicatedRowsLinear(cfg.hidden_size, kv * d, tp, cfg.init_std, rows)
-            self.v_proj = ReplicatedRowsLinear(cfg.hidden_size, kv * d, tp, residual_std, rows)
+            self.k_proj = ReplicatedRowsLinear(cfg.hidden_size, kv * d, tp, cfg.init_std, rows, bias=bias)
+            self.v_proj = ReplicatedRowsLinear(cfg.hidden_size, kv * d, tp, residual_std, rows, bias=bias)
         self.o_proj = RowParallelLinear(heads * d, cfg.hidden_size, tp, residual_std)
         self.recompute_core = False  # selective recomputation: keep no attention-core activations
         self.entropy_log: list | None = None  # when a list: (entropy sum, count) of each forward (monitoring)
@@ -228,7 +230,8 @@ class CausalLM(nn.Module):
     def _rope(self, seq_length: int, device, dtype):
         key = (seq_length, device, dtype)
         if key not in self._rope_cache:
-            self._rope_cache = {key: rope_cos_sin(seq_length, self.cfg.head_dim, self.cfg.rope_theta, device, dtype)}
+            self._rope_cache = {key: rope_cos_sin(seq_length, self.cfg.head_dim, self.cfg.rope_theta, device, dtype,
+                                                  self.cfg.rope_scaling)}
         return self._rope_cache[key]
 
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None, segment_ids=None,
@@ -279,6 +282,6 @@ def _padded_vocab(cfg: ModelConfig, tp: TensorParallel) -> int:
 
 def num_parameters(cfg: ModelConfig) -> int:
     h, f, v, L = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size, cfg.num_layers
-    kv = cfg.kv_heads * cfg.head_dim
-    per_layer = 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    per_layer = 2 * h * q + 2 * h * kv + 3 * h * f + 2 * h + (q + 2 * kv if cfg.attention_bias else 0)
     return L * per_layer + v * h * (1 if cfg.tie_embeddings else 2) + h

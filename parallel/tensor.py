@@ -70,19 +70,26 @@ def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
     return math.ceil(vocab_size / tp_size) * tp_size
 
 
+def _bias(rows: int, full: int, tp_dim, tp_replicated_grad: bool = False) -> nn.Parameter:
+    """An output bias (zero at initialisation, as in Megatron-LM), split like its weight's rows."""
+    return describe(nn.Parameter(torch.empty(rows)), (full,), tp_dim, 0.0, tp_replicated_grad=tp_replicated_grad)
+
+
 class ColumnParallelLinear(nn.Module):
-    """y = x Wᵀ with W's output rows split across TP ranks; input must already be in the region."""
+    """y = x Wᵀ (+ b) with W's output rows (and b) split across TP ranks; input must already be in the region."""
 
     def __init__(self, in_features: int, out_features: int, tp: TensorParallel, std: float,
-                 valid_rows: int | None = None):
+                 valid_rows: int | None = None, bias: bool = False):
         super().__init__()
         self.tp = tp
         local_out = divide(out_features, tp.size, "output features")
+        tp_dim = 0 if tp.size > 1 else None
         self.weight = describe(nn.Parameter(torch.empty(local_out, in_features)), (out_features, in_features),
-                               0 if tp.size > 1 else None, std, valid_rows)
+                               tp_dim, std, valid_rows)
+        self.bias = _bias(local_out, out_features, tp_dim) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -104,14 +111,16 @@ class ReplicatedRowsLinear(nn.Module):
     fewer KV heads than TP ranks). Each rank's gradient covers only its rows, so the gradients are summed
     over the TP group after backward (`tp_replicated_grad`)."""
 
-    def __init__(self, in_features: int, out_features: int, tp: TensorParallel, std: float, rows: slice):
+    def __init__(self, in_features: int, out_features: int, tp: TensorParallel, std: float, rows: slice,
+                 bias: bool = False):
         super().__init__()
         self.rows = rows
         self.weight = describe(nn.Parameter(torch.empty(out_features, in_features)), (out_features, in_features),
                                None, std, tp_replicated_grad=tp.size > 1)
+        self.bias = _bias(out_features, out_features, None, tp_replicated_grad=tp.size > 1) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight[self.rows])
+        return F.linear(x, self.weight[self.rows], None if self.bias is None else self.bias[self.rows])
 
 
 class VocabParallelEmbedding(nn.Module):

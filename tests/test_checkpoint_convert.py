@@ -94,7 +94,7 @@ def test_clear_errors_for_unsupported_or_mismatched_models(tmp_path, capsys):
     (tmp_path / "gpt").mkdir()
     gpt2 = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}
     (tmp_path / "gpt" / "config.json").write_text(json.dumps(gpt2))
-    with pytest.raises(SystemExit, match=r"unsupported architecture \['GPT2LMHeadModel'\].*only Llama"):
+    with pytest.raises(SystemExit, match=r"unsupported architecture \['GPT2LMHeadModel'\].*llama, mistral, qwen2"):
         convert(["--load-dir", str(tmp_path / "gpt"), "--save-dir", str(tmp_path / "o"), "--from", "hf"])
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                          num_attention_heads=2)

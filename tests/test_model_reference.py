@@ -1,4 +1,4 @@
-"""Trilith's model equals transformers' LlamaForCausalLM: logits, loss and every gradient (fp32)."""
+"""Trilith's model equals transformers' Llama / Mistral / Qwen2 causal LMs: logits, loss and every gradient (fp32)."""
 import pytest
 import torch
 
@@ -15,6 +15,21 @@ SHAPES = {
                        vocab_size=97, seq_length=16, rope_theta=500000.0),
     "mqa_tied": ModelConfig(hidden_size=48, num_layers=2, num_attention_heads=6, num_kv_heads=1, ffn_hidden_size=64,
                             vocab_size=64, seq_length=12, tie_embeddings=True),
+    # head_dim != hidden / heads, Llama 3.1 RoPE scaling (exported as Llama)
+    "llama3_head_dim": ModelConfig(hidden_size=64, num_layers=2, num_attention_heads=4, num_kv_heads=2, kv_channels=24,
+                                   ffn_hidden_size=96, vocab_size=101, seq_length=16, rope_theta=500000.0,
+                                   max_position_embeddings=64, rope_scaling={
+                                       "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8}),
+    # sliding window (exported as Mistral), linear scaling
+    "mistral_window": ModelConfig(hidden_size=64, num_layers=2, num_attention_heads=4, num_kv_heads=2,
+                                  ffn_hidden_size=96, vocab_size=101, seq_length=16, attention_window=5,
+                                  rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    # q/k/v biases (exported as Qwen2), YaRN
+    "qwen2_bias_yarn": ModelConfig(hidden_size=64, num_layers=2, num_attention_heads=4, num_kv_heads=2,
+                                   ffn_hidden_size=96, vocab_size=101, seq_length=16, attention_bias=True,
+                                   tie_embeddings=True, rope_theta=1000000.0, rope_scaling={
+                                       "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}),
 }
 
 
@@ -23,6 +38,10 @@ def test_logits_loss_and_grads_match_transformers(name):
     cfg = SHAPES[name]
     ours = CausalLM(cfg)
     ours.init_weights(seed=7)
+    with torch.no_grad():  # biases start at zero; random ones test that they are applied where HF applies them
+        for pname, p in ours.named_parameters():
+            if pname.endswith(".bias"):
+                p.normal_(0.0, 0.5)
     hf = hf_model_from(ours, cfg)
     assert sum(p.numel() for p in ours.parameters()) == num_parameters(cfg)
 

@@ -1,8 +1,8 @@
 """Convert checkpoints offline, in one plain process (no torch.distributed: it works on global tensors).
 
-    # Trilith checkpoint (any layout) -> Hugging Face Llama directory
+    # Trilith checkpoint (any layout) -> Hugging Face directory (Llama, Mistral or Qwen2: model.hf_model_type)
     python tools/ckpt_convert.py --load-dir runs/x/checkpoints --save-dir hf/x --to hf [--dtype bf16]
-    # Hugging Face Llama directory -> Trilith checkpoint at a layout, for continued pretraining
+    # Hugging Face Llama / Mistral / Qwen2 directory -> Trilith checkpoint at a layout, for continued pretraining
     python tools/ckpt_convert.py --load-dir hf/llama --save-dir runs/y/checkpoints --from hf --tensor 2
     # Trilith layout A -> layout B (optimizer state included)
     python tools/ckpt_convert.py --load-dir runs/x/checkpoints --save-dir runs/z/checkpoints --tensor 4
@@ -30,6 +30,7 @@ from engine.checkpoint_io import (TMP_PREFIX, CheckpointError, commit, read_late
 from engine.checkpoint_manifest import (FORMAT, KEYS, MANIFEST, METADATA, VERSION, CheckpointReader,  # noqa: E402
                                         global_shape, local_from_global, merge_entries, rank_file, tensor_entry)
 from engine.config import Config, ConfigError, ModelConfig, from_dict, to_dict, validate  # noqa: E402
+from engine.hf_config import hf_config_dict, model_from_hf, v4_rope_fields  # noqa: E402
 from engine.model import CausalLM  # noqa: E402
 from parallel.tensor import TensorParallel  # noqa: E402
 
@@ -116,19 +117,24 @@ def retarget(cfg: Config, tp: int, pp: int) -> dict:
 
 
 # ---- Hugging Face ---------------------------------------------------------------------------------------
-def llama_config(model: ModelConfig, tokens: dict):
-    from transformers import LlamaConfig
-    if model.position_embedding != "rope":
-        raise SystemExit(f"ckpt_convert: model.position_embedding={model.position_embedding} has no Hugging Face "
-                         f"Llama equivalent (Llama uses RoPE); only rope models export")
-    return LlamaConfig(vocab_size=model.vocab_size, hidden_size=model.hidden_size,
-                       intermediate_size=model.ffn_hidden_size, num_hidden_layers=model.num_layers,
-                       num_attention_heads=model.num_attention_heads, num_key_value_heads=model.kv_heads,
-                       max_position_embeddings=model.seq_length, rms_norm_eps=model.norm_eps,
-                       rope_theta=model.rope_theta, tie_word_embeddings=model.tie_embeddings, hidden_act="silu",
-                       attention_bias=False, mlp_bias=False, architectures=["LlamaForCausalLM"],
-                       bos_token_id=tokens.get("bos_token_id"), eos_token_id=tokens.get("eos_token_id"),
-                       pad_token_id=tokens.get("pad_token_id"))
+def hf_config(model: ModelConfig, tokens: dict):
+    """The transformers config of the model's family (engine/hf_config.py), with the tokenizer's special ids."""
+    from transformers import AutoConfig
+    try:
+        fields = hf_config_dict(model)
+    except ConfigError as exc:
+        raise SystemExit(f"ckpt_convert: {exc}")
+    return AutoConfig.for_model(**fields, bos_token_id=tokens.get("bos_token_id"),
+                                eos_token_id=tokens.get("eos_token_id"), pad_token_id=tokens.get("pad_token_id"))
+
+
+def save_hf_config(config, model: ModelConfig, out: Path) -> None:
+    """config.json for both transformers generations: transformers 5 writes `rope_parameters`; the top-level
+    `rope_theta`/`rope_scaling` beside it are what transformers 4.x, llama.cpp and vLLM read."""
+    config.save_pretrained(out)
+    path = out / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **v4_rope_fields(model)}, indent=2, sort_keys=True)
+                    + "\n")
 
 
 def parse_size(text: str) -> int:
@@ -191,11 +197,11 @@ def to_hf(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = args.tokenizer if args.tokenizer is not None else reader.metadata["config"]["data"]["tokenizer"]
     tokens = save_tokenizer(tokenizer, out) if tokenizer else {}
-    config = llama_config(model, tokens)
+    config = hf_config(model, tokens)
     config.dtype = DTYPES[args.dtype]
     tensors = {n: reader.global_tensor(n, "master").to(DTYPES[args.dtype]) for n in reader.tensors}
     files = save_hf_weights(tensors, out, parse_size(args.max_shard_size))
-    config.save_pretrained(out)
+    save_hf_config(config, model, out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
     print(f"ckpt_convert: wrote {out} ({len(tensors)} tensors in {len(files)} file(s), step "
           f"{reader.metadata['step']})")
@@ -215,30 +221,14 @@ def load_hf_weights(src: Path) -> dict[str, torch.Tensor]:
                      f"pytorch_model.bin")
 
 
-def model_from_hf(hf: dict, seq_length: int) -> ModelConfig:
-    if hf.get("model_type") != "llama":
-        raise SystemExit(f"ckpt_convert: unsupported architecture {hf.get('architectures') or hf.get('model_type')}: "
-                         f"only Llama checkpoints (model_type 'llama', LlamaForCausalLM) convert")
-    heads = hf["num_attention_heads"]
-    unsupported = {"hidden_act": hf.get("hidden_act", "silu") != "silu", "attention_bias": hf.get("attention_bias"),
-                   "mlp_bias": hf.get("mlp_bias"), "rope_scaling": hf.get("rope_scaling"),
-                   "head_dim": hf.get("head_dim") not in (None, hf["hidden_size"] // heads)}
-    bad = [k for k, v in unsupported.items() if v]
-    if bad:
-        raise SystemExit(f"ckpt_convert: this Llama uses {', '.join(f'{k}={hf.get(k)!r}' for k in bad)}, which "
-                         f"Trilith's model does not implement")
-    return ModelConfig(hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"], num_attention_heads=heads,
-                       num_kv_heads=hf.get("num_key_value_heads") or heads, ffn_hidden_size=hf["intermediate_size"],
-                       vocab_size=hf["vocab_size"], seq_length=seq_length or hf.get("max_position_embeddings", 2048),
-                       rope_theta=float(hf.get("rope_theta", 10000.0)), norm_eps=hf.get("rms_norm_eps", 1e-6),
-                       tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
-
-
 def from_hf(args) -> None:
     src = Path(args.load_dir)
     if not (src / "config.json").is_file():
         raise SystemExit(f"ckpt_convert: {src} has no config.json; --from hf needs a Hugging Face model directory")
-    model = model_from_hf(json.loads((src / "config.json").read_text()), args.seq_length)
+    try:
+        model = model_from_hf(json.loads((src / "config.json").read_text()), args.seq_length)
+    except ConfigError as exc:
+        raise SystemExit(f"ckpt_convert: {src / 'config.json'}: {exc}")
     weights = {k: v for k, v in load_hf_weights(src).items() if not k.endswith("rotary_emb.inv_freq")}
     if model.tie_embeddings:
         weights.pop("lm_head.weight", None)
