@@ -4,6 +4,8 @@
     python tools/ckpt_convert.py --load-dir runs/x/checkpoints --save-dir hf/x --to hf [--dtype bf16]
     # Hugging Face Llama / Mistral / Qwen2 directory -> Trilith checkpoint at a layout, for continued pretraining
     python tools/ckpt_convert.py --load-dir hf/llama --save-dir runs/y/checkpoints --from hf --tensor 2
+    # Trilith checkpoint -> one GGUF file for llama.cpp / Ollama (llama architecture, tokenizer included)
+    python tools/ckpt_convert.py --load-dir runs/x/checkpoints --save-dir gguf/x --to gguf [--dtype fp16]
     # Trilith layout A -> layout B (optimizer state included)
     python tools/ckpt_convert.py --load-dir runs/x/checkpoints --save-dir runs/z/checkpoints --tensor 4
 
@@ -33,11 +35,9 @@ from engine.config import Config, ConfigError, ModelConfig, from_dict, to_dict, 
 from engine.hf_config import hf_config_dict, model_from_hf, v4_rope_fields  # noqa: E402
 from engine.model import CausalLM  # noqa: E402
 from parallel.tensor import TensorParallel  # noqa: E402
+from tools._hf_tokenizer import export_tokenizer  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-SPECIAL_TOKENS = {"bos_token": ("<s>", "<|begin_of_text|>", "<bos>", "<|bos|>"),
-                  "eos_token": ("</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>", "<|eos|>"),
-                  "unk_token": ("<unk>", "<|unk|>"), "pad_token": ("<pad>", "<|pad|>")}
 
 
 def resolve(path: str | Path) -> Path:
@@ -170,23 +170,18 @@ def save_hf_weights(tensors: dict[str, torch.Tensor], out: Path, max_bytes: int)
     return names
 
 
-def save_tokenizer(path: str, out: Path) -> dict:
-    """Write Hugging Face tokenizer files from data.tokenizer; returns the special token ids found."""
-    src = Path(path)
-    if not src.is_file():
-        raise SystemExit(f"ckpt_convert: tokenizer {src} does not exist; pass --tokenizer FILE or --tokenizer ''")
-    if src.suffix != ".json":
-        shutil.copy(src, out / "tokenizer.model")  # SentencePiece: transformers' LlamaTokenizer reads it
-        (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
-        return {}
-    from transformers import PreTrainedTokenizerFast
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(src))
-    vocab = tok.get_vocab()
-    found = {role: next(t for t in options if t in vocab) for role, options in SPECIAL_TOKENS.items()
-             if any(t in vocab for t in options)}
-    tok.add_special_tokens(found)
-    tok.save_pretrained(out)
-    return {f"{role}_id": vocab[t] for role, t in found.items()}
+def export_tokens(meta: dict, tokenizer: str, out: Path, model: ModelConfig) -> dict:
+    """bos/eos/pad ids for config.json. With a tokenizer: its files are written to `out` and its own roles used,
+    eos being data.eod_token_id when set (what training ended documents with); without one: the ids a
+    Hugging Face import recorded in the checkpoint's metadata."""
+    eod = meta["config"]["data"].get("eod_token_id", -1)
+    if not tokenizer:
+        tokens = dict(meta.get("special_tokens") or {})
+        return tokens | ({"eos_token_id": eod} if eod >= 0 else {})
+    try:
+        return export_tokenizer(tokenizer, out, eod, model.max_position_embeddings or model.seq_length)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"ckpt_convert: {exc}; pass --tokenizer FILE (or --tokenizer '' for none)")
 
 
 def to_hf(args) -> None:
@@ -196,7 +191,7 @@ def to_hf(args) -> None:
     out = Path(args.save_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = args.tokenizer if args.tokenizer is not None else reader.metadata["config"]["data"]["tokenizer"]
-    tokens = save_tokenizer(tokenizer, out) if tokenizer else {}
+    tokens = export_tokens(reader.metadata, tokenizer, out, model)
     config = hf_config(model, tokens)
     config.dtype = DTYPES[args.dtype]
     tensors = {n: reader.global_tensor(n, "master").to(DTYPES[args.dtype]) for n in reader.tensors}
@@ -244,9 +239,38 @@ def from_hf(args) -> None:
             "lr_schedule": {"step": 0}, "layout": retarget(cfg, args.tensor, args.pipeline),
             "config": to_dict(cfg), "source": str(src.resolve())}
     meta["config"]["parallel"].update(tensor=args.tensor, pipeline=args.pipeline)
+    record_tokens(meta, src)
     path = write_trilith(Path(args.save_dir), model, lambda n, k: weights[n].float(), ("master",), meta,
                          args.tensor, args.pipeline)
     print(f"ckpt_convert: wrote {path} (TP={args.tensor}, PP={args.pipeline}, weights only: optimizer starts fresh)")
+
+
+def record_tokens(meta: dict, src: Path) -> None:
+    """Keep a Hugging Face model's special ids (and its tokenizer, as data.tokenizer) for the export back."""
+    hf = json.loads((src / "config.json").read_text())
+    meta["special_tokens"] = {k: hf.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    tokenizer = next((src / n for n in ("tokenizer.json", "tokenizer.model") if (src / n).is_file()), None)
+    if tokenizer is not None:
+        meta["config"]["data"]["tokenizer"] = str(tokenizer.resolve())
+
+
+def to_gguf(args) -> None:
+    from tools._gguf_export import write_gguf
+    reader = CheckpointReader(resolve(args.load_dir))
+    config = reader.metadata["config"]
+    tokenizer = args.tokenizer if args.tokenizer is not None else config["data"]["tokenizer"]
+    if not tokenizer:
+        raise SystemExit("ckpt_convert: --to gguf needs a tokenizer (a GGUF file carries it): pass --tokenizer "
+                         "FILE or set data.tokenizer")
+    out = Path(args.save_dir) if args.save_dir.endswith(".gguf") else Path(args.save_dir) / "model.gguf"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        ids = write_gguf(out, ModelConfig(**config["model"]), lambda n: reader.global_tensor(n, "master"), tokenizer,
+                         config["data"].get("eod_token_id", -1), args.dtype, name=Path(reader.dir).parent.name)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"ckpt_convert: --to gguf: {exc}")
+    print(f"ckpt_convert: wrote {out} (llama architecture, {args.dtype}, special ids {ids}, step "
+          f"{reader.metadata['step']})")
 
 
 def reshard(args) -> None:
@@ -265,19 +289,22 @@ def main(argv=None) -> int:
     parser.add_argument("--load-dir", required=True)
     parser.add_argument("--save-dir", required=True)
     direction = parser.add_mutually_exclusive_group()
-    direction.add_argument("--to", choices=["hf"], help="export a Trilith checkpoint")
+    direction.add_argument("--to", choices=["hf", "gguf"], help="export a Trilith checkpoint (gguf: --save-dir is "
+                                                                "a directory for model.gguf, or a .gguf path)")
     direction.add_argument("--from", dest="source", choices=["hf"], help="import into a Trilith checkpoint")
     parser.add_argument("--tensor", type=int, default=1, help="target tensor-parallel size (Trilith output)")
     parser.add_argument("--pipeline", type=int, default=1, help="target pipeline size (Trilith output)")
     parser.add_argument("--seq-length", type=int, default=0, help="--from hf: model.seq_length (default: "
                                                                   "max_position_embeddings)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="--to hf: weight dtype")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="--to hf/gguf: weight dtype")
     parser.add_argument("--max-shard-size", default="5GB", help="--to hf: split weights above this size")
-    parser.add_argument("--tokenizer", default=None, help="--to hf: tokenizer file (default: data.tokenizer)")
+    parser.add_argument("--tokenizer", default=None, help="--to hf/gguf: tokenizer file (default: data.tokenizer)")
     args = parser.parse_args(argv)
     try:
         if args.to == "hf":
             to_hf(args)
+        elif args.to == "gguf":
+            to_gguf(args)
         elif args.source == "hf":
             from_hf(args)
         else:
