@@ -13,20 +13,21 @@ from __future__ import annotations
 import json
 import logging
 import random
+import shutil
 import threading
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
-
 from engine.checkpoint_io import (LATEST, TMP_PREFIX, CheckpointError, apply_retention, commit, copy_verified,
                                   read_latest, remove_stale_tmp, set_latest, step_dir_name, step_dirs,
                                   write_json, write_safetensors)
-from engine.checkpoint_manifest import (FORMAT, KEYS, MANIFEST, METADATA, VERSION, CheckpointReader, global_shape,
-                                        load_json, merge_entries, rank_file, tensor_entry, verify)
+from engine.checkpoint_manifest import (FORMAT, KEYS, MANIFEST, METADATA, VERSION, CheckpointReader,
+                                        SafetensorsRanges, check_manifest, global_shape, load_json, merge_entries,
+                                        rank_file, tensor_entry, verify)
 from engine.config import to_dict
+from engine.hf_checkpoint import HFWeights, is_hf_directory
 from parallel.random import TRACKER, seed_all
 
 log = logging.getLogger("trilith")
@@ -48,21 +49,45 @@ def _rng_snapshot() -> tuple[dict, dict]:
 
 def _rng_restore(path: Path) -> bool:
     """Restore this rank's RNG states from its file; False when the file has none (converted checkpoints)."""
-    with safe_open(str(path), framework="pt") as f:
-        if "rng" not in (f.metadata() or {}):
+    f = SafetensorsRanges(path)
+    try:
+        if "rng" not in f.metadata:
             return False
-        tensors = {k: f.get_tensor(k) for k in f.keys() if k.startswith("rng/")}
-        extra = json.loads(f.metadata()["rng"])
+        tensors = {k: f.tensor(k) for k in f.keys() if k.startswith("rng/")}
+        extra = json.loads(f.metadata["rng"])
 
-    def pair(prefix):
-        return tensors[f"{prefix}/cpu"], tensors.get(f"{prefix}/cuda")
-    names = {k.split("/")[2] for k in tensors if k.startswith("rng/tracker/")}
-    TRACKER.load_state_dict({"states": {n: pair(f"rng/tracker/{n}") for n in names}, "default": pair("rng/default")})
-    kind, keys, pos, has_gauss, gauss = extra["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
-    version, internal, gauss_next = extra["python"]
-    random.setstate((version, tuple(internal), gauss_next))
+        def pair(prefix):
+            return tensors[f"{prefix}/cpu"], tensors.get(f"{prefix}/cuda")
+        names = {k.split("/")[2] for k in tensors if k.startswith("rng/tracker/")}
+        TRACKER.load_state_dict({"states": {n: pair(f"rng/tracker/{n}") for n in names},
+                                 "default": pair("rng/default")})
+        kind, keys, pos, has_gauss, gauss = extra["numpy"]
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+        version, internal, gauss_next = extra["python"]
+        random.setstate((version, tuple(internal), gauss_next))
+    except CheckpointError:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, RuntimeError, RecursionError) as exc:
+        raise CheckpointError(f"{path}: its RNG states are damaged ({exc}); restore the checkpoint from a copy") \
+            from exc
+    finally:
+        f.close()
     return True
+
+
+def _resume_point(roots: list[Path]) -> Path | None:
+    """What `latest` names in the first root that has one (the mirror's when the primary is lost); without any
+    `latest` (lost, or a save killed between its commit and `latest`), the newest step directory, said in
+    the log: step directories are never ignored, which would start the run again from step 0."""
+    for root in roots:
+        latest = read_latest(root)
+        if latest is not None:
+            return latest
+    found = sorted((d for root in roots for d in step_dirs(root)), key=lambda d: d.name, reverse=True)
+    if found:
+        log.warning(f"checkpoint: no '{LATEST}' file in {' or '.join(map(str, roots))}; resuming from the newest "
+                    f"step directory, {found[0]}")
+    return found[0] if found else None
 
 
 class Checkpointer:
@@ -78,9 +103,11 @@ class Checkpointer:
         self.group = dist.new_group(backend="gloo") if self.world > 1 else None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self.saved: list[str] = []  # this run's saves, oldest first: the order retention prunes by
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
-            remove_stale_tmp(self.root)
+            for root in [self.root] + ([self.mirror] if self.mirror else []):
+                remove_stale_tmp(root)
         self._barrier()
 
     # ---- coordination: small objects only -------------------------------------------------------
@@ -150,29 +177,57 @@ class Checkpointer:
             self._error = exc
 
     def _write(self, step, file, tensors, file_meta, entries, meta) -> None:
+        """Every rank writes its file; rank 0 commits. Failures (a full disk, say) are agreed by all ranks
+        and raised on each as one CheckpointError, with the temporary directory removed and the previous
+        checkpoint untouched."""
         name = step_dir_name(step)
         tmp = self.root / (TMP_PREFIX + name)
-        tmp.mkdir(parents=True, exist_ok=True)
-        sha, size = write_safetensors(tmp / file, tensors, file_meta)
-        gathered = self._gather((entries, {file: {"sha256": sha, "bytes": size}}))
-        if self.rank == 0:
-            files = {k: v for _, f in gathered for k, v in f.items()}
-            sha, size = write_json(tmp / METADATA, meta)
-            files[METADATA] = {"sha256": sha, "bytes": size}
-            manifest = {"format": FORMAT, "version": VERSION, "step": step, "files": dict(sorted(files.items())),
-                        "tensors": merge_entries([e for e, _ in gathered])}
-            write_json(tmp / MANIFEST, manifest)
-            commit(tmp, self.root / name)
-            set_latest(self.root, name)
-            apply_retention(self.root, self.ck.keep, self.ck.keep_every)
-            log.info(f"checkpoint: saved step {step} to {self.root / name} ({len(files)} files)")
-            if self.mirror is not None:
-                try:
-                    copy_verified(self.root / name, self.mirror, manifest["files"])
-                    apply_retention(self.mirror, self.ck.keep, self.ck.keep_every)
-                except (OSError, CheckpointError) as exc:  # the primary copy is safe; say so loudly
-                    log.error(f"checkpoint: mirror copy to {self.mirror} failed: {exc}")
-        self._barrier()
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)
+            sha, size = write_safetensors(tmp / file, tensors, file_meta)
+            mine = (entries, {file: {"sha256": sha, "bytes": size}}, None)
+        except (OSError, CheckpointError) as exc:
+            mine = (None, None, f"rank {self.rank}: {exc}")
+        gathered = self._gather(mine)
+        failed = [error for _, _, error in gathered if error]
+        if not failed and self.rank == 0:
+            try:
+                self._commit(step, name, tmp, gathered, meta)
+            except (OSError, CheckpointError) as exc:
+                failed = [f"rank 0: {exc}"]
+        failed = self._gather(failed)[0]
+        if failed:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"saving step {step} to {self.root / name} failed: {'; '.join(failed)}; earlier "
+                                  f"checkpoints are untouched. Free space (or lower checkpoint.keep) and rerun")
+
+    def _commit(self, step, name, tmp, gathered, meta) -> None:
+        files = {k: v for _, f, _ in gathered for k, v in f.items()}
+        sha, size = write_json(tmp / METADATA, meta)
+        files[METADATA] = {"sha256": sha, "bytes": size}
+        manifest = {"format": FORMAT, "version": VERSION, "step": step, "files": dict(sorted(files.items())),
+                    "tensors": merge_entries([e for e, _, _ in gathered])}
+        write_json(tmp / MANIFEST, manifest)
+        commit(tmp, self.root / name)
+        set_latest(self.root, name)
+        self.saved = [n for n in self.saved if n != name] + [name]
+        log.info(f"checkpoint: saved step {step} to {self.root / name} ({len(files)} files)")
+        # From here the checkpoint is committed: nothing below may fail the save.
+        self._prune(self.root)
+        if self.mirror is not None:
+            try:
+                copy_verified(self.root / name, self.mirror, manifest["files"])
+            except (OSError, CheckpointError) as exc:  # the primary copy is safe; say so loudly
+                log.error(f"checkpoint: mirror copy to {self.mirror} failed: {exc}")
+            else:
+                self._prune(self.mirror)
+
+    def _prune(self, root: Path) -> None:
+        try:
+            apply_retention(root, self.ck.keep, self.ck.keep_every, self.saved)
+        except OSError as exc:
+            log.error(f"checkpoint: retention in {root} failed (the new checkpoint is saved): {exc}")
 
     def wait(self) -> None:
         """Block until a background save has finished; re-raise its error here."""
@@ -181,21 +236,23 @@ class Checkpointer:
             self._thread = None
         if self._error is not None:
             error, self._error = self._error, None
+            if isinstance(error, CheckpointError):
+                raise error
             raise CheckpointError(f"background checkpoint save failed: {error}") from error
 
     # ---- load ----------------------------------------------------------------------------------------
     def _candidates(self) -> list[Path]:
         """The checkpoint to resume from first, then (with checkpoint.fallback) older ones and mirror copies."""
         roots = [self.root] + ([self.mirror] if self.mirror else [])
-        latest = read_latest(self.root) or (read_latest(self.mirror) if self.mirror else None)  # primary lost
+        latest = _resume_point(roots)
         if latest is None and self.ck.load:
             given = Path(self.ck.load)
-            if (given / MANIFEST).is_file():
+            if (given / MANIFEST).is_file() or is_hf_directory(given):
                 return [given]
-            if not (given / LATEST).is_file():
+            latest, roots = _resume_point([given]), [given]
+            if latest is None:
                 raise CheckpointError(f"checkpoint.load={given} is neither a checkpoint directory (with {MANIFEST}) "
-                                      f"nor a checkpoints directory with a '{LATEST}' file")
-            latest, roots = read_latest(given), [given]
+                                      f"nor a checkpoints directory (with a '{LATEST}' file or step_* directories)")
         if latest is None:
             return []
         found = [latest]
@@ -208,9 +265,10 @@ class Checkpointer:
         """Each rank checks a share of the files; all ranks get the union of the problems."""
         try:
             manifest = load_json(path / MANIFEST, "checkpoint manifest")
+            check_manifest(path, manifest)
             mine = sorted(manifest["files"])[self.rank::self.world]
             problems = verify(path, manifest, mine, checksums=self.ck.verify)
-        except (CheckpointError, KeyError, TypeError) as exc:
+        except (CheckpointError, OSError) as exc:
             problems = [str(exc)]
         return sorted({p for ps in self._gather(problems) for p in ps})
 
@@ -218,6 +276,8 @@ class Checkpointer:
         """Load the newest intact checkpoint (own run first, else checkpoint.load); None when there is none."""
         candidates = self._candidates()
         for path in candidates:
+            if is_hf_directory(path):
+                return self.load_hf(path)
             problems = self.problems(path)
             if not problems:
                 return self.load(path)
@@ -229,6 +289,26 @@ class Checkpointer:
         if candidates:
             raise CheckpointError(f"no intact checkpoint among {', '.join(map(str, candidates))}")
         return None
+
+    def load_hf(self, path: Path) -> dict:
+        """Continued pretraining: a Hugging Face directory's weights at this run's layout (converted on the fly,
+        engine/hf_checkpoint.py), fresh optimizer state, step 0."""
+        weights = HFWeights(path, self.cfg.model)
+        t = self.topo
+
+        def read(name, key, start, end):
+            if key != "master":
+                return torch.zeros(end - start)
+            p = self.params[name]
+            source = p.init_name if getattr(p, "pipeline_duplicate", False) else name  # tied output layer
+            return weights.read_local(source, p.full_shape, p.tp_dim, t.tp_size, t.tp_rank, start, end)
+
+        self.optimizer.adam_step = 0
+        self.optimizer.load_owned_state(read)
+        weights.close()
+        self._barrier()
+        log.info(f"checkpoint: loaded Hugging Face weights from {path} (step 0, fresh optimizer state)")
+        return {"step": 0, "consumed_samples": 0}
 
     def load(self, path: Path) -> dict:
         """Restore optimizer state (and with it the weights), loss scaler and RNG; returns the metadata."""
@@ -254,7 +334,7 @@ class Checkpointer:
             self.optimizer.scaler.load_state_dict(meta["scaler"])
         own = path / rank_file(t.tp_rank, t.pp_rank, t.dp_rank)
         same_layout = all(meta["layout"].get(k) == v for k, v in self.layout.items() if k != "zero_stage")
-        if not (same_layout and own.is_file() and _rng_restore(own)):
+        if not (same_layout and own.name in reader.manifest["files"] and _rng_restore(own)):
             # another layout: per-rank streams cannot carry over, so re-seed deterministically from the step
             seed_all(self.cfg.train.seed + meta["step"], t.tp_rank, t.pp_rank)
         reader.close()

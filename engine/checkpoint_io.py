@@ -26,7 +26,11 @@ DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", to
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be written or loaded; the message names the file and the fix."""
+    """A checkpoint that cannot be written or loaded; the message names the file and the fix. Always one line:
+    messages quote names read from damaged files, which may hold line breaks."""
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(str(message).splitlines()))
 
 
 def step_dir_name(step: int) -> str:
@@ -113,17 +117,28 @@ def set_latest(root: Path, name: str) -> None:
 
 
 def read_latest(root: Path) -> Path | None:
+    """The checkpoint `latest` names: only ever a step directory's plain name, so that it cannot lead out of
+    this checkpoints directory (to another run's checkpoint, say)."""
     pointer = root / LATEST
     if not pointer.is_file():
         return None
-    return root / pointer.read_text().strip()
+    try:
+        name = pointer.read_bytes().decode().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{pointer} is unreadable ({exc}); delete it to resume from the newest intact "
+                              f"step directory") from exc
+    if not STEP_DIR.match(name):
+        raise CheckpointError(f"{pointer} holds {name[:80]!r}, not the name of a step directory in {root} "
+                              f"(step_<8 digits>); delete it to resume from the newest intact step directory, or "
+                              f"name another run's checkpoint with checkpoint.load")
+    return root / name
 
 
 def step_dirs(root: Path) -> list[Path]:
     """Committed checkpoint directories under root, newest step first."""
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)]
+    found = [p for p in root.iterdir() if STEP_DIR.match(p.name) and p.is_dir()]
     return sorted(found, key=lambda p: p.name, reverse=True)
 
 
@@ -135,12 +150,23 @@ def remove_stale_tmp(root: Path) -> None:
                 shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
 
 
-def apply_retention(root: Path, keep: int, keep_every: int) -> list[Path]:
-    """Delete all but the newest `keep` checkpoints, except steps that are multiples of `keep_every`."""
+def apply_retention(root: Path, keep: int, keep_every: int, saved: list[str]) -> list[Path]:
+    """Delete all but the `keep` most recently saved checkpoints, except steps that are multiples of
+    `keep_every`. `saved` names this run's saves in the order they were made: they are newer than anything
+    found on disk, whatever their step numbers (a run resumed from an older step saves lower numbers than
+    the directories it abandoned). Never deleted: `latest`'s target, the last save, and symlinked
+    directories (their target is not ours to delete)."""
+    mine = {name: i for i, name in enumerate(saved)}
+    found = sorted(step_dirs(root), key=lambda p: (p.name in mine, mine.get(p.name, 0), p.name), reverse=True)
+    try:
+        latest = read_latest(root)
+    except CheckpointError:
+        latest = None
+    protected = {latest.name if latest else None, saved[-1] if saved else None}
     removed = []
-    for i, path in enumerate(step_dirs(root)):
+    for i, path in enumerate(found):
         step = int(STEP_DIR.match(path.name).group(1))
-        if i < keep or (keep_every > 0 and step % keep_every == 0):
+        if i < keep or (keep_every > 0 and step % keep_every == 0) or path.name in protected or path.is_symlink():
             continue
         shutil.rmtree(path)
         removed.append(path)
@@ -153,17 +179,20 @@ def copy_verified(src: Path, dst_root: Path, files: dict[str, dict]) -> Path:
     tmp = dst_root / (TMP_PREFIX + src.name)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    for name in sorted(files) + ["manifest.json"]:
-        digest = hashlib.sha256()
-        with open(src / name, "rb") as fin, open(tmp / name, "wb") as fout:
-            while block := fin.read(CHUNK):
-                fout.write(block)
-                digest.update(block)
-            fout.flush()
-            os.fsync(fout.fileno())
-        if name in files and digest.hexdigest() != files[name]["sha256"]:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(f"mirror copy of {src / name} does not match its SHA-256 in the manifest")
+    try:
+        for name in sorted(files) + ["manifest.json"]:
+            digest = hashlib.sha256()
+            with open(src / name, "rb") as fin, open(tmp / name, "wb") as fout:
+                while block := fin.read(CHUNK):
+                    fout.write(block)
+                    digest.update(block)
+                fout.flush()
+                os.fsync(fout.fileno())
+            if name in files and digest.hexdigest() != files[name]["sha256"]:
+                raise CheckpointError(f"mirror copy of {src / name} does not match its SHA-256 in the manifest")
+    except BaseException:  # a full or failing mirror: leave no half copy behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     commit(tmp, dst_root / src.name)
     set_latest(dst_root, src.name)
     return dst_root / src.name

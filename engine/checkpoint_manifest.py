@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -76,31 +77,164 @@ def merge_entries(per_rank: list[dict]) -> dict:
 
 def load_json(path: Path, what: str):
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
+        return json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError) as exc:
         raise CheckpointError(f"{path} ({what}) is missing or unreadable: {exc}") from exc
 
 
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _dims(value) -> bool:
+    return isinstance(value, list) and len(value) > 0 and all(_count(v) and v > 0 for v in value)
+
+
+def plain_name(name) -> bool:
+    """A file directly inside the checkpoint: no directories, no `..`, not absolute, not hidden."""
+    return isinstance(name, str) and name not in ("", MANIFEST) and Path(name).name == name and \
+        not name.startswith(".") and "\\" not in name and "\0" not in name
+
+
+def check_manifest(directory: Path, manifest) -> None:
+    """Everything loading relies on, before anything is read: every file a manifest names is a listed (and so
+    verified) file directly inside this checkpoint, every piece lies inside its tensor, the pieces of each
+    TP rank tile its local tensor exactly, and no file is asked for more bytes than it has."""
+    where = directory / MANIFEST
+
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise CheckpointError(f"{where} is damaged: {what}; restore this checkpoint from a copy (or resume "
+                                  f"from another with checkpoint.fallback=true)")
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{where} is not a Trilith checkpoint manifest")
+    files, tensors = manifest.get("files"), manifest.get("tensors")
+    need(isinstance(files, dict) and isinstance(tensors, dict), "it needs the objects 'files' and 'tensors'")
+    for name, info in files.items():
+        need(plain_name(name), f"file {name[:80]!r} is not a plain file name inside the checkpoint")
+        need(isinstance(info, dict) and isinstance(info.get("sha256"), str) and _count(info.get("bytes")),
+             f"files[{name!r}] needs a 'sha256' string and a 'bytes' count")
+    need(METADATA in files, f"{METADATA} is not among its files")
+    budget = {name: info["bytes"] for name, info in files.items()}
+    for name, entry in tensors.items():
+        need(isinstance(entry, dict), f"tensors[{name[:80]!r}] is not an object")
+        shape, local, tp_dim, tp_size = (entry.get(k) for k in ("shape", "local_shape", "tp_dim", "tp_size"))
+        keys, pieces = entry.get("keys"), entry.get("pieces")
+        need(_dims(shape) and _dims(local) and len(shape) == len(local) and isinstance(tp_size, int)
+             and tp_size >= 1 and ((tp_dim is None and tp_size == 1) or (_count(tp_dim) and tp_dim < len(shape)))
+             and entry.get("dtype") == "float32", f"tensor {name[:80]!r} has an invalid shape, split or dtype")
+        full = list(local)
+        if tp_dim is not None:
+            full[tp_dim] *= tp_size
+        need(shape[1:] == full[1:] and shape[0] <= full[0], f"tensor {name[:80]!r}: shape {shape} does not fit "
+                                                            f"local_shape {local} split {tp_size} ways")
+        need(isinstance(keys, list) and all(isinstance(k, str) and k in KEYS for k in keys) and
+             len(set(keys)) == len(keys), f"tensor {name[:80]!r}: keys must be distinct, among {list(KEYS)}")
+        need(isinstance(pieces, list) and all(isinstance(q, dict) for q in pieces) and tp_size <= len(pieces),
+             f"tensor {name[:80]!r}: 'pieces' is not a list of objects, at least one per TP rank")
+        numel = math.prod(local)
+        for rank in range(tp_size):
+            covered = 0
+            mine = [q for q in pieces if q.get("tp_rank") == rank]
+            for q in sorted(mine, key=lambda q: q.get("start") if _count(q.get("start")) else -1):
+                need(isinstance(q.get("file"), str) and q["file"] in files and q["file"].endswith(".safetensors"),
+                     f"tensor {name[:80]!r}: a piece names {str(q.get('file'))[:80]!r}, which is not among its "
+                     f"safetensors files")
+                need(_count(q.get("start")) and _count(q.get("end")) and q["start"] == covered
+                     and covered < q["end"] <= numel, f"tensor {name[:80]!r}: the pieces of TP rank {rank} do not "
+                                                      f"tile its {numel} elements")
+                covered = q["end"]
+                budget[q["file"]] -= 4 * (q["end"] - q["start"]) * len(keys)
+                need(budget[q["file"]] >= 0, f"its pieces ask more bytes of {q['file']} than it has")
+            need(covered == numel, f"tensor {name[:80]!r}: the pieces of TP rank {rank} cover {covered} of its "
+                                   f"{numel} elements")
+        need(len(pieces) == sum(q.get("tp_rank") in range(tp_size) for q in pieces),
+             f"tensor {name[:80]!r}: a piece's tp_rank is outside 0..{tp_size - 1}")
+
+
+def check_metadata(path: Path, meta) -> None:
+    fields = {"step": _count, "consumed_samples": _count, "adam_step": _count,
+              "layout": lambda v: isinstance(v, dict), "config": lambda v: isinstance(v, dict)}
+    bad = [k for k, ok in fields.items() if not isinstance(meta, dict) or not ok(meta.get(k))]
+    if bad:
+        raise CheckpointError(f"{path} is damaged: {', '.join(bad)} missing or invalid")
+
+
+TENSOR_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "U8": torch.uint8,
+                 "I64": torch.int64, "I32": torch.int32}
+
+
 class SafetensorsRanges:
-    """Reads element ranges of 1-D fp32 tensors of a safetensors file straight into new tensors (one copy,
-    no memory map shared between callers)."""
+    """Reads tensors, or element ranges of 1-D fp32 tensors, of a safetensors file straight into new tensors
+    (one copy, no memory map shared between callers). Every header field is checked against the file's
+    size before it is used, so a damaged file is a CheckpointError naming it, never a huge allocation."""
 
     def __init__(self, path: Path):
         self.path = path
-        self.file = open(path, "rb")
-        size = int.from_bytes(self.file.read(8), "little")
-        self.header = json.loads(self.file.read(size))
-        self.base = 8 + size
+        try:
+            self.file = open(path, "rb")
+        except OSError as exc:
+            raise CheckpointError(f"{path} is unreadable: {exc}") from exc
+        try:
+            self.header, self.base, self.size = self._read_header()
+        except BaseException:
+            self.file.close()
+            raise
+
+    def _read_header(self) -> tuple[dict, int, int]:
+        size = os.fstat(self.file.fileno()).st_size
+        length = int.from_bytes(self.file.read(8), "little")
+        if size < 8 or length > size - 8:
+            raise CheckpointError(f"{self.path} is damaged: its header length {length} exceeds the file's {size} "
+                                  f"bytes (a flipped bit or a truncated file)")
+        try:
+            header = json.loads(self.file.read(length))
+        except (ValueError, RecursionError) as exc:
+            raise CheckpointError(f"{self.path} is damaged: its header is not JSON ({exc})") from exc
+        meta = header.get("__metadata__", {}) if isinstance(header, dict) else None
+        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+            raise CheckpointError(f"{self.path} is damaged: its header is not a safetensors header")
+        return header, 8 + length, size
+
+    @property
+    def metadata(self) -> dict:
+        return self.header.get("__metadata__", {})
+
+    def keys(self) -> list[str]:
+        return [k for k in self.header if k != "__metadata__"]
+
+    def _entry(self, key: str, dtype=None) -> tuple[torch.dtype, list[int], int]:
+        info = self.header.get(key) if key != "__metadata__" else None
+        if not isinstance(info, dict):
+            raise CheckpointError(f"{self.path} has no tensor {key[:80]!r}")
+        kind, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        ok = kind in TENSOR_DTYPES and (dtype is None or TENSOR_DTYPES[kind] == dtype) and \
+            isinstance(shape, list) and all(_count(n) for n in shape) and isinstance(offsets, list) and \
+            len(offsets) == 2 and all(_count(o) for o in offsets) and \
+            offsets[0] + math.prod(shape) * TENSOR_DTYPES[kind].itemsize == offsets[1] <= self.size - self.base
+        if not ok:
+            raise CheckpointError(f"{self.path} is damaged: the header entry of tensor {key[:80]!r} (dtype, shape, "
+                                  f"data_offsets) does not fit the file" + (" or is not fp32" if dtype else ""))
+        return TENSOR_DTYPES[kind], shape, offsets[0]
+
+    def _read_into(self, out: torch.Tensor, offset: int, what: str) -> torch.Tensor:
+        self.file.seek(self.base + offset)
+        if self.file.readinto(memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B")) != \
+                out.numel() * out.element_size():
+            raise CheckpointError(f"{self.path} ends inside tensor {what} (truncated)")
+        return out
 
     def read(self, key: str, start: int, end: int) -> torch.Tensor:
-        info = self.header.get(key)
-        if info is None or info["dtype"] != "F32":
-            raise CheckpointError(f"{self.path} has no fp32 tensor {key}")
-        out = torch.empty(end - start, dtype=torch.float32)
-        self.file.seek(self.base + info["data_offsets"][0] + 4 * start)
-        if self.file.readinto(memoryview(out.numpy()).cast("B")) != 4 * (end - start):
-            raise CheckpointError(f"{self.path} ends inside tensor {key} (truncated)")
-        return out
+        """Elements [start, end) of the 1-D fp32 tensor `key`."""
+        _, shape, offset = self._entry(key, torch.float32)
+        if not 0 <= start <= end <= math.prod(shape):
+            raise CheckpointError(f"{self.path}: elements [{start}, {end}) lie outside tensor {key[:80]!r} of "
+                                  f"{math.prod(shape)} elements")
+        return self._read_into(torch.empty(end - start, dtype=torch.float32), offset + 4 * start, key)
+
+    def tensor(self, key: str) -> torch.Tensor:
+        dtype, shape, offset = self._entry(key)
+        return self._read_into(torch.empty(shape, dtype=dtype), offset, key)
 
     def close(self) -> None:
         self.file.close()
@@ -120,15 +254,26 @@ def verify(directory: Path, manifest: dict, names, checksums: bool = True) -> li
     return problems
 
 
+def open_verified(directory: Path, checksums: bool = True) -> "CheckpointReader":
+    """A reader for a checkpoint whose every file was checked first, in one process (what offline tools use;
+    training splits the same checks over its ranks)."""
+    manifest = load_json(directory / MANIFEST, "checkpoint manifest")
+    check_manifest(directory, manifest)
+    problems = verify(directory, manifest, sorted(manifest["files"]), checksums)
+    if problems:
+        raise CheckpointError(f"checkpoint {directory} is unusable: {'; '.join(problems)}")
+    return CheckpointReader(directory)
+
+
 class CheckpointReader:
     """Reads ranges of TP-local tensors of any layout from one committed checkpoint directory."""
 
     def __init__(self, directory: str | Path):
         self.dir = Path(directory)
         self.manifest = load_json(self.dir / MANIFEST, "checkpoint manifest")
-        if self.manifest.get("format") != FORMAT:
-            raise CheckpointError(f"{self.dir / MANIFEST} is not a Trilith checkpoint manifest")
+        check_manifest(self.dir, self.manifest)
         self.metadata = load_json(self.dir / METADATA, "checkpoint metadata")
+        check_metadata(self.dir / METADATA, self.metadata)
         self.tensors = self.manifest["tensors"]
         self._files: dict[str, SafetensorsRanges] = {}
         self._cached: tuple | None = None

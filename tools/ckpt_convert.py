@@ -30,7 +30,8 @@ if str(ROOT) not in sys.path:
 from engine.checkpoint_io import (TMP_PREFIX, CheckpointError, commit, read_latest, set_latest,  # noqa: E402
                                   step_dir_name, write_json, write_safetensors)
 from engine.checkpoint_manifest import (FORMAT, KEYS, MANIFEST, METADATA, VERSION, CheckpointReader,  # noqa: E402
-                                        global_shape, local_from_global, merge_entries, rank_file, tensor_entry)
+                                        global_shape, local_from_global, merge_entries, open_verified, rank_file,
+                                        tensor_entry)
 from engine.config import Config, ConfigError, ModelConfig, from_dict, to_dict, validate  # noqa: E402
 from engine.hf_config import hf_config_dict, model_from_hf, v4_rope_fields  # noqa: E402
 from engine.model import CausalLM  # noqa: E402
@@ -49,6 +50,12 @@ def resolve(path: str | Path) -> Path:
         raise CheckpointError(f"{path} is neither a Trilith checkpoint (with {MANIFEST}) nor a checkpoints "
                               f"directory with a 'latest' file")
     return latest
+
+
+def open_checkpoint(path: str | Path) -> CheckpointReader:
+    """The checkpoint, verified as training verifies it before loading (sizes, SHA-256, the manifest's
+    names and ranges): a corrupt checkpoint is refused, never converted into one that verifies."""
+    return open_verified(resolve(path))
 
 
 def layout_params(model: ModelConfig, tp_size: int, tp_rank: int) -> dict:
@@ -186,7 +193,7 @@ def export_tokens(meta: dict, tokenizer: str, out: Path, model: ModelConfig) -> 
 
 def to_hf(args) -> None:
     from transformers import GenerationConfig
-    reader = CheckpointReader(resolve(args.load_dir))
+    reader = open_checkpoint(args.load_dir)
     model = ModelConfig(**reader.metadata["config"]["model"])
     out = Path(args.save_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -202,14 +209,44 @@ def to_hf(args) -> None:
           f"{reader.metadata['step']})")
 
 
+def read_safetensors(path: Path, keys: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """All tensors of a file, or the given ones; a damaged file is a CheckpointError naming it."""
+    from safetensors import SafetensorError, safe_open
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            missing = sorted(set(keys or []) - set(f.keys()))
+            if missing:
+                raise CheckpointError(f"{path} lacks {missing[:5]}, which model.safetensors.index.json places there")
+            return {k: f.get_tensor(k) for k in (f.keys() if keys is None else keys)}
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(f"{path} is not a readable safetensors file: {exc}") from exc
+
+
+def hf_weight_map(src: Path, index: Path) -> dict[str, list[str]]:
+    """{file: tensor names} from an index; every file named must be a plain file inside `src`."""
+    try:
+        weight_map = json.loads(index.read_bytes())["weight_map"]
+    except (OSError, ValueError, RecursionError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{index} is not a readable index with a 'weight_map' ({exc})") from exc
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise CheckpointError(f"{index}: 'weight_map' must map tensor names to file names")
+    files: dict[str, list[str]] = {}
+    for name, file in weight_map.items():
+        parts = Path(file).parts
+        if not parts or Path(file).is_absolute() or ".." in parts or not (src / file).is_file():
+            raise CheckpointError(f"{index} places {name!r} in {file[:80]!r}, which is not a file inside {src} "
+                                  f"(absolute paths and '..' are refused)")
+        files.setdefault(file, []).append(name)
+    return files
+
+
 def load_hf_weights(src: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
     index = src / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return {k: v for f in files for k, v in load_file(src / f).items()}
+        return {k: v for f, keys in sorted(hf_weight_map(src, index).items())
+                for k, v in read_safetensors(src / f, keys).items()}
     if (src / "model.safetensors").is_file():
-        return load_file(src / "model.safetensors")
+        return read_safetensors(src / "model.safetensors")
     if (src / "pytorch_model.bin").is_file():
         return torch.load(src / "pytorch_model.bin", map_location="cpu", weights_only=True)
     raise SystemExit(f"ckpt_convert: {src} has no model.safetensors, model.safetensors.index.json or "
@@ -256,7 +293,7 @@ def record_tokens(meta: dict, src: Path) -> None:
 
 def to_gguf(args) -> None:
     from tools._gguf_export import write_gguf
-    reader = CheckpointReader(resolve(args.load_dir))
+    reader = open_checkpoint(args.load_dir)
     config = reader.metadata["config"]
     tokenizer = args.tokenizer if args.tokenizer is not None else config["data"]["tokenizer"]
     if not tokenizer:
@@ -274,7 +311,7 @@ def to_gguf(args) -> None:
 
 
 def reshard(args) -> None:
-    reader = CheckpointReader(resolve(args.load_dir))
+    reader = open_checkpoint(args.load_dir)
     cfg = from_dict(reader.metadata["config"])
     meta = copy.deepcopy(reader.metadata)
     meta["layout"] = retarget(cfg, args.tensor, args.pipeline)
