@@ -141,8 +141,7 @@ class DataConfig:
     reset_attention_mask: bool = False  # tokens never attend to earlier documents packed in the same sample
     reset_position_ids: bool = False  # RoPE positions restart at 0 after each end-of-document token
     eod_mask_loss: bool = False  # no loss where the input token is end-of-document
-    eod_token_id: int = -1  # end-of-document id of the three switches above; -1 = data.tokenizer's
-        # <|endoftext|> or </s>
+    eod_token_id: int = -1  # end-of-document id of the three switches above; -1 = data.tokenizer's own (data/eod.py)
 
 
 @dataclass

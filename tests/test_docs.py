@@ -1,0 +1,83 @@
+"""The documentation stays true: the configuration reference is the generated one, every relative link in
+README.md and docs/ points at a file that exists, and README stays an entry page."""
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tools import gen_config_docs
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def test_configuration_reference_is_generated_from_the_dataclasses():
+    committed = (ROOT / "docs" / "configuration.md").read_text()
+    assert committed == gen_config_docs.render(), \
+        "docs/configuration.md is out of date: run python tools/gen_config_docs.py"
+
+
+def test_every_config_key_is_in_the_reference():
+    text = gen_config_docs.render()
+    for section, keys in (("model", ("hidden_size", "attention_backend")), ("parallel", ("zero_stage",)),
+                          ("checkpoint", ("mirror_dir",)), ("run", ("replica_check_interval",))):
+        for key in keys:
+            assert f"| `{section}.{key}` |" in text
+
+
+@dataclass
+class _Documented:
+    """A section for the tests."""
+    plain: int = 1  # one line
+    wrapped: str = "a|b"  # first line
+        # second line, indented deeper
+    # a group heading above a field with its own comment: not part of either field
+    after: bool = False  # the next field
+    # a comment written above a field
+    # that has none on its line
+    above: int = 2
+
+
+@dataclass
+class _Undocumented:
+    """A section with a field nobody explained."""
+    bare: int = 0
+
+
+def test_a_field_comment_is_its_line_and_the_deeper_lines_below_it():
+    assert gen_config_docs.field_comments(_Documented) == {
+        "plain": "one line", "wrapped": "first line second line, indented deeper", "after": "the next field",
+        "above": "a comment written above a field that has none on its line"}
+    rows = gen_config_docs.section_table("demo", _Documented)
+    assert "| `demo.wrapped` | str | `a\\|b` | first line second line, indented deeper |" in rows
+
+
+def test_a_field_without_a_comment_is_refused_with_the_fix():
+    with pytest.raises(gen_config_docs.UndocumentedField, match=r"_Undocumented\.bare has no comment.*"
+                                                                 r"python tools/gen_config_docs\.py"):
+        gen_config_docs.section_table("demo", _Undocumented)
+
+
+def relative_links(page: Path) -> list[str]:
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # code blocks hold no links
+    return [t for t in LINK.findall(text) if not re.match(r"[a-z]+:|#", t)]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_point_at_existing_files(page):
+    broken = [t for t in relative_links(page) if not (page.parent / t.split("#")[0]).exists()]
+    assert not broken, f"{page.relative_to(ROOT)} links to missing files: {broken}"
+
+
+def test_the_link_check_sees_a_broken_link(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("[ok](page.md) [gone](docs/missing.md#part) [web](https://example.org) [here](#top)\n"
+                    "```\n[in code](nowhere.md)\n```\n")
+    assert relative_links(page) == ["page.md", "docs/missing.md#part"]
+
+
+def test_readme_is_an_entry_page():
+    lines = (ROOT / "README.md").read_text().count("\n")
+    assert lines <= 200, f"README.md has {lines} lines; move reference material into docs/"
