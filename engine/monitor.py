@@ -1,6 +1,6 @@
-"""Training health beyond the loss curve (the seeds' monitoring list).
+"""Training health beyond the loss curve (a 7B field report's monitoring list).
 
-  - gradient-norm alarm: a warning when the global norm exceeds `run.grad_norm_alarm` (seeds: healthy
+  - gradient-norm alarm: a warning when the global norm exceeds `run.grad_norm_alarm` (the report: healthy
     0.8–1.2, alarm above 2);
   - non-finite losses traced to their samples: when a micro-batch's loss (or, outside fp16's loss
     scaling, the gradient norm) is NaN/Inf, the step is skipped and rank 0 writes
@@ -10,10 +10,10 @@
     `run.max_nonfinite_steps` such steps in a row stop the run (it is not learning any more);
   - attention entropy per layer (every `run.monitor_interval` steps): a no-gradient probe forward of the
     step's first micro-batch, averaged over heads, queries, TP/PP/DP ranks, with a warning outside
-    [`run.attention_entropy_min`, `run.attention_entropy_max`] (seeds: healthy about 2–5 nats);
+    [`run.attention_entropy_min`, `run.attention_entropy_max`] (the report: healthy about 2–5 nats);
   - per-head gradient-variance ratio per layer (same interval): the variance of each query head's slice of
     the reduced q_proj gradient, max over min within the layer, with a warning above
-    `run.head_grad_variance_alarm` (seeds: about 1 when heads learn evenly; a head 5× off has failed);
+    `run.head_grad_variance_alarm` (the report: about 1 when heads learn evenly; a head 5× off has failed);
   - GPU memory fragmentation, 1 − peak allocated / peak reserved over the step: above
     `run.max_memory_fragmentation` the caching allocator's free blocks are released (`empty_cache`).
 

@@ -123,7 +123,7 @@ class MixedPrecisionAdamW:
                 if p is not m:
                     p.copy_(m)
 
-    # Checkpoint interface (README "Checkpoints"): optimizer state per parameter name as flat fp32 ranges.
+    # Checkpoint interface (docs/checkpoints.md): optimizer state per parameter name as flat fp32 ranges.
 
     @property
     def adam_step(self) -> int:

@@ -1,6 +1,6 @@
 """The benchmark tools run and print their ratios against a baseline measured in the same run.
 
-Speed itself is never asserted (README "Benchmarks"); these prove the scripts work on CPU."""
+Speed itself is never asserted (docs/benchmarks.md); these prove the scripts work on CPU."""
 import re
 import subprocess
 import sys

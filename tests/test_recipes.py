@@ -1,5 +1,5 @@
-"""The GPU recipes in launch/configs: each is valid at the world size it is written for, and the seeds' 7B
-recipe (TP 2 + SP × PP 2 × ZeRO-1 DP with hierarchical reduction, two-phase schedule, the mid-run recompute
+"""The GPU recipes in launch/configs: each is valid at the world size it is written for, and a 7B field
+report's recipe (TP 2 + SP × PP 2 × ZeRO-1 DP with hierarchical reduction, two-phase schedule, the mid-run recompute
 switch, document masking, weighted datasets, per-dataset validation) passes its pre-flight on 8 CPU ranks
 with the model shrunk by the pre-flight itself, the vocabulary cut to 4096 and compilation off."""
 import subprocess
@@ -23,7 +23,7 @@ def test_recipe_is_valid_at_its_world_size(name, world, dp, accumulation):
     validate(cfg, world)
     assert data_parallel_size(cfg, world) == dp
     assert cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp) == accumulation
-    assert cfg.train.global_batch_size * cfg.model.seq_length == 512 * 4096  # the seeds' 2M-token batch
+    assert cfg.train.global_batch_size * cfg.model.seq_length == 512 * 4096  # the field report's 2M-token batch
 
 
 def write_documents(prefix: Path, seed: int) -> None:

@@ -1,7 +1,7 @@
 """Document quality heuristics for corpus cleaning, each failure named by a reason.
 
 Defaults are set to keep ordinary prose and source code (measured on the Python standard library,
-README "Data") and drop what is not text to learn from: near-empty documents, symbol soup, pages
+docs/data.md) and drop what is not text to learn from: near-empty documents, symbol soup, pages
 of repeated lines, crawler boilerplate, and "words" of implausible length (hashes, base64, lists
 of single characters).
 """
