@@ -1,5 +1,8 @@
 """The documentation stays true: the configuration reference is the generated one, every relative link in
-README.md and docs/ points at a file that exists, and README stays an entry page."""
+README.md and docs/ points at a file that exists, every code path and `Class.member` they name exists, and
+README stays an entry page."""
+import ast
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,6 +14,9 @@ from tools import gen_config_docs
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+CODE_PATH = re.compile(r"`((?:engine|parallel|kernels|data|tools|launch|tests)/[\w/.]*)(?::(\w+))?`")
+MEMBER = re.compile(r"`([A-Z]\w+)\.(\w+)`")
+EXTERNAL = {"AutoModelForCausalLM"}  # transformers' classes, named where the docs describe interoperability
 
 
 def test_configuration_reference_is_generated_from_the_dataclasses():
@@ -81,3 +87,62 @@ def test_the_link_check_sees_a_broken_link(tmp_path):
 def test_readme_is_an_entry_page():
     lines = (ROOT / "README.md").read_text().count("\n")
     assert lines <= 200, f"README.md has {lines} lines; move reference material into docs/"
+
+
+@functools.cache
+def defined_names(path: Path) -> dict[str, set[str]]:
+    """{"": top-level functions and classes, class name: its methods and attributes} of a Python file."""
+    names: dict[str, set[str]] = {"": set()}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names[""].add(node.name)
+        if isinstance(node, ast.ClassDef):
+            members = names.setdefault(node.name, set())
+            for inner in ast.walk(node):
+                if isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    members.add(inner.name)
+                elif isinstance(inner, ast.Attribute) and isinstance(inner.ctx, ast.Store):
+                    members.add(inner.attr)
+                elif isinstance(inner, ast.AnnAssign) and isinstance(inner.target, ast.Name):
+                    members.add(inner.target.id)
+    return names
+
+
+@functools.cache
+def code_index() -> dict[str, set[str]]:
+    index: dict[str, set[str]] = {}
+    for folder in ("engine", "parallel", "kernels", "data", "tools"):
+        for path in (ROOT / folder).glob("*.py"):
+            for cls, members in defined_names(path).items():
+                if cls:
+                    index.setdefault(cls, set()).update(members)
+    return index
+
+
+def missing_code(page: Path, index: dict[str, set[str]]) -> list[str]:
+    text = page.read_text()
+    missing = []
+    for path, name in CODE_PATH.findall(text):
+        target = ROOT / path
+        if not target.exists():
+            missing.append(path)
+        elif name and name not in set().union(*defined_names(target).values()):
+            missing.append(f"{path}:{name}")
+    for cls, member in MEMBER.findall(text):
+        if cls not in EXTERNAL and member not in index.get(cls, set()):
+            missing.append(f"{cls}.{member}")
+    return missing
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_code_named_in_the_docs_exists(page):
+    missing = missing_code(page, code_index())
+    assert not missing, f"{page.relative_to(ROOT)} names code that does not exist (moved or renamed?): {missing}"
+
+
+def test_the_code_check_sees_a_renamed_function(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("`engine/train.py:main` `engine/train.py:no_such_function` `engine/nowhere.py` "
+                    "`Trainer.train_step` `Trainer.no_such_method` `NoSuchClass.step`\n")
+    assert missing_code(page, code_index()) == ["engine/train.py:no_such_function", "engine/nowhere.py",
+                                                "Trainer.no_such_method", "NoSuchClass.step"]
