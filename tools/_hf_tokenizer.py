@@ -3,8 +3,10 @@
 A `tokenizer.json` is copied byte for byte with a `tokenizer_config.json` naming `PreTrainedTokenizerFast`
 (transformers 5 would write `TokenizersBackend`, which 4.x cannot import; both generations read tokenizer.json
 verbatim through `PreTrainedTokenizerFast`). The source's own tokenizer_config.json fields (chat template,
-model_max_length, ...) are kept. A SentencePiece model becomes `tokenizer.model` with a `LlamaTokenizer`
-config (needs `sentencepiece` and `protobuf`) that states every role, so transformers invents no `<s>`/`</s>`.
+model_max_length, ...) are kept. A SentencePiece model is written both as `tokenizer.model` (what llama.cpp's
+converter reads) and as the equivalent `tokenizer.json`, so that neither transformers generation converts it
+itself: their own conversions differ (transformers 5's drops the model's whitespace handling, so " one"
+encodes differently from SentencePiece). The config states every role, so transformers invents no `<s>`/`</s>`.
 
 The special tokens are the tokenizer's own (data/eod.py), with the end of document overridden by
 `data.eod_token_id` — the same id preprocessing appended and training masked.
@@ -44,6 +46,49 @@ def export_roles(path: str | Path, eod_token_id: int = -1) -> dict[str, tuple[st
     return roles
 
 
+def spm_merges(pieces: list[tuple[str, float]]) -> list[tuple[str, str]]:
+    """BPE merges of a SentencePiece BPE model: every split of a piece into two pieces, the pieces ranked by
+    score (SentencePiece merges the best-scoring result first), splits by their parts' ids."""
+    ids = {piece: i for i, (piece, _) in enumerate(pieces)}
+    ranked = sorted(range(len(pieces)), key=lambda i: -pieces[i][1])
+    merges = []
+    for i in ranked:
+        piece = pieces[i][0]
+        splits = [(piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in ids and piece[k:] in ids]
+        merges.extend(sorted(splits, key=lambda lr: (ids[lr[0]], ids[lr[1]])))
+    return merges
+
+
+def sentencepiece_json(file: Path):
+    """A `tokenizers` Tokenizer that encodes as the SentencePiece model does (normalizer, dummy prefix,
+    whitespace, byte fallback, user-defined pieces matched in the text, control pieces special)."""
+    from sentencepiece import sentencepiece_model_pb2
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(file.read_bytes())
+    pieces = [(p.piece, p.score) for p in proto.pieces]
+    trainer, spec = proto.trainer_spec, proto.normalizer_spec
+    if trainer.model_type == 1:
+        model = models.Unigram(pieces, unk_id=trainer.unk_id, byte_fallback=trainer.byte_fallback)
+    elif trainer.model_type == 2:
+        model = models.BPE({p: i for i, (p, _) in enumerate(pieces)}, spm_merges(pieces),
+                           unk_token=pieces[trainer.unk_id][0], fuse_unk=True, byte_fallback=trainer.byte_fallback)
+    else:
+        raise TokenizerExportError(f"{file} is a SentencePiece model of type {trainer.model_type}; the export "
+                                   f"takes unigram and BPE models")
+    tok = Tokenizer(model)
+    steps = [normalizers.Precompiled(spec.precompiled_charsmap)] if spec.precompiled_charsmap else []
+    if spec.remove_extra_whitespaces:
+        steps += [normalizers.Strip(), normalizers.Replace(Regex(" {2,}"), " ")]
+    steps += ([normalizers.Prepend("▁")] if spec.add_dummy_prefix else []) + [normalizers.Replace(" ", "▁")]
+    tok.normalizer = normalizers.Sequence(steps)
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+                                    + ([decoders.Strip(" ", 1, 0)] if spec.add_dummy_prefix else []))
+    tok.add_tokens([AddedToken(p.piece, normalized=False, special=p.type == 3) for p in proto.pieces
+                    if p.type in (3, 4)])  # 3: control, 4: user-defined
+    return tok
+
+
 def _source_config(file: Path) -> dict:
     config_file = file.parent / CONFIG_FILES[0]
     if file.suffix != ".json" or not config_file.is_file():
@@ -63,12 +108,11 @@ def export_tokenizer(path: str | Path, out: Path, eod_token_id: int = -1,
     config = _source_config(file)
     if file.suffix == ".model":
         shutil.copyfile(file, out / "tokenizer.model")
-        # Trilith's preprocessing encodes without bos/eos, so the exported tokenizer adds none either.
-        config.update(tokenizer_class="LlamaTokenizer", add_bos_token=False, add_eos_token=False, legacy=True,
-                      sp_model_kwargs={}, spaces_between_special_tokens=False)
+        # No post-processor: Trilith's preprocessing encodes SentencePiece text without bos/eos.
+        sentencepiece_json(file).save(str(out / "tokenizer.json"))
     else:
         shutil.copyfile(file, out / "tokenizer.json")
-        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
     config.update({role: roles[role][0] if role in roles else None for role in ROLES})
     config.setdefault("clean_up_tokenization_spaces", False)
     if model_max_length:
