@@ -66,22 +66,44 @@ def test_a_field_without_a_comment_is_refused_with_the_fix():
         gen_config_docs.section_table("demo", _Undocumented)
 
 
+def without_code_blocks(page: Path) -> str:
+    return re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+
+
 def relative_links(page: Path) -> list[str]:
-    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # code blocks hold no links
-    return [t for t in LINK.findall(text) if not re.match(r"[a-z]+:|#", t)]
+    return [t for t in LINK.findall(without_code_blocks(page)) if not re.match(r"[a-z]+:", t)]
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces as hyphens."""
+    headings = re.findall(r"^#+ (.+)$", without_code_blocks(page), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def broken_links(page: Path) -> list[str]:
+    broken = []
+    for link in relative_links(page):
+        path, _, anchor = link.partition("#")
+        target = page.parent / path if path else page
+        if not target.exists() or (anchor and target.suffix == ".md" and anchor not in anchors(target)):
+            broken.append(link)
+    return broken
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
-def test_relative_links_point_at_existing_files(page):
-    broken = [t for t in relative_links(page) if not (page.parent / t.split("#")[0]).exists()]
-    assert not broken, f"{page.relative_to(ROOT)} links to missing files: {broken}"
+def test_relative_links_point_at_existing_files_and_headings(page):
+    broken = broken_links(page)
+    assert not broken, f"{page.relative_to(ROOT)} links to missing files or headings: {broken}"
 
 
 def test_the_link_check_sees_a_broken_link(tmp_path):
     page = tmp_path / "page.md"
-    page.write_text("[ok](page.md) [gone](docs/missing.md#part) [web](https://example.org) [here](#top)\n"
+    page.write_text("# Top (`a.py`)\n[ok](page.md) [gone](docs/missing.md#part) [web](https://example.org) "
+                    "[here](#top-apy) [lost](#nowhere) [heading](page.md#no-such-heading)\n"
                     "```\n[in code](nowhere.md)\n```\n")
-    assert relative_links(page) == ["page.md", "docs/missing.md#part"]
+    assert relative_links(page) == ["page.md", "docs/missing.md#part", "#top-apy", "#nowhere",
+                                    "page.md#no-such-heading"]
+    assert broken_links(page) == ["docs/missing.md#part", "#nowhere", "page.md#no-such-heading"]
 
 
 def test_readme_is_an_entry_page():
