@@ -14,7 +14,7 @@ from tools import gen_config_docs
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
-CODE_PATH = re.compile(r"`((?:engine|parallel|kernels|data|tools|launch|tests)/[\w/.]*)(?::(\w+))?`")
+CODE_PATH = re.compile(r"`((?:engine|parallel|kernels|data|tools|launch|tests)/[\w/.]*)(?::(\w+)(?:\.(\w+))?)?`")
 MEMBER = re.compile(r"`([A-Z]\w+)\.(\w+)`")
 EXTERNAL = {"AutoModelForCausalLM"}  # transformers' classes, named where the docs describe interoperability
 
@@ -144,10 +144,12 @@ def code_index() -> dict[str, set[str]]:
 def missing_code(page: Path, index: dict[str, set[str]]) -> list[str]:
     text = page.read_text()
     missing = []
-    for path, name in CODE_PATH.findall(text):
+    for path, name, member in CODE_PATH.findall(text):
         target = ROOT / path
         if not target.exists():
             missing.append(path)
+        elif member and member not in defined_names(target).get(name, set()):
+            missing.append(f"{path}:{name}.{member}")
         elif name and name not in set().union(*defined_names(target).values()):
             missing.append(f"{path}:{name}")
     for cls, member in MEMBER.findall(text):
@@ -165,6 +167,8 @@ def test_code_named_in_the_docs_exists(page):
 def test_the_code_check_sees_a_renamed_function(tmp_path):
     page = tmp_path / "page.md"
     page.write_text("`engine/train.py:main` `engine/train.py:no_such_function` `engine/nowhere.py` "
+                    "`engine/train.py:Trainer.train_step` `engine/train.py:Trainer.gone` "
                     "`Trainer.train_step` `Trainer.no_such_method` `NoSuchClass.step`\n")
     assert missing_code(page, code_index()) == ["engine/train.py:no_such_function", "engine/nowhere.py",
-                                                "Trainer.no_such_method", "NoSuchClass.step"]
+                                                "engine/train.py:Trainer.gone", "Trainer.no_such_method",
+                                                "NoSuchClass.step"]
