@@ -23,6 +23,7 @@ from engine.checkpoint import Checkpointer
 from engine.checkpoint_io import CheckpointError
 from engine.config import Config, ConfigError, data_parallel_size, load_config, save_config, validate
 from engine.health import HealthMonitor
+from engine.hf_checkpoint import fill_model_from_hf
 from engine.lr_schedule import lr_at
 from engine.metrics import H100_BF16_PEAK_FLOPS, MetricsLog, flops_per_token, peak_memory_gb
 from engine.mock_data import MockBatchLoader
@@ -136,6 +137,7 @@ class ReplicaMismatch(RuntimeError):
 
 class Trainer:
     def __init__(self, cfg: Config, env: DistEnv):
+        fill_model_from_hf(cfg)  # checkpoint.load names a Hugging Face directory: its architecture
         self.cfg, self.env = cfg, env
         p = cfg.parallel
         self.topo = Topology(Layout.for_world(env.world_size, p.tensor, p.pipeline, p.rank_order), env.rank)
@@ -460,6 +462,7 @@ def parse_args(argv=None):
 
 
 def run(cfg: Config, env: DistEnv) -> list[dict]:
+    fill_model_from_hf(cfg)
     validate(cfg, env.world_size)
     run_dir = setup_run_dir(cfg, env.rank)
     configure_logging(run_dir, env.rank)

@@ -1,0 +1,194 @@
+"""Real Hugging Face families in and out: configs with every field these models ship (sizes scaled down), in the
+hub's transformers-4 layout (top-level rope_theta/rope_scaling) and in a transformers-5 `save_pretrained`
+(rope_parameters). Each imports at TP2 x PP2 with transformers' logits, trains a first step at TP2 x PP2 with
+transformers' loss, and exports back to identical tensors and config."""
+import copy
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+from engine.checkpoint_manifest import CheckpointReader
+from engine.config import ModelConfig, load_config
+from engine.hf_config import IRRELEVANT, REQUIRED
+from engine.mock_data import MockBatchLoader
+from engine.model import CausalLM
+from engine.train import Trainer
+from parallel.distributed import DistEnv
+from tests.distributed import WorkerPool
+from tools.ckpt_convert import main as convert
+
+TINY = "launch/configs/tiny.yaml"
+torch.set_num_threads(1)
+
+# The shipped config.json of each model, sizes scaled (hidden 64, 4 layers, vocabulary 256, special ids
+# inside it); every other field and value as published.
+LLAMA_3_2_1B = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 250,
+    "eos_token_id": 251, "head_dim": 16, "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02,
+    "intermediate_size": 128, "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
+    "num_attention_heads": 4, "num_hidden_layers": 4, "num_key_value_heads": 2, "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05, "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                            "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "transformers_version": "4.45.0.dev0", "use_cache": True, "vocab_size": 256}
+SMOLLM2_135M = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 0,
+    "eos_token_id": 0, "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.041666666666666664,
+    "intermediate_size": 160, "is_llama_config": True, "max_position_embeddings": 8192, "model_type": "llama",
+    "num_attention_heads": 4, "num_hidden_layers": 4, "num_key_value_heads": 2, "pad_token_id": 0,
+    "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_interleaved": False, "rope_scaling": None,
+    "rope_theta": 100000, "tie_word_embeddings": True, "torch_dtype": "bfloat16", "transformers_version": "4.42.3",
+    "use_cache": True, "vocab_size": 256}
+TINYLLAMA_1_1B = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "bos_token_id": 1, "eos_token_id": 2,
+    "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 176,
+    "max_position_embeddings": 2048, "model_type": "llama", "num_attention_heads": 4, "num_hidden_layers": 4,
+    "num_key_value_heads": 2, "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_scaling": None,
+    "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.35.0", "use_cache": True, "vocab_size": 256}
+# Llama 2 extended to 16k by linear interpolation (LongChat / Vicuna-16k style, legacy "type" key)
+LLAMA_2_LINEAR = {**TINYLLAMA_1_1B, "num_key_value_heads": 4, "max_position_embeddings": 4096,
+                  "rope_scaling": {"factor": 4.0, "type": "linear"}, "transformers_version": "4.31.0"}
+# Mistral-7B-v0.1 with its window scaled to the test's sequence, and Mistral-Nemo's explicit head_dim
+MISTRAL_7B = {
+    "architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+    "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 224, "max_position_embeddings": 32768,
+    "model_type": "mistral", "num_attention_heads": 4, "num_hidden_layers": 4, "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 8, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "transformers_version": "4.34.0.dev0", "use_cache": True, "vocab_size": 256}
+MISTRAL_NEMO = {**MISTRAL_7B, "head_dim": 32, "rope_theta": 1000000.0, "sliding_window": None,
+                "max_position_embeddings": 1024000, "transformers_version": "4.43.0.dev0"}
+# Qwen2.5-0.5B (one KV head below TP=2: the replicated-KV path with biases), and its documented YaRN extension
+QWEN2_5_0_5B = {
+    "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 255, "eos_token_id": 255,
+    "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 96,
+    "max_position_embeddings": 32768, "max_window_layers": 24, "model_type": "qwen2", "num_attention_heads": 4,
+    "num_hidden_layers": 4, "num_key_value_heads": 1, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+    "sliding_window": 32768, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "transformers_version": "4.40.1", "use_cache": True, "use_mrope": False, "use_sliding_window": False,
+    "vocab_size": 256}
+QWEN2_5_YARN = {**QWEN2_5_0_5B, "num_key_value_heads": 2, "rope_scaling": {
+    "factor": 4.0, "original_max_position_embeddings": 16, "type": "yarn"}}
+
+FAMILIES = {"llama3.2": (LlamaConfig, LLAMA_3_2_1B), "smollm2": (LlamaConfig, SMOLLM2_135M),
+            "tinyllama": (LlamaConfig, TINYLLAMA_1_1B), "llama2_linear": (LlamaConfig, LLAMA_2_LINEAR),
+            "mistral": (MistralConfig, MISTRAL_7B), "mistral_nemo": (MistralConfig, MISTRAL_NEMO),
+            "qwen2.5": (Qwen2Config, QWEN2_5_0_5B), "qwen2.5_yarn": (Qwen2Config, QWEN2_5_YARN)}
+LAYOUTS = ("hub_v4", "save_pretrained_v5")
+SEQ, MICRO, GLOBAL = 32, 2, 4
+
+
+@pytest.fixture(scope="module")
+def pool():
+    pool = WorkerPool(4)
+    yield pool
+    pool.close()
+
+
+def make_hf_directory(path, family: str, layout: str):
+    """A model with random weights (random biases too) saved as `layout`; returns the reference model."""
+    cls, shipped = FAMILIES[family]
+    config = cls(**copy.deepcopy(shipped))  # transformers writes into the dicts it is given
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(path)
+    if layout == "hub_v4":
+        (path / "config.json").write_text(json.dumps(shipped, indent=2))
+    else:
+        assert "rope_parameters" in json.loads((path / "config.json").read_text())
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def hf_tensors(path) -> dict:
+    return load_file(path / "model.safetensors")
+
+
+def comparable(config: dict) -> dict:
+    """A loaded config's fields that define the model: IRRELEVANT ones dropped, REQUIRED ones at their value,
+    the legacy "type" alias and the top-level copies of rope_parameters left out."""
+    out = {k: v for k, v in config.items() if k not in IRRELEVANT | set(REQUIRED) | {"rope_scaling", "rope_theta"}}
+    out["rope_parameters"] = {k: v for k, v in config["rope_parameters"].items() if k != "type"}
+    if config.get("model_type") == "qwen2" and not config.get("use_sliding_window"):
+        out.pop("max_window_layers")  # only read with use_sliding_window
+    return out
+
+
+def v4_scaling(shipped: dict) -> dict | None:
+    """The top-level rope_scaling a transformers-4 reader needs for the shipped config (rope_type spelled out,
+    the original context that transformers fills in for llama3 and yarn written)."""
+    scaling = shipped.get("rope_scaling")
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type") or scaling["type"]
+    out = {"rope_type": kind, **{k: v for k, v in scaling.items() if k not in ("type", "rope_type")}}
+    if kind in ("llama3", "yarn"):
+        out.setdefault("original_max_position_embeddings", shipped["max_position_embeddings"])
+    return out
+
+
+def first_step_loss(rank, world, load: str, run_dir: str, model_overrides: list):
+    cfg = load_config(TINY, [f"run.dir={run_dir}", f"checkpoint.load={load}", "parallel.tensor=2",
+                             "parallel.pipeline=2", f"model.seq_length={SEQ}", f"train.micro_batch_size={MICRO}",
+                             f"train.global_batch_size={GLOBAL}", *model_overrides])
+    t = Trainer(cfg, DistEnv(rank, world, 0, torch.device("cpu"), "gloo"))
+    assert t.step == 0 and t.optimizer.adam_step == 0
+    return t.train_step()["loss"], t.cfg.model
+
+
+def transformers_loss(hf, vocab_size: int, seed: int) -> float:
+    batch = torch.cat(MockBatchLoader(vocab_size, SEQ, MICRO, GLOBAL, 0, 1, seed=seed).next_global_batch())
+    with torch.no_grad():
+        logits = hf(input_ids=batch[:, :-1]).logits
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, vocab_size), batch[:, 1:].reshape(-1)).item()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_imports_trains_and_exports_exactly(family, layout, tmp_path, pool):
+    src = tmp_path / "hf"
+    hf = make_hf_directory(src, family, layout)
+    shipped = FAMILIES[family][1]
+
+    # import at TP2 x PP2: logits equal transformers'
+    assert convert(["--load-dir", str(src), "--save-dir", str(tmp_path / "tri"), "--from", "hf", "--tensor", "2",
+                    "--pipeline", "2", "--seq-length", str(SEQ)]) == 0
+    reader = CheckpointReader(tmp_path / "tri" / "step_00000000")
+    assert reader.metadata["layout"]["tensor"] == 2 and reader.metadata["layout"]["pipeline"] == 2
+    model = ModelConfig(**reader.metadata["config"]["model"])
+    ours = CausalLM(model)
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            p.copy_(reader.global_tensor(name))
+    tokens = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (ours(tokens) - hf(input_ids=tokens).logits).abs().max().item() <= 1e-4
+
+    # one training step at TP2 x PP2 from the converted checkpoint (hub layout: from the HF directory itself,
+    # converted on the fly, model.* taken from its config.json)
+    if layout == "hub_v4":
+        load, overrides = src, []
+    else:  # a Trilith checkpoint: the run states its model
+        load = tmp_path / "tri"
+        overrides = [f"model.{k}={json.dumps(v)}" for k, v in reader.metadata["config"]["model"].items()]
+    (loss, trained_model), *_ = pool.run(first_step_loss, str(load), str(tmp_path / "run"), overrides)
+    assert trained_model == model
+    assert math.isclose(loss, transformers_loss(hf, 256, seed=1234), rel_tol=0, abs_tol=1e-5)
+
+    # export back: identical tensors; identical config for transformers 5, and the fields transformers 4 reads
+    assert convert(["--load-dir", str(tmp_path / "tri"), "--save-dir", str(tmp_path / "back"), "--to", "hf"]) == 0
+    source, back = hf_tensors(src), hf_tensors(tmp_path / "back")
+    assert sorted(back) == sorted(source) and all(torch.equal(back[k], source[k]) for k in source)
+    assert comparable(AutoConfig.from_pretrained(tmp_path / "back").to_dict()) == \
+        comparable(AutoConfig.from_pretrained(src).to_dict())
+    written = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert float(written["rope_theta"]) == float(shipped["rope_theta"])
+    assert written["rope_scaling"] == v4_scaling(shipped)
+    assert written["model_type"] == shipped["model_type"] and written["architectures"] == shipped["architectures"]
