@@ -32,6 +32,11 @@ def test_bpe_training_reports_compression_and_reserves_specials(tmp_path, capsys
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     assert [tok.token_to_id(t) for t in ["<|endoftext|>", "<|pad|>", "<|reserved_3|>"]] == [0, 1, 5]
+    declared = json.load(open(out / "tokenizer_config.json"))  # roles declared, not guessed from names later
+    assert (declared["bos_token"], declared["eos_token"], declared["pad_token"]) == (None, "<|endoftext|>", "<|pad|>")
+    from transformers import AutoTokenizer
+    hf = AutoTokenizer.from_pretrained(out)
+    assert (hf.bos_token_id, hf.eos_token_id, hf.pad_token_id) == (None, 0, 1)
     assert tok.encode("x\x07y").ids == tok.encode("xy").ids  # control character stripped
     assert "bytes/token" in capsys.readouterr().out
 
