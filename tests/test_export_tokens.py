@@ -41,6 +41,18 @@ def test_hf_round_trip_keeps_bos_and_eos(tmp_path):
         assert (back["bos_token_id"], back["eos_token_id"]) == (1, 2), name
 
 
+def test_round_trip_with_tokenizer_keeps_an_eos_list(tmp_path):
+    src = build_family("llama3-instruct", tmp_path / "hf", vocab_size=320)
+    source = AutoTokenizer.from_pretrained(src)
+    stops = [source.convert_tokens_to_ids("<|end_of_text|>"), source.eos_token_id]
+    tiny_llama(src, bos_token_id=source.bos_token_id, eos_token_id=stops)
+    assert convert(["--load-dir", str(src), "--save-dir", str(tmp_path / "tri"), "--from", "hf"]) == 0
+    assert convert(["--load-dir", str(tmp_path / "tri"), "--save-dir", str(tmp_path / "back"), "--to", "hf"]) == 0
+    back = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert (back["bos_token_id"], back["eos_token_id"]) == (source.bos_token_id, stops)
+    assert AutoTokenizer.from_pretrained(tmp_path / "back").eos_token == "<|eot_id|>"
+
+
 def test_import_train_export_keeps_the_tokenizer_and_its_roles(tmp_path):
     src = build_family("llama3-instruct", tmp_path / "hf", vocab_size=320)
     config = json.loads((src / "tokenizer_config.json").read_text())

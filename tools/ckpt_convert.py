@@ -186,9 +186,14 @@ def export_tokens(meta: dict, tokenizer: str, out: Path, model: ModelConfig) -> 
         tokens = dict(meta.get("special_tokens") or {})
         return tokens | ({"eos_token_id": eod} if eod >= 0 else {})
     try:
-        return export_tokenizer(tokenizer, out, eod, model.max_position_embeddings or model.seq_length)
+        tokens = export_tokenizer(tokenizer, out, eod, model.max_position_embeddings or model.seq_length)
     except (OSError, ValueError) as exc:
         raise SystemExit(f"ckpt_convert: {exc}; pass --tokenizer FILE (or --tokenizer '' for none)")
+    # An imported model may stop on several ids (Llama 3 Instruct: end_of_text, eom, eot); keep that list.
+    recorded = (meta.get("special_tokens") or {}).get("eos_token_id")
+    if eod < 0 and isinstance(recorded, list) and tokens["eos_token_id"] in recorded:
+        tokens["eos_token_id"] = recorded
+    return tokens
 
 
 def to_hf(args) -> None:
