@@ -61,7 +61,8 @@ def reference_from_gguf(fields, tensors):
                          num_key_value_heads=fields["llama.attention.head_count_kv"],
                          max_position_embeddings=fields["llama.context_length"],
                          rms_norm_eps=fields["llama.attention.layer_norm_rms_epsilon"],
-                         rope_theta=fields["llama.rope.freq_base"], tie_word_embeddings="output.weight" not in tensors)
+                         rope_theta=fields["llama.rope.freq_base"], tie_word_embeddings="output.weight" not in tensors,
+                         head_dim=fields.get("llama.attention.key_length", fields["llama.rope.dimension_count"]))
     heads, kv = config.num_attention_heads, config.num_key_value_heads
 
     def get(name):
@@ -87,6 +88,18 @@ def reference_from_gguf(fields, tensors):
     if config.tie_word_embeddings:
         model.tie_weights()
     return model
+
+
+def test_explicit_head_dim_is_written_and_computes_the_same(tmp_path):
+    model, tri = hf_model(tmp_path, head_dim=32)  # 4 heads of 32 in a 64-wide model
+    assert convert(["--load-dir", str(tri), "--save-dir", str(tmp_path / "out.gguf"), "--to", "gguf"]) == 0
+    fields, tensors = read_gguf(tmp_path / "out.gguf")
+    assert (fields["llama.attention.key_length"], fields["llama.attention.value_length"],
+            fields["llama.rope.dimension_count"]) == (32, 32, 32)
+    ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        diff = (reference_from_gguf(fields, tensors)(input_ids=ids).logits - model(input_ids=ids).logits).abs().max()
+    assert diff.item() <= 1e-5
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
