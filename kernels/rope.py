@@ -31,7 +31,8 @@ def rope_scaling_problem(scaling: dict) -> str | None:
     missing = [k for k in required if scaling.get(k) is None]
     unknown = sorted(set(scaling) - set(required) - set(optional) - {"rope_type"})
     if missing or unknown:
-        return (f"rope_type={kind} needs {', '.join(required)}" + (f" (missing {', '.join(missing)})" if missing else "")
+        return (f"rope_type={kind} needs {', '.join(required)}"
+                + (f" (missing {', '.join(missing)})" if missing else "")
                 + (f"; unknown {', '.join(unknown)} (optional: {', '.join(optional) or 'none'})" if unknown else ""))
     numbers = {k: v for k, v in scaling.items() if k not in ("rope_type", "truncate") and v is not None}
     bad = [k for k, v in numbers.items() if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0]
