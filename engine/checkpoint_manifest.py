@@ -21,6 +21,7 @@ from engine.checkpoint_io import CheckpointError, sha256_file
 FORMAT, VERSION = "trilith-checkpoint", 1
 KEYS = ("master", "exp_avg", "exp_avg_sq")
 MANIFEST, METADATA = "manifest.json", "metadata.json"
+ENTRY_FIELDS = ("shape", "dtype", "tp_dim", "tp_size", "local_shape", "keys", "pieces")
 
 
 def rank_file(tp_rank: int, pp_rank: int, dp_rank: int) -> str:
@@ -117,7 +118,8 @@ def check_manifest(directory: Path, manifest) -> None:
     need(METADATA in files, f"{METADATA} is not among its files")
     budget = {name: info["bytes"] for name, info in files.items()}
     for name, entry in tensors.items():
-        need(isinstance(entry, dict), f"tensors[{name[:80]!r}] is not an object")
+        need(isinstance(entry, dict) and all(k in entry for k in ENTRY_FIELDS),
+             f"tensors[{name[:80]!r}] is not an object with the fields {', '.join(ENTRY_FIELDS)}")
         shape, local, tp_dim, tp_size = (entry.get(k) for k in ("shape", "local_shape", "tp_dim", "tp_size"))
         keys, pieces = entry.get("keys"), entry.get("pieces")
         need(_dims(shape) and _dims(local) and len(shape) == len(local) and isinstance(tp_size, int)
@@ -208,8 +210,8 @@ class SafetensorsRanges:
         if not isinstance(info, dict):
             raise CheckpointError(f"{self.path} has no tensor {key[:80]!r}")
         kind, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-        ok = kind in TENSOR_DTYPES and (dtype is None or TENSOR_DTYPES[kind] == dtype) and \
-            isinstance(shape, list) and all(_count(n) for n in shape) and isinstance(offsets, list) and \
+        ok = isinstance(kind, str) and kind in TENSOR_DTYPES and (dtype is None or TENSOR_DTYPES[kind] == dtype) \
+            and isinstance(shape, list) and all(_count(n) for n in shape) and isinstance(offsets, list) and \
             len(offsets) == 2 and all(_count(o) for o in offsets) and \
             offsets[0] + math.prod(shape) * TENSOR_DTYPES[kind].itemsize == offsets[1] <= self.size - self.base
         if not ok:

@@ -42,9 +42,9 @@ def exit_status(code: int, unhealthy_nodes: tuple = ()) -> int:
 
 def final_failure(code: int) -> int:
     """The exit status for a failure that starting again would only repeat (a configuration error, an
-    unloadable checkpoint, non-finite training, replicas that differ, a failed pre-flight), also left in
-    the launcher's stop file: a code there is final, so launch/run_pretrain.sh --max-restarts does not
-    retry it. Any rank may write it."""
+    unloadable checkpoint, a checkpoint that cannot be written (a full disk), non-finite training, replicas
+    that differ, a failed pre-flight), also left in the launcher's stop file: a code there is final, so
+    launch/run_pretrain.sh --max-restarts does not retry it. Any rank may write it."""
     path = os.environ.get("TRILITH_STOP_FILE")
     if path:
         Path(path).write_text(f"{code}\n")
