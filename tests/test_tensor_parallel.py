@@ -17,6 +17,10 @@ SHAPES = {
                 vocab_size=96, seq_length=8),
     "gqa_replicated_kv": dict(hidden_size=64, num_layers=2, num_attention_heads=8, num_kv_heads=2, ffn_hidden_size=64,
                               vocab_size=90, seq_length=8, tie_embeddings=True),
+    # Qwen2-style q/k/v biases (split at TP=2, replicated with the KV heads at TP=4), head_dim != hidden / heads
+    "qkv_bias": dict(hidden_size=64, num_layers=2, num_attention_heads=4, num_kv_heads=2, kv_channels=24,
+                     attention_bias=True, ffn_hidden_size=64, vocab_size=90, seq_length=8,
+                     rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4}),
 }
 
 
