@@ -146,7 +146,7 @@ for name, path in json.loads(sys.argv[1]).items():
                  "special": [tok.bos_token_id, tok.eos_token_id, tok.pad_token_id], "size": len(tok)}
     if name == "model":
         config = AutoConfig.from_pretrained(path)
-        out[name]["config"] = [config.bos_token_id, config.eos_token_id]
+        out[name]["config"] = [config.bos_token_id, config.eos_token_id, config.rope_theta]
 print(json.dumps(out))
 """
 
@@ -155,7 +155,7 @@ def test_transformers4_loads_the_exports(sentencepiece, tmp_path):
     python = transformers4_python()
     build_family("qwen2.5-instruct", tmp_path / "qwen", vocab_size=320)
     im_end = AutoTokenizer.from_pretrained(tmp_path / "qwen").eos_token_id
-    tiny_llama(tmp_path / "qwen", bos_token_id=None, eos_token_id=im_end)
+    tiny_llama(tmp_path / "qwen", bos_token_id=None, eos_token_id=im_end, rope_theta=123456.0)
     assert convert(["--load-dir", str(tmp_path / "qwen"), "--save-dir", str(tmp_path / "tri"), "--from", "hf"]) == 0
     assert convert(["--load-dir", str(tmp_path / "tri"), "--save-dir", str(tmp_path / "model"), "--to", "hf"]) == 0
     (tmp_path / "sp").mkdir()
@@ -172,4 +172,5 @@ def test_transformers4_loads_the_exports(sentencepiece, tmp_path):
         assert v4[name]["class"] == "PreTrainedTokenizerFast"
         assert v4[name]["ids"] == [v5(t).input_ids for t in PROBES], name
         assert v4[name]["special"] == [v5.bos_token_id, v5.eos_token_id, v5.pad_token_id] and v4[name]["size"] == len(v5)
-    assert v4["model"]["config"] == [None, im_end] and v4["model"]["special"][1] == im_end
+    # transformers 4 reads the special ids and the top-level rope_theta (not its 10000 default)
+    assert v4["model"]["config"] == [None, im_end, 123456.0] and v4["model"]["special"][1] == im_end
