@@ -37,6 +37,47 @@ def token_dtype(vocab_size):
     return np.uint16 if vocab_size is not None and vocab_size < 65500 else np.int32
 
 
+CHECK_CHUNK = 1 << 20  # index entries validated per numpy pass: bounded memory for indexes of any size
+
+
+def _damaged(path, what):
+    return ValueError(f"{path!r}: {what}; the index is damaged or not from this dataset: rerun "
+                      f"tools/preprocess_data.py")
+
+
+def check_index(idx_path, lengths, pointers, document_indices, itemsize):
+    """Raise ValueError naming `idx_path` unless the arrays are what a writer produces: lengths >= 0,
+    each pointer the running sum of the lengths before it (in bytes), document indices non-decreasing
+    from 0 to the sequence count. Returns the byte size of the tokens they describe. Vectorised in
+    chunks: about 10 ns per sequence."""
+    n_seq = len(lengths)
+    if n_seq and pointers[0] != 0:
+        raise _damaged(idx_path, f"sequence 0 starts at byte {int(pointers[0])}, not 0")
+    for start in range(0, n_seq, CHECK_CHUNK):
+        chunk = lengths[start:start + CHECK_CHUNK]
+        if chunk.min() < 0:
+            i = start + int(np.argmax(chunk < 0))
+            raise _damaged(idx_path, f"sequence {i} has length {int(lengths[i])}")
+        steps = np.diff(pointers[start:start + CHECK_CHUNK + 1])
+        bad = steps != chunk[:len(steps)] * np.int64(itemsize)
+        if bad.any():
+            i = start + int(np.argmax(bad)) + 1
+            raise _damaged(idx_path, f"sequence {i} starts at byte {int(pointers[i])}, not at "
+                                     f"{int(pointers[i - 1]) + int(lengths[i - 1]) * itemsize} where the one "
+                                     f"before it ends")
+    if len(document_indices) < 1 or document_indices[0] != 0 or document_indices[-1] != n_seq:
+        ends = (f"{int(document_indices[0])} .. {int(document_indices[-1])}" if len(document_indices)
+                else "empty")
+        raise _damaged(idx_path, f"document indices run {ends}, not 0 .. {n_seq} (the sequence count)")
+    for start in range(0, len(document_indices) - 1, CHECK_CHUNK):
+        bad = np.diff(document_indices[start:start + CHECK_CHUNK + 1]) < 0
+        if bad.any():
+            i = start + int(np.argmax(bad)) + 1
+            raise _damaged(idx_path, f"document index {i} ({int(document_indices[i])}) is below the one "
+                                     f"before it ({int(document_indices[i - 1])})")
+    return (int(pointers[-1]) + int(lengths[-1]) * itemsize) if n_seq else 0
+
+
 COMPRESSIONS = ("none", "zstd")
 DEFAULT_BLOCK_TOKENS = 1 << 16  # 128 KiB of uint16 per block: decoded in well under a millisecond
 
@@ -74,9 +115,18 @@ class CompressedTokens:
         if b"block_tokens" not in meta or field is None or field.type.to_pandas_dtype() != self.dtype:
             raise ValueError(f"{path!r} is not a Trilith token shard of {self.dtype} (one 'tokens' column with "
                              f"block_tokens metadata); rerun tools/preprocess_data.py --compression zstd")
-        self.block = int(meta[b"block_tokens"])
+        try:
+            self.block = int(meta[b"block_tokens"])
+        except ValueError:
+            self.block = 0
+        if self.block < 1:
+            raise ValueError(f"{path!r}: block_tokens metadata {meta[b'block_tokens']!r} is not a positive "
+                             f"integer; the shard is damaged: rerun tools/preprocess_data.py --compression zstd")
         self.num_blocks = reader.num_record_batches
         last = self._decode(self.num_blocks - 1) if self.num_blocks else np.zeros(0, self.dtype)
+        if self.num_blocks and not 0 < len(last) <= self.block:
+            raise ValueError(f"{path!r}: last block holds {len(last)} tokens, not 1 to {self.block}; the shard "
+                             f"is damaged: rerun tools/preprocess_data.py --compression zstd")
         self.size = (self.num_blocks - 1) * self.block + len(last) if self.num_blocks else 0
 
     def _open(self):
@@ -149,10 +199,15 @@ class IndexedDataset:
             raise ValueError(f"{idx_path!r}: unsupported version {version} or dtype code {code}; "
                              f"regenerate it with tools/preprocess_data.py")
         self.dtype = np.dtype(DTYPE_CODES[code])
+        if self.dtype.kind not in "iu":
+            raise ValueError(f"{idx_path!r}: token dtype code {code} is {self.dtype}; token ids are integers: "
+                             f"regenerate it with tools/preprocess_data.py")
+        # Counts are checked against the file before anything is mapped: a damaged header must not allocate.
         expected = HEADER_SIZE + n_seq * (4 + 8) + n_doc * 8
-        if os.path.getsize(idx_path) < expected:
-            raise ValueError(f"{idx_path!r} is truncated ({os.path.getsize(idx_path)} bytes, "
-                             f"header promises {expected}); rerun tools/preprocess_data.py")
+        if os.path.getsize(idx_path) != expected:
+            raise ValueError(f"{idx_path!r} has {os.path.getsize(idx_path)} bytes but its header promises "
+                             f"{expected} ({n_seq} sequences, {n_doc} document indices): truncated or damaged; "
+                             f"rerun tools/preprocess_data.py")
         self._idx = np.memmap(idx_path, mode="r", dtype=np.uint8)
         off = HEADER_SIZE
         self.sequence_lengths = np.frombuffer(self._idx, np.int32, n_seq, off)
@@ -161,7 +216,8 @@ class IndexedDataset:
         off += 8 * n_seq
         self.document_indices = np.frombuffer(self._idx, np.int64, n_doc, off)
         self.compressed = bin_path.endswith(".arrow")
-        total = int(self.sequence_lengths.sum(dtype=np.int64)) * self.dtype.itemsize
+        total = check_index(idx_path, self.sequence_lengths, self.sequence_pointers, self.document_indices,
+                            self.dtype.itemsize)
         if self.compressed:
             self._bin = CompressedTokens(bin_path, self.dtype)
             if len(self._bin) * self.dtype.itemsize != total:

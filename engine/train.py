@@ -241,6 +241,10 @@ class Trainer:
         if largest >= self.cfg.model.vocab_size:
             raise ConfigError(f"the data holds token id {largest} but model.vocab_size={self.cfg.model.vocab_size}; "
                               f"set model.vocab_size to at least the tokenizer's vocabulary ({largest + 1}+)")
+        smallest = min(int(mb.min()) for mb in micro_batches)
+        if smallest < 0:  # a signed shard dtype can hold them; the embedding would read out of bounds
+            raise ConfigError(f"the data holds token id {smallest}; token ids are never negative, so a shard in "
+                              f"data.paths is damaged: regenerate it with tools/preprocess_data.py")
 
     def apply_recompute_switch(self) -> None:
         """Recompute mode and micro batch for the coming step: train.recompute before

@@ -142,6 +142,7 @@ def _table_batches(path, columns):
                 table = pa.ipc.open_stream(source).read_all()
         batches = table.to_batches(max_chunksize=1024)
     for batch in batches:
+        batch.validate(full=True)  # a damaged file can hold invalid UTF-8 or offsets out of range
         values = {name: batch.column(i).to_pylist() for i, name in enumerate(batch.schema.names)}
         for row in range(batch.num_rows):
             yield {k: col[row] for k, col in values.items() if columns is None or k in columns}
@@ -166,9 +167,10 @@ def iter_records(files, keys, all_fields=False, max_record_bytes=MAX_RECORD_BYTE
             else:
                 for line_no, line in _lines(path, max_record_bytes):
                     yield file_index, line_no, line
-        except (OSError, pa.ArrowException) as e:
+        except (OSError, ValueError, OverflowError, pa.ArrowException) as e:  # ValueError: pyarrow's conversions
             kind = "Parquet/Arrow" if path.endswith(TABLE_SUFFIXES) else "JSONL"
-            raise CorpusError(f"{path}: cannot be read as {kind} ({e}); the file is truncated or damaged: "
+            reason = " ".join(str(e).split())  # Arrow's messages may span lines
+            raise CorpusError(f"{path}: cannot be read as {kind} ({reason}); the file is truncated or damaged: "
                               f"fetch or write it again") from None
 
 
