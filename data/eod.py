@@ -94,13 +94,3 @@ def eod_id_from_tokenizer(path: str | Path) -> int:
     raise ValueError(f"tokenizer {file} has no tokenizer_config.json and none of the end-of-document tokens "
                      f"{', '.join(FALLBACK_NAMES['eos_token'])}; add a tokenizer_config.json with eos_token or "
                      f"set data.eod_token_id / --eod-token")
-
-
-def resolve_eod_id(explicit: int, tokenizer: str | Path | None) -> int:
-    """The one end-of-document id: `explicit` when set (>= 0), else the tokenizer's eos token."""
-    if explicit is not None and explicit >= 0:
-        return explicit
-    if not tokenizer:
-        raise ValueError("no end-of-document token: set data.tokenizer (its eos_token is used) or "
-                         "data.eod_token_id / --eod-token")
-    return eod_id_from_tokenizer(tokenizer)

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from data.eod import eod_id_from_tokenizer, resolve_eod_id, special_tokens
+from data.eod import eod_id_from_tokenizer, special_tokens
 from engine.config import ConfigError, load_config
 from engine.train import resolve_eod_id as train_eod_id
 from tests._tokenizer_families import FAMILIES, TEXTS, build_family
@@ -58,14 +58,14 @@ def test_gpt2_vocab_and_merges_end_with_endoftext(tmp_path):
 
 def test_eod_token_option_and_config_override_the_tokenizer(tmp_path):
     directory = build_family("llama3-instruct", tmp_path / "tok")
-    eot, end = (special_tokens(directory)[r][1] for r in ("eos_token", "bos_token"))
+    eot = special_tokens(directory)["eos_token"][1]
     path = preprocess(tmp_path, "--tokenizer-model", str(directory), "--eod-token", "<|end_of_text|>")
     from tokenizers import Tokenizer
     end_of_text = Tokenizer.from_file(str(directory / "tokenizer.json")).token_to_id("<|end_of_text|>")
     assert np.fromfile(path + ".bin", np.uint16)[-1] == end_of_text != eot
     path = preprocess(tmp_path, "--tokenizer-model", str(directory), "--eod-token", "7")
     assert np.fromfile(path + ".bin", np.uint16)[-1] == 7
-    assert resolve_eod_id(5, directory) == 5 and resolve_eod_id(-1, directory) == eot
+    assert eod_id_from_tokenizer(directory) == eot
     cfg = load_config("launch/configs/tiny.yaml", ["data.eod_mask_loss=true", f"data.tokenizer={directory}",
                                                    "data.eod_token_id=9"])
     assert train_eod_id(cfg) == 9
