@@ -9,6 +9,10 @@
 `--compression zstd` writes the tokens as zstd-compressed Arrow blocks (`.arrow` instead of `.bin`, same
 `.idx`; see data/indexed.py); `merge` of a single input converts a dataset between the two kinds.
 
+`--append-eod` ends every document with the tokenizer's own `eos_token` (its tokenizer_config.json, or a
+SentencePiece model's eos id): the id Megatron-LM appends. `--eod-token TOKEN_OR_ID` chooses another; use the
+same id as `data.eod_token_id` in training if you do (data/eod.py).
+
 Flag names follow Megatron-LM's tools/preprocess_data.py. Bad records are skipped, counted by
 reason and written to a rejects file (`--strict` stops at the first one). Outputs appear only when
 complete, with a provenance map (`.prov.npz`) from document index to source file and line: the raw
