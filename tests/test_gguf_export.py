@@ -198,7 +198,7 @@ def test_half_precision_keeps_norms_in_fp32(tmp_path, dtype):
     assert tensors["blk.0.attn_norm.weight"].tensor_type == GGMLQuantizationType.F32
 
 
-def test_llama3_style_tokenizer_and_sentencepiece(tmp_path):
+def test_llama3_style_trained_bpe_and_sentencepiece_tokenizers(tmp_path):
     _, tri = hf_model(tmp_path, family="llama3-instruct")
     assert convert(["--load-dir", str(tri), "--save-dir", str(tmp_path / "l3.gguf"), "--to", "gguf"]) == 0
     fields, _ = read_gguf(tmp_path / "l3.gguf")
@@ -213,6 +213,13 @@ def test_llama3_style_tokenizer_and_sentencepiece(tmp_path):
                               for i in range(200)))
     train_tokenizer.main(["--input", str(corpus), "--output-dir", str(tmp_path / "sp"), "--type", "sp-bpe",
                           "--vocab-size", "300", "--holdout-fraction", "0"])
+    train_tokenizer.main(["--input", str(corpus), "--output-dir", str(tmp_path / "bpe"), "--vocab-size", "300",
+                          "--holdout-fraction", "0"])  # what the demo trains
+    assert convert(["--load-dir", str(tri), "--save-dir", str(tmp_path / "bpe.gguf"), "--to", "gguf",
+                    "--tokenizer", str(tmp_path / "bpe" / "tokenizer.json")]) == 0
+    fields, _ = read_gguf(tmp_path / "bpe.gguf")
+    assert (fields["tokenizer.ggml.pre"], fields["tokenizer.ggml.eos_token_id"],
+            fields["tokenizer.ggml.padding_token_id"]) == ("gpt-2", 0, 1)
     model = str(tmp_path / "sp" / "tokenizer.model")
     assert convert(["--load-dir", str(tri), "--save-dir", str(tmp_path / "sp.gguf"), "--to", "gguf",
                     "--tokenizer", model]) == 0
