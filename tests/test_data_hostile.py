@@ -236,9 +236,11 @@ def test_compressed_block_size_is_validated_at_open(tmp_path):
 
 
 def test_negative_token_ids_are_refused_like_ids_past_the_vocabulary(tmp_path):
-    from engine.config import ConfigError, load_config, validate
-    from engine.train import run
-    from parallel.distributed import DistEnv
+    from types import SimpleNamespace
+
+    from data.loader import DistributedBatchLoader, build_datasets
+    from engine.config import ConfigError
+    from engine.train import Trainer
     builder = IndexedDatasetBuilder(str(tmp_path / "d"), np.int32)
     for d in range(50):
         builder.add_document(np.arange(40) + d)
@@ -247,9 +249,8 @@ def test_negative_token_ids_are_refused_like_ids_past_the_vocabulary(tmp_path):
     tokens[1::7] = -3  # what a damaged signed shard holds; the writer itself refuses negative ids
     tokens.flush()
     del tokens
-    cfg = load_config(os.path.join(ROOT, "launch/configs/tiny.yaml"),
-                      ["data.mock=false", f"data.paths=[{tmp_path / 'd'}]", "data.split=100,0,0",
-                       "model.vocab_size=128", f"run.dir={tmp_path / 'run'}"])
-    validate(cfg, 1)
-    with pytest.raises(ConfigError, match=r"token id -\d+; token ids are never negative"):
-        run(cfg, DistEnv())
+    dataset = build_datasets([str(tmp_path / "d")], 16, 0, split="100,0,0", cache_dir=str(tmp_path / "c"))["train"]
+    batches = DistributedBatchLoader(dataset, 2, 4, 0, 1, prefetch=0).next_global_batch()
+    trainer = SimpleNamespace(cfg=SimpleNamespace(model=SimpleNamespace(vocab_size=128)))
+    with pytest.raises(ConfigError, match=r"token id -3; token ids are never negative"):
+        Trainer._check_token_ids(trainer, batches)  # the check every training step makes of its batch

@@ -60,7 +60,7 @@ def workdir():
 def read_corpus(path):
     """What the tools do with one file, reader to output line; returns the reject reasons met. The only
     exception allowed out is CorpusError, and it names the file."""
-    stages = Stages([path], ["text"], pii=False)
+    stages = Stages([path], ["text"])
     reasons = []
     try:
         for file_index, line, payload in iter_records([path], ["text"], all_fields=True, max_record_bytes=4096):
