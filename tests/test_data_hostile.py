@@ -87,7 +87,12 @@ def test_an_output_that_is_an_input_is_refused(tmp_path, tok):
     shard_input.write_bytes(b"")
     with pytest.raises(SystemExit):
         preprocess(tmp_path, tok, [raw, shard_input])
-    assert raw.read_bytes() == before and shard_input.exists()
+    report = tmp_path / "tok" / "report.json"  # a corpus where the tokenizer trainer writes its report
+    report.parent.mkdir()
+    report.write_bytes(before)
+    with pytest.raises(SystemExit):
+        train_tokenizer.main(["--input", str(report), "--output-dir", str(report.parent), "--vocab-size", "300"])
+    assert raw.read_bytes() == before == report.read_bytes() and shard_input.exists()
     prefix = preprocess(tmp_path, tok, [raw])
     with pytest.raises(SystemExit, match="is the input"):
         preprocess_data.main(["merge", "--inputs", prefix, "--output-prefix", prefix])

@@ -24,7 +24,8 @@ if ROOT not in sys.path:
 
 import numpy as np  # noqa: E402
 
-from tools._corpus_io import RecordError, expand_inputs, extract_texts, iter_records  # noqa: E402
+from tools._corpus_io import (CorpusError, RecordError, expand_inputs, extract_texts, iter_records,  # noqa: E402
+                              refuse_overwriting)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>"]
 # C0/C1 control characters except tab, newline and carriage return, which carry layout.
@@ -53,9 +54,13 @@ def source_weight(path, weights):
     return 1.0
 
 
+OUTPUT_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tokenizer.vocab", "report.json")
+
+
 def collect(args):
     """(training texts, held-out texts, skipped count), sampled per the weights and byte budget."""
     files = expand_inputs(args.input)
+    refuse_overwriting([os.path.join(args.output_dir, name) for name in OUTPUT_FILES], files)
     weights = parse_source_weights(args.source_weights)
     rng = np.random.RandomState(args.seed)
     train, holdout, skipped = [], [], 0
@@ -207,7 +212,7 @@ def main(argv=None):
     try:
         train, holdout, skipped = collect(args)
         terms = read_terms(args.hit_terms) if args.hit_terms else []
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, CorpusError) as e:
         p.error(str(e))
     os.makedirs(args.output_dir, exist_ok=True)
     trainer = train_bpe if args.type == "bpe" else train_sentencepiece
