@@ -4,7 +4,9 @@
     validate(cfg, world_size=8)
 
 Unknown keys are rejected with the nearest valid name; impossible layouts and batch sizes are rejected
-with the numbers and the fix in the message.
+with the numbers and the fix in the message. Every number is checked against its bounds
+(engine/config_ranges.py) and the YAML is read with a bound on alias expansion (engine/config_yaml.py);
+whatever the input, the outcome is a Config or one ConfigError line.
 """
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from pathlib import Path
 
 import yaml
 
+from engine.config_ranges import INT64_MAX, range_problem
+from engine.config_yaml import YAMLInputError, load_yaml
 from kernels.rope import rope_scaling_problem
 
 
@@ -208,6 +212,18 @@ CHOICES = {
 }
 
 
+def _show(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_ranges(cfg: Config) -> None:
+    """Every number within its bounds (engine/config_ranges.py); from_dict and validate both ask."""
+    problem = range_problem(cfg)
+    if problem:
+        raise ConfigError(problem)
+
+
 def _suggest(name: str, valid: list[str]) -> str:
     close = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
     return f" Did you mean '{close[0]}'?" if close else f" Valid keys: {', '.join(sorted(valid))}."
@@ -218,33 +234,39 @@ def _coerce(value, typ, where: str):
     if typ is bool:
         if isinstance(value, bool):
             return value
-        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+        raise ConfigError(f"{where}: expected true/false, got {_show(value)}")
+    if typ in (int, float) and isinstance(value, str) and _looks_numeric(value):
+        value = float(value)  # a file's 3e-4 is a string to PyYAML, as on the command line
     if typ is int:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or isinstance(value, float) and not value.is_integer()):
+            raise ConfigError(f"{where}: expected an integer, got {_show(value)}")
         return int(value)
     if typ is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
+            raise ConfigError(f"{where}: expected a number, got {_show(value)}")
+        if isinstance(value, int) and abs(value) > INT64_MAX:
+            raise ConfigError(f"{where}={_show(value)} must be a finite number")
         return float(value)
     if typ is str:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
+            raise ConfigError(f"{where}: expected a string, got {_show(value)}")
         return str(value)
     if typ == list[int]:
         if not isinstance(value, list):
-            raise ConfigError(f"{where}: expected a list of integers like [3, 3, 2, 2], got {value!r}")
+            raise ConfigError(f"{where}: expected a list of integers like [3, 3, 2, 2], got {_show(value)}")
         return [_coerce(v, int, f"{where}[{i}]") for i, v in enumerate(value)]
     if typ is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping like {{rope_type: linear, factor: 2.0}}, got {value!r}")
+            raise ConfigError(f"{where}: expected a mapping like {{rope_type: linear, factor: 2.0}}, "
+                              f"got {_show(value)}")
         return dict(value)
     if typ is list:
         if isinstance(value, str):
             return [value]
         if not isinstance(value, list):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
-        return [str(v) for v in value]
+            raise ConfigError(f"{where}: expected a list, got {_show(value)}")
+        return [_coerce(v, str, f"{where}[{i}]") for i, v in enumerate(value)]
     raise TypeError(f"unsupported config type {typ} at {where}")
 
 
@@ -254,23 +276,28 @@ def from_dict(raw: dict) -> Config:
         raise ConfigError(f"the config must be a mapping of sections, got {type(raw).__name__}")
     sections = {f.name: f for f in dataclasses.fields(Config)}
     for section, values in raw.items():
+        if not isinstance(section, str):
+            raise ConfigError(f"config key {_show(section)} is not a section name; use one of {', '.join(sections)}")
         if section not in sections:
-            raise ConfigError(f"unknown config section '{section}'.{_suggest(section, list(sections))}")
+            raise ConfigError(f"unknown config section {_show(section)}.{_suggest(section, list(sections))}")
         if values is None:
             continue
         if not isinstance(values, dict):
-            raise ConfigError(f"config section '{section}' must be a mapping, got {values!r}")
+            raise ConfigError(f"config section '{section}' must be a mapping, got {_show(values)}")
         target = getattr(cfg, section)
         hints = typing.get_type_hints(type(target))
         valid = [f.name for f in dataclasses.fields(target)]
         for key, value in values.items():
+            if not isinstance(key, str):
+                raise ConfigError(f"config key {_show(key)} in section '{section}' is not a name.{_suggest('', valid)}")
             if key not in valid:
-                raise ConfigError(f"unknown config key '{section}.{key}'.{_suggest(key, valid)}")
+                raise ConfigError(f"unknown config key {_show(section + '.' + key)}.{_suggest(key, valid)}")
             value = _coerce(value, hints[key], f"{section}.{key}")
             choices = CHOICES.get((section, key))
             if choices and value not in choices:
-                raise ConfigError(f"{section}.{key}={value!r} is not one of {', '.join(choices)}")
+                raise ConfigError(f"{section}.{key}={_show(value)} is not one of {', '.join(choices)}")
             setattr(target, key, value)
+    check_ranges(cfg)
     return cfg
 
 
@@ -282,15 +309,20 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     """Apply `section.key=value` overrides; values are parsed as YAML (so 3e-4, true, [a, b] work)."""
     for item in overrides:
         if "=" not in item or "." not in item.split("=", 1)[0]:
-            raise ConfigError(f"override '{item}' must look like section.key=value, e.g. optim.lr=3e-4")
+            raise ConfigError(f"override {_show(item)} must look like section.key=value, e.g. optim.lr=3e-4")
         dotted, text = item.split("=", 1)
         section, key = dotted.split(".", 1)
-        value = yaml.safe_load(text) if text != "" else ""
+        try:
+            value = load_yaml(text) if text != "" else ""
+        except YAMLInputError as exc:
+            raise ConfigError(f"override {_show(item)}: the value is not valid YAML ({exc}); quote or fix it") from exc
         if isinstance(value, str) and _looks_numeric(value):
             value = float(value)
-        raw.setdefault(section, {})
-        if raw[section] is None:
+        if raw.get(section) is None:
             raw[section] = {}
+        if not isinstance(raw[section], dict):
+            raise ConfigError(f"config section '{section}' must be a mapping, got {_show(raw[section])}; "
+                              f"cannot apply override {_show(item)}")
         raw[section][key] = value
     return raw
 
@@ -304,17 +336,41 @@ def _looks_numeric(text: str) -> bool:
         return False
 
 
+MAX_CONFIG_BYTES = 4 << 20  # a configuration is a few KB; anything this large is the wrong file
+
+
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
     raw: dict = {}
     if path:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist; pass an existing YAML file with --config")
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+        raw = _read_config_file(Path(path))
     return from_dict(apply_overrides(raw, overrides or []))
+
+
+def _read_config_file(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist; pass an existing YAML file with --config")
+    try:
+        with path.open("rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"config file {path} cannot be read: {exc.strerror}") from exc
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {path} is over {MAX_CONFIG_BYTES >> 20} MiB; pass the YAML configuration")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset "
+                          f"{exc.start}); save it as UTF-8") from exc
+    try:
+        raw = load_yaml(text)
+    except YAMLInputError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path} must be a mapping of sections (model:, train:, ...), got "
+                          f"{type(raw).__name__}")
+    return raw
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
@@ -333,13 +389,8 @@ def data_parallel_size(cfg: Config, world_size: int) -> int:
 
 def validate(cfg: Config, world_size: int) -> None:
     """Reject impossible combinations before any process group or tensor is made."""
+    check_ranges(cfg)
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    for name, value in (("parallel.tensor", p.tensor), ("parallel.pipeline", p.pipeline),
-                        ("parallel.virtual_stages", p.virtual_stages), ("model.num_layers", m.num_layers),
-                        ("model.num_attention_heads", m.num_attention_heads), ("train.micro_batch_size",
-                        t.micro_batch_size), ("train.global_batch_size", t.global_batch_size)):
-        if value < 1:
-            raise ConfigError(f"{name}={value} must be at least 1")
     if m.hidden_size % m.num_attention_heads and not m.kv_channels:
         raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
                           f"{m.num_attention_heads}; pick a head count that divides it")
@@ -351,9 +402,6 @@ def validate(cfg: Config, world_size: int) -> None:
     problem = rope_scaling_problem(m.rope_scaling)
     if problem:
         raise ConfigError(f"model.rope_scaling: {problem}")
-    if m.kv_channels < 0 or m.max_position_embeddings < 0:
-        raise ConfigError(f"model.kv_channels={m.kv_channels} and model.max_position_embeddings="
-                          f"{m.max_position_embeddings} must be ≥ 0 (0 = derived from hidden_size / seq_length)")
     if m.num_attention_heads % p.tensor:
         raise ConfigError(f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
                           f"parallel.tensor={p.tensor}; use a tensor-parallel size that divides the head count")
@@ -382,8 +430,6 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"parallel.stage_layers={p.stage_layers} must list layers for each of parallel.pipeline × "
                           f"virtual_stages = {p.pipeline}×{p.virtual_stages} = {chunks} chunks (in chunk order), "
                           f"each at least 1, summing to model.num_layers={m.num_layers}")
-    if p.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(f"parallel.zero_stage={p.zero_stage} must be 0, 1, 2 or 3")
     dp = data_parallel_size(cfg, world_size)
     validate_data_parallel(p, dp)
     per_step = t.micro_batch_size * dp
@@ -394,7 +440,7 @@ def validate(cfg: Config, world_size: int) -> None:
     micro_batches = t.global_batch_size // per_step
     if t.micro_batch_size_after_switch:
         after = t.micro_batch_size_after_switch * dp
-        if t.micro_batch_size_after_switch < 0 or t.global_batch_size % after:
+        if t.global_batch_size % after:
             raise ConfigError(
                 f"train.micro_batch_size_after_switch={t.micro_batch_size_after_switch}: train.global_batch_size="
                 f"{t.global_batch_size} must be divisible by it × data-parallel size {dp}; use a divisor of "
@@ -408,14 +454,6 @@ def validate(cfg: Config, world_size: int) -> None:
                               "(the step at which the micro batch changes)")
     if t.eval_per_dataset and (t.eval_interval == 0 or cfg.data.mock):
         raise ConfigError("train.eval_per_dataset=true needs train.eval_interval > 0 and data.paths (not data.mock)")
-    if t.eval_interval < 0 or t.eval_iters < 1:
-        raise ConfigError(f"train.eval_interval={t.eval_interval} must be ≥ 0 (0 = off) and train.eval_iters="
-                          f"{t.eval_iters} at least 1")
-    if t.recompute_switch_step < 0:
-        raise ConfigError(f"train.recompute_switch_step={t.recompute_switch_step} must be ≥ 0 (0 = never switch)")
-    if m.attention_window < 0 or m.loss_chunk_tokens < 0:
-        raise ConfigError(f"model.attention_window={m.attention_window} and model.loss_chunk_tokens="
-                          f"{m.loss_chunk_tokens} must be ≥ 0 (0 = off / one chunk)")
     if p.schedule == "interleaved" and p.pipeline > 1 and micro_batches % p.pipeline:
         raise ConfigError(f"the interleaved schedule needs the number of micro-batches ({micro_batches} = "
                           f"global_batch_size / (micro_batch_size × dp)) to be a multiple of parallel.pipeline="
@@ -432,34 +470,15 @@ def validate(cfg: Config, world_size: int) -> None:
     if not cfg.data.mock and not cfg.data.paths:
         raise ConfigError("data.paths is empty: give dataset prefixes made by tools/preprocess_data.py, "
                           "or set data.mock=true for synthetic tokens")
-    if t.steps < 1:
-        raise ConfigError(f"train.steps={t.steps} must be at least 1")
-    ck = cfg.checkpoint
-    if ck.interval_minutes < 0:
-        raise ConfigError(f"checkpoint.interval_minutes={ck.interval_minutes} must be ≥ 0 (0 = off)")
-    if ck.interval < 0 or ck.keep < 1 or ck.keep_every < 0 or ck.exit_after < 0:
-        raise ConfigError(f"checkpoint.interval={ck.interval}, keep={ck.keep}, keep_every={ck.keep_every}, "
-                          f"exit_after={ck.exit_after}: keep must be ≥ 1 and the others ≥ 0")
     r = cfg.run
-    if (r.monitor_interval < 0 or r.grad_norm_alarm < 0 or r.head_grad_variance_alarm < 0
-            or r.max_nonfinite_steps < 0 or r.replica_check_interval < 0 or not 0.0 <= r.max_memory_fragmentation < 1.0):
-        raise ConfigError(f"run.monitor_interval={r.monitor_interval}, run.grad_norm_alarm={r.grad_norm_alarm} and "
-                          f"run.head_grad_variance_alarm={r.head_grad_variance_alarm} (and "
-                          f"run.max_nonfinite_steps={r.max_nonfinite_steps}, "
-                          f"run.replica_check_interval={r.replica_check_interval}) must be ≥ 0, "
-                          f"run.max_memory_fragmentation={r.max_memory_fragmentation} within [0, 1)")
     if r.attention_entropy_max and r.attention_entropy_max <= r.attention_entropy_min:
         raise ConfigError(f"run.attention_entropy_max={r.attention_entropy_max} must exceed "
                           f"run.attention_entropy_min={r.attention_entropy_min} (0 = no upper bound)")
-    if cfg.optim.warmup_steps < 0 or not 0.0 <= cfg.optim.min_lr_ratio <= 1.0:
-        raise ConfigError("optim.warmup_steps must be ≥ 0 and optim.min_lr_ratio within [0, 1]")
 
 
 def validate_data_parallel(p: ParallelConfig, dp: int) -> None:
-    if p.bucket_mb <= 0:
-        raise ConfigError(f"parallel.bucket_mb={p.bucket_mb} must be positive (megabytes per all-reduce bucket)")
     for key, k in (("hsdp_group_size", p.hsdp_group_size), ("hierarchical_node_size", p.hierarchical_node_size)):
-        if k < 0 or (k and dp % k):
+        if k and dp % k:
             raise ConfigError(f"parallel.{key}={k} must divide the data-parallel size {dp} (0 turns it off)")
     if p.hsdp_group_size and p.zero_stage == 0:
         raise ConfigError(f"parallel.hsdp_group_size={p.hsdp_group_size} shards within groups, which needs "

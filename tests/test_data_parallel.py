@@ -389,7 +389,7 @@ def test_data_parallel_config_errors():
         validate(make_config(CURVE, hsdp_group_size=2), 4)
     with pytest.raises(ConfigError, match="cannot both be set"):
         validate(make_config(CURVE, zero_stage=2, hsdp_group_size=2, hierarchical_node_size=2), 4)
-    with pytest.raises(ConfigError, match="bucket_mb=0.0 must be positive"):
+    with pytest.raises(ConfigError, match="bucket_mb=0.0 must be a finite number > 0"):
         validate(make_config(CURVE, bucket_mb=0), 2)
     with pytest.raises(ConfigError, match="unit_process_groups"):
         validate(make_config(CURVE, unit_process_groups=True), 2)

@@ -56,7 +56,7 @@ def test_evaluating_changes_nothing_in_training_even_with_dropout(tmp_path):
 
 @pytest.mark.parametrize("overrides, message", [
     (["train.eval_interval=-1"], "eval_interval=-1 must be ≥ 0"),
-    (["train.eval_interval=5", "train.eval_iters=0"], "eval_iters=0 at least 1"),
+    (["train.eval_interval=5", "train.eval_iters=0"], "eval_iters=0 must be ≥ 1"),
 ])
 def test_evaluation_config_is_validated(overrides, message):
     with pytest.raises(ConfigError, match=message):

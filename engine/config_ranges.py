@@ -1,0 +1,85 @@
+"""Bounds of the numeric configuration fields, by one rule over the dataclasses: a field listed in RANGES has
+its own bounds, every other int or float field must be ≥ 0; floats are always finite and integers always fit
+in 64 bits. A field added to a config dataclass is therefore checked without being named here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass
+
+INT64_MAX = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class Interval:
+    """The values a numeric field accepts; an open end excludes its bound. Whatever the bounds, a float must be
+    finite and an integer fit in 64 bits (every count ends up in a tensor, an array index or a seed)."""
+
+    low: float
+    high: float = math.inf
+    open_low: bool = False
+    open_high: bool = False
+
+    def __contains__(self, value) -> bool:
+        if isinstance(value, float) and not math.isfinite(value) or isinstance(value, int) and abs(value) > INT64_MAX:
+            return False
+        return ((value > self.low if self.open_low else value >= self.low)
+                and (value < self.high if self.open_high else value <= self.high))
+
+    def __str__(self) -> str:
+        if self.high == math.inf:
+            return f"{'>' if self.open_low else '≥'} {self.low}"
+        return f"within {'(' if self.open_low else '['}{self.low}, {self.high}{')' if self.open_high else ']'}"
+
+
+AT_LEAST_ONE, POSITIVE, FRACTION, BELOW_ONE = Interval(1), Interval(0, open_low=True), Interval(0, 1), \
+    Interval(0, 1, open_high=True)
+
+# Bounds that differ from the rule for every other numeric field, ≥ 0 (see field_range); a list[int] field's
+# bound applies to each element.
+RANGES = {
+    **{("model", k): AT_LEAST_ONE for k in ("hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size",
+                                             "vocab_size", "seq_length")},
+    ("model", "rope_theta"): POSITIVE, ("model", "norm_eps"): POSITIVE, ("model", "init_std"): POSITIVE,
+    ("model", "attention_dropout"): BELOW_ONE, ("model", "hidden_dropout"): BELOW_ONE,
+    **{("parallel", k): AT_LEAST_ONE for k in ("tensor", "pipeline", "virtual_stages", "stage_layers")},
+    ("parallel", "zero_stage"): Interval(0, 3),
+    ("parallel", "timeout_minutes"): Interval(0, 10**6, open_low=True),  # ~2 years; far beyond, timedelta overflows
+    ("parallel", "bucket_mb"): POSITIVE,
+    **{("train", k): AT_LEAST_ONE for k in ("micro_batch_size", "global_batch_size", "steps", "log_interval",
+                                             "eval_iters")},
+    ("train", "seed"): Interval(0, 2**32 - 1),
+    ("optim", "min_lr_ratio"): FRACTION, ("optim", "decay_fraction"): FRACTION,
+    ("optim", "beta1"): BELOW_ONE, ("optim", "beta2"): BELOW_ONE, ("optim", "eps"): POSITIVE,
+    ("data", "eod_token_id"): Interval(-1),  # -1 = the tokenizer's end-of-document token
+    ("checkpoint", "keep"): AT_LEAST_ONE,
+    ("run", "max_memory_fragmentation"): BELOW_ONE,
+}
+
+
+def field_range(section: str, key: str) -> Interval:
+    """A numeric field's bounds: RANGES, else ≥ 0, so a field added later is checked without being listed."""
+    return RANGES.get((section, key), Interval(0))
+
+
+def range_problem(cfg) -> str | None:
+    """The first int or float field (or list[int] element) of a Config outside its field_range, as one line
+    naming the key, the value and the bounds; None when all are within. Checked before any other validation
+    divides by, allocates or loops over one of them."""
+    for section in dataclasses.fields(cfg):
+        target = getattr(cfg, section.name)
+        hints = typing.get_type_hints(type(target))
+        for f in dataclasses.fields(target):
+            value, typ, key = getattr(target, f.name), hints[f.name], f"{section.name}.{f.name}"
+            named = ([(key, value)] if typ in (int, float) else
+                     [(f"{key}[{i}]", v) for i, v in enumerate(value)] if typ == list[int] else [])
+            for where, v in named:
+                bounds = field_range(section.name, f.name)
+                if v not in bounds:
+                    need = (f"a finite number {bounds}" if isinstance(v, float) else
+                            f"{bounds} and fit in 64 bits" if abs(v) > INT64_MAX else str(bounds))
+                    shown = repr(v) if len(repr(v)) <= 60 else repr(v)[:57] + "..."
+                    return f"{where}={shown} must be {need}"
+    return None
