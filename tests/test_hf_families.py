@@ -5,6 +5,8 @@ transformers' loss, and exports back to identical tensors and config."""
 import copy
 import json
 import math
+import os
+import subprocess
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ from engine.model import CausalLM
 from engine.train import Trainer
 from parallel.distributed import DistEnv
 from tests.distributed import WorkerPool
+from tests.test_export_tokens import transformers4_python
 from tests.hf_family_configs import (LLAMA_2_LINEAR, LLAMA_3_2_1B, MISTRAL_7B, MISTRAL_NEMO, QWEN2_5_0_5B,
                                      QWEN2_5_YARN, SMOLLM2_135M, TINYLLAMA_1_1B)
 from tools.ckpt_convert import main as convert
@@ -144,3 +147,43 @@ def test_family_imports_trains_and_exports_exactly(family, layout, tmp_path, poo
     assert float(written["rope_theta"]) == float(shipped["rope_theta"])
     assert written["rope_scaling"] == v4_scaling(shipped)
     assert written["model_type"] == shipped["model_type"] and written["architectures"] == shipped["architectures"]
+
+
+READ_WITH_TRANSFORMERS4 = """
+import json, sys
+from transformers import AutoConfig
+print(json.dumps({name: AutoConfig.from_pretrained(path).to_dict() for name, path in json.loads(sys.argv[1]).items()}))
+"""
+
+
+def test_transformers4_reads_each_export_as_the_shipped_config(tmp_path):
+    """transformers 4.57 (a side environment, as llama.cpp's converter pins it) reads the exported config.json
+    (its top-level rope_theta/rope_scaling; rope_parameters is unknown to it) exactly as the shipped one."""
+    python = transformers4_python()
+    dirs = {}
+    for family in sorted(FAMILIES):
+        make_hf_directory(tmp_path / family, family, "hub_v4")
+        assert convert(["--load-dir", str(tmp_path / family), "--save-dir", str(tmp_path / f"{family}-tri"),
+                        "--from", "hf"]) == 0
+        assert convert(["--load-dir", str(tmp_path / f"{family}-tri"), "--save-dir", str(tmp_path / f"{family}-out"),
+                        "--to", "hf"]) == 0
+        dirs[family], dirs[f"{family}-out"] = str(tmp_path / family), str(tmp_path / f"{family}-out")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")} | {"HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([str(python), "-c", READ_WITH_TRANSFORMERS4, json.dumps(dirs)], capture_output=True,
+                            text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    read = json.loads(result.stdout.strip().splitlines()[-1])
+
+    def v4_fields(config: dict) -> dict:
+        out = {k: v for k, v in config.items() if k not in IRRELEVANT | set(REQUIRED) | {"rope_parameters"}}
+        if out.get("rope_scaling"):
+            out["rope_scaling"] = {k: v for k, v in out["rope_scaling"].items() if k != "type"}
+        else:  # absent and null read alike
+            out.pop("rope_scaling", None)
+        # transformers 4's attention takes a null head_dim as hidden_size / heads
+        out["head_dim"] = out.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        if config["model_type"] == "qwen2" and not config.get("use_sliding_window"):
+            out.pop("max_window_layers")  # only read with use_sliding_window
+        return out
+    for family in FAMILIES:
+        assert v4_fields(read[f"{family}-out"]) == v4_fields(read[family]), family
