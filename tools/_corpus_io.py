@@ -168,7 +168,8 @@ def iter_records(files, keys, all_fields=False, max_record_bytes=MAX_RECORD_BYTE
                 for line_no, line in _lines(path, max_record_bytes):
                     yield file_index, line_no, line
         except (OSError, ValueError, OverflowError, pa.ArrowException) as e:  # ValueError: pyarrow's conversions
-            kind = "Parquet/Arrow" if path.endswith(TABLE_SUFFIXES) else "JSONL"
+            kind = ("Parquet/Arrow" if path.endswith(TABLE_SUFFIXES)
+                    else "zstd-compressed JSONL" if path.endswith(".zst") else "JSONL")
             reason = " ".join(str(e).split())  # Arrow's messages may span lines
             raise CorpusError(f"{path}: cannot be read as {kind} ({reason}); the file is truncated or damaged: "
                               f"fetch or write it again") from None
