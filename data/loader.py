@@ -6,6 +6,7 @@ samples [consumed + k*G, consumed + (k+1)*G) and rank r of D takes the contiguou
 read once per epoch whatever the DP size, and a resumed run (any DP size, same G) continues
 exactly where the uninterrupted one would. Global index i reads dataset sample i mod len(dataset).
 """
+import math
 import os
 import queue
 import threading
@@ -45,11 +46,13 @@ def parse_paths(paths):
             head, sep, tail = p.partition(":")
             pairs.append((weight(head), tail) if sep and weight(head) is not None else (1.0, p))
     for w, p in pairs:
-        if w < 0:
-            raise ValueError(f"data.paths weight {w} for {p!r} is negative")
+        if not 0 <= w < math.inf:
+            raise ValueError(f"data.paths weight {w} for {p!r} must be a finite number ≥ 0")
         if p.endswith((".bin", ".idx", ".arrow")):
             raise ValueError(f"data.paths entry {p!r} should be a prefix without .bin/.arrow/.idx, "
                              f"e.g. {p.rsplit('.', 1)[0]!r}")
+    if not 0 < sum(w for w, _ in pairs) < math.inf:
+        raise ValueError(f"data.paths weights {[w for w, _ in pairs]} must have a finite, positive sum")
     return pairs
 
 

@@ -1,4 +1,6 @@
 """Train/valid/test split by document, from a Megatron-style string such as "98,2,0"."""
+import math
+
 import numpy as np
 
 SPLIT_NAMES = ("train", "valid", "test")
@@ -9,8 +11,9 @@ def parse_split(split):
         parts = [float(x) for x in str(split).replace("/", ",").split(",")]
     except ValueError:
         parts = []
-    if not parts or len(parts) > 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
-        raise ValueError(f"data split {split!r} is not valid; write up to three non-negative "
+    if (not parts or len(parts) > 3 or not all(p >= 0 for p in parts)
+            or not 0 < sum(parts) < math.inf):
+        raise ValueError(f"data split {split!r} is not valid; write up to three finite non-negative "
                          f"weights for train,valid,test such as \"98,2,0\"")
     parts += [0.0] * (3 - len(parts))
     return [p / sum(parts) for p in parts]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import itertools
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ from pathlib import Path
 import yaml
 
 from engine.config_ranges import INT64_MAX, range_problem
+from data.split import parse_split
 from engine.config_yaml import YAMLInputError, load_yaml
 from kernels.rope import rope_scaling_problem
 
@@ -209,6 +211,7 @@ CHOICES = {
     ("train", "precision"): ("fp32", "bf16", "fp16"),
     ("train", "device"): ("auto", "cpu", "cuda"),
     ("optim", "schedule"): ("cosine", "linear", "constant", "wsd", "two_phase"),
+    ("parallel", "rank_order"): tuple("-".join(order) for order in itertools.permutations(("tp", "dp", "pp"))),
 }
 
 
@@ -459,6 +462,10 @@ def validate(cfg: Config, world_size: int) -> None:
                           f"global_batch_size / (micro_batch_size × dp)) to be a multiple of parallel.pipeline="
                           f"{p.pipeline}")
     d = cfg.data
+    try:
+        parse_split(d.split)
+    except ValueError as exc:
+        raise ConfigError(f"data.split: {exc}") from exc
     if (d.reset_attention_mask or d.reset_position_ids or d.eod_mask_loss) and d.eod_token_id < 0 and not d.tokenizer:
         raise ConfigError("data.reset_attention_mask / reset_position_ids / eod_mask_loss need the end-of-document "
                           "token: set data.tokenizer (its eos_token is used) or data.eod_token_id")

@@ -11,6 +11,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from data.loader import parse_paths
 from engine.config import Config, ConfigError, load_config, validate
 from engine.config_ranges import field_range
 
@@ -132,6 +133,21 @@ def test_overrides_into_a_file_that_is_not_a_mapping(tmp_path, text):
     path = tmp_path / "shape.yaml"
     path.write_text(text)
     assert "mapping" in config_error(["model.hidden_size=64"], path=path)
+
+
+@pytest.mark.parametrize("override, shown", [
+    ("data.split=nan,1,1", "data.split"), ("data.split=inf,1,0", "data.split"), ("data.split=0,0,0", "data.split"),
+    ("data.split=abc", "data.split"), ("parallel.rank_order=tp-tp-pp", "parallel.rank_order"),
+])
+def test_values_parsed_from_text_are_checked_before_start(override, shown):
+    assert shown in config_error([override])
+
+
+@pytest.mark.parametrize("paths", [["nan", "a"], ["inf", "a", "1", "b"], ["0", "a", "0", "b"],
+                                   ["1e308", "a", "1e308", "b"]])
+def test_blend_weights_are_finite_with_a_positive_sum(paths):
+    with pytest.raises(ValueError, match="data.paths weight"):  # training names it as a ConfigError on data.paths
+        parse_paths(paths)
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
