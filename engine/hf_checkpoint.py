@@ -52,11 +52,11 @@ def fill_model_from_hf(cfg: Config) -> None:
         return
     source = Path(cfg.checkpoint.load)
     found = model_from_directory(source, cfg.model.seq_length)
-    changed = [f"{k}={getattr(found, k)!r} (was {getattr(cfg.model, k)!r})" for k in ARCHITECTURE
-               if getattr(found, k) != getattr(cfg.model, k)]
+    replaced = [f"{k} (was {getattr(cfg.model, k)!r})" for k in ARCHITECTURE
+                if getattr(found, k) != getattr(cfg.model, k)]
     cfg.model = dataclasses.replace(cfg.model, **{k: getattr(found, k) for k in ARCHITECTURE})
-    if changed:
-        log.info(f"model.* from {source / 'config.json'}: {', '.join(changed)}")
+    log.info(f"model.* from {source / 'config.json'}: " + ", ".join(f"{k}={getattr(found, k)!r}" for k in ARCHITECTURE)
+             + (f"; replaced the run's {', '.join(replaced)}" if replaced else ""))
 
 
 class HFWeights:

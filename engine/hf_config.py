@@ -27,12 +27,13 @@ MAPPED = {  # config.json field -> model.* key
 }
 # Fields that do not change the model's function: bookkeeping, generation and serving switches, the
 # tokenizer's special ids (carried by the tokenizer files), the weights' storage dtype (Trilith keeps fp32
-# masters) and `pretraining_tp` (only how transformers 4.x split its matmuls).
+# masters), `pretraining_tp` (only how transformers 4.x split its matmuls) and Llama 1's `max_sequence_length`
+# (a duplicate of max_position_embeddings that transformers never read).
 IRRELEVANT = {
     "transformers_version", "torch_dtype", "dtype", "use_cache", "_name_or_path", "bos_token_id", "eos_token_id",
     "pad_token_id", "pretraining_tp", "is_llama_config", "output_attentions", "output_hidden_states", "return_dict",
     "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id", "problem_type", "tokenizer_class",
-    "transformers.js_config", "_attn_implementation_autoset",
+    "transformers.js_config", "_attn_implementation_autoset", "max_sequence_length",
 }
 REQUIRED = {"hidden_act": "silu", "mlp_bias": False, "rope_interleaved": False, "use_mrope": False,
             "partial_rotary_factor": 1.0}

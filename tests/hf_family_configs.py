@@ -26,6 +26,12 @@ TINYLLAMA_1_1B = {
     "num_key_value_heads": 2, "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_scaling": None,
     "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
     "transformers_version": "4.35.0", "use_cache": True, "vocab_size": 256}
+LLAMA_1_7B = {  # huggyllama/llama-7b: multi-head attention, no rope_theta (10000), legacy max_sequence_length
+    "architectures": ["LlamaForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+    "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 176, "max_position_embeddings": 2048,
+    "max_sequence_length": 2048, "model_type": "llama", "num_attention_heads": 4, "num_hidden_layers": 4,
+    "pad_token_id": 0, "rms_norm_eps": 1e-06, "tie_word_embeddings": False, "torch_dtype": "float16",
+    "transformers_version": "4.28.0.dev0", "use_cache": True, "vocab_size": 256}
 # Llama 2 extended to 16k by linear interpolation (LongChat / Vicuna-16k style, legacy "type" key)
 LLAMA_2_LINEAR = {**TINYLLAMA_1_1B, "num_key_value_heads": 4, "max_position_embeddings": 4096,
                   "rope_scaling": {"factor": 4.0, "type": "linear"}, "transformers_version": "4.31.0"}

@@ -22,14 +22,14 @@ from engine.train import Trainer
 from parallel.distributed import DistEnv
 from tests.distributed import WorkerPool
 from tests.test_export_tokens import transformers4_python
-from tests.hf_family_configs import (LLAMA_2_LINEAR, LLAMA_3_2_1B, MISTRAL_7B, MISTRAL_NEMO, QWEN2_5_0_5B,
-                                     QWEN2_5_YARN, SMOLLM2_135M, TINYLLAMA_1_1B)
+from tests.hf_family_configs import (LLAMA_1_7B, LLAMA_2_LINEAR, LLAMA_3_2_1B, MISTRAL_7B, MISTRAL_NEMO,
+                                     QWEN2_5_0_5B, QWEN2_5_YARN, SMOLLM2_135M, TINYLLAMA_1_1B)
 from tools.ckpt_convert import main as convert
 
 TINY = "launch/configs/tiny.yaml"
 torch.set_num_threads(1)
 
-FAMILIES = {"llama3.2": (LlamaConfig, LLAMA_3_2_1B), "smollm2": (LlamaConfig, SMOLLM2_135M),
+FAMILIES = {"llama1": (LlamaConfig, LLAMA_1_7B), "llama3.2": (LlamaConfig, LLAMA_3_2_1B), "smollm2": (LlamaConfig, SMOLLM2_135M),
             "tinyllama": (LlamaConfig, TINYLLAMA_1_1B), "llama2_linear": (LlamaConfig, LLAMA_2_LINEAR),
             "mistral": (MistralConfig, MISTRAL_7B), "mistral_nemo": (MistralConfig, MISTRAL_NEMO),
             "qwen2.5": (Qwen2Config, QWEN2_5_0_5B), "qwen2.5_yarn": (Qwen2Config, QWEN2_5_YARN)}
@@ -144,7 +144,7 @@ def test_family_imports_trains_and_exports_exactly(family, layout, tmp_path, poo
     assert comparable(AutoConfig.from_pretrained(tmp_path / "back").to_dict()) == \
         comparable(AutoConfig.from_pretrained(src).to_dict())
     written = json.loads((tmp_path / "back" / "config.json").read_text())
-    assert float(written["rope_theta"]) == float(shipped["rope_theta"])
+    assert float(written["rope_theta"]) == float(shipped.get("rope_theta", 10000.0))
     assert written["rope_scaling"] == v4_scaling(shipped)
     assert written["model_type"] == shipped["model_type"] and written["architectures"] == shipped["architectures"]
 
