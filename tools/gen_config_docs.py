@@ -3,8 +3,8 @@
     python tools/gen_config_docs.py           # regenerate the reference after changing engine/config.py
     python tools/gen_config_docs.py --check   # exit 1 if the committed file is out of date
 
-Every key comes from the dataclasses themselves: its section and name, type, default and allowed values
-(`engine.config.CHOICES`). The text is the field's own comment in engine/config.py: the comment on the
+Every key comes from the dataclasses themselves: its section and name, type, default, allowed values
+(`engine.config.CHOICES`) and, for numbers, bounds (`engine.config_ranges.field_range`). The text is the field's own comment in engine/config.py: the comment on the
 field's line(s) plus any comment lines right below it that are indented deeper than the field; for a field
 without one, the comment lines directly above it. A section's introduction is its class docstring. A field
 without a comment is refused, so the reference cannot lose a key silently.
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from engine import config  # noqa: E402  (after the path set-up above)
+from engine import config, config_ranges  # noqa: E402  (after the path set-up above)
 
 OUTPUT = ROOT / "docs" / "configuration.md"
 COMMAND = "python tools/gen_config_docs.py"
@@ -37,8 +37,8 @@ HEADER = f"""# Configuration reference
 A run is one YAML file of sections (`model:`, `parallel:`, ...); any key can be overridden on the command
 line as `section.key=value`, the value parsed as YAML (`optim.lr=3e-4`, `train.compile=true`,
 `parallel.stage_layers=[3,3,2,2]`). Everything is checked before any process group exists: an unknown key
-is refused with the nearest valid name, a value of the wrong type or outside its allowed values with the
-key, and impossible combinations (heads not divisible by the tensor-parallel size, a world size that is not
+is refused with the nearest valid name, a value of the wrong type or outside the values or bounds in the
+type column with the key, and impossible combinations (heads not divisible by the tensor-parallel size, a world size that is not
 TP × PP × DP, batch sizes that do not divide, ...) with the numbers and the fix. Such an error is one line
 and exit status 2. The resolved configuration of every run is saved as `run.dir/config.yaml`.
 """
@@ -115,10 +115,13 @@ def section_table(section: str, cls) -> list[str]:
         if not text:
             raise UndocumentedField(f"engine/config.py: {cls.__name__}.{f.name} has no comment; add one after the "
                                     f"field saying what {section}.{f.name} does, then run {COMMAND}")
-        kind = type_name(hints[f.name])
+        hint = hints[f.name]
+        kind = type_name(hint)
         choices = config.CHOICES.get((section, f.name))
         if choices:
-            kind += ": " + ", ".join(f"`{c}`" for c in choices)
+            kind += ": " + ", ".join(f"`{c}`" if c else '`""`' for c in choices)
+        elif hint in (int, float) or hint == list[int]:
+            kind += (", each " if hint == list[int] else ", ") + str(config_ranges.field_range(section, f.name))
         rows.append(f"| `{section}.{f.name}` | {cell(kind)} | `{cell(default_text(f))}` | {cell(text)} |")
     return rows + [""]
 
