@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from data.loader import parse_paths
-from engine.config import Config, ConfigError, load_config, validate
+from engine.config import Config, ConfigError, load_config, save_config, validate
 from engine.config_ranges import field_range
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -170,6 +170,9 @@ def outcome(path: Path, overrides=()) -> None:
     for section, key, typ in numeric_fields():  # accepted: every number has its type and lies in its range
         value = getattr(getattr(cfg, section), key)
         assert type(value) is typ and value in field_range(section, key), (section, key, value)
+    saved = path.with_name("saved.yaml")  # what a run writes to its directory reads back as the same Config
+    save_config(cfg, saved)
+    assert load_config(saved) == cfg
     for world in (1, 8, 64):
         try:
             validate(cfg, world)
