@@ -1,6 +1,7 @@
 """Hostile and damaged configuration input: every bad value, file or override is one ConfigError line naming
 the key (or the file), never a traceback, never a hang; a fuzz test holds the loader to that."""
 import dataclasses
+import math
 import tempfile
 import threading
 import typing
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 
 from data.loader import parse_paths
 from engine.config import Config, ConfigError, load_config, save_config, validate
-from engine.config_ranges import field_range
+from engine.config_ranges import RANGES, field_range
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "launch" / "configs" / "tiny.yaml"
@@ -60,11 +61,17 @@ def test_every_numeric_field_is_bounded(section, key, typ):
     """A rule over the dataclass fields, not a list: a field added later is covered without being named."""
     bounds = field_range(section, key)
     assert getattr(getattr(Config(), section), key) in bounds  # the default itself is valid
-    below = bounds.low - 1 if typ is int else bounds.low - 0.5
-    for value in [below] + (["1e30"] if typ is int else ["nan", "-inf", "inf"]):
-        override = f"{section}.{key}={value}"
-        with pytest.raises(ConfigError, match=f"{section}.{key}"):
-            load_config(TINY, [override])
+    step = 1 if typ is int else 0.5
+    outside = [bounds.low if bounds.open_low else bounds.low - step]
+    if bounds.high < math.inf:
+        outside.append(bounds.high if bounds.open_high else bounds.high + step)
+    for value in outside + (["1e30"] if typ is int else ["nan", "-inf", "inf"]):
+        with pytest.raises(ConfigError, match=f"{section}.{key}="):
+            load_config(TINY, [f"{section}.{key}={value}"])
+
+
+def test_declared_bounds_name_real_fields():
+    assert set(RANGES) <= {(section, key) for section, key, typ in SLOTS if typ in (int, float, list[int])}
 
 
 @pytest.mark.parametrize("text", ["model:\n  1: 2\n", "1:\n  a: 2\n", "model:\n  null: 3\n", "true: {}\n"])
