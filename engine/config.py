@@ -351,7 +351,8 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
 
 def _read_config_file(path: Path) -> dict:
     if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist; pass an existing YAML file with --config")
+        state = "is not a regular file" if path.exists() else "does not exist"
+        raise ConfigError(f"config file {path} {state}; pass an existing YAML file with --config")
     try:
         with path.open("rb") as f:
             data = f.read(MAX_CONFIG_BYTES + 1)

@@ -19,6 +19,9 @@ from engine.config_ranges import RANGES, field_range
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "launch" / "configs" / "tiny.yaml"
 RECIPES = sorted((ROOT / "launch" / "configs").glob("*.yaml"))
+SLOTS = [(s.name, f.name, typing.get_type_hints(s.default_factory)[f.name])  # (section, key, type) of every field
+         for s in dataclasses.fields(Config) for f in dataclasses.fields(s.default_factory)]
+NUMERIC = [(section, key, typ) for section, key, typ in SLOTS if typ in (int, float)]
 
 
 def config_error(overrides=(), path=TINY, world=1) -> str:
@@ -48,15 +51,7 @@ def test_the_same_values_in_a_file_are_refused_the_same_way(tmp_path):
     assert "train.steps" in config_error(path=path)
 
 
-def numeric_fields():
-    for section in dataclasses.fields(Config):
-        hints = typing.get_type_hints(section.default_factory)
-        for f in dataclasses.fields(section.default_factory):
-            if hints[f.name] in (int, float):
-                yield section.name, f.name, hints[f.name]
-
-
-@pytest.mark.parametrize("section, key, typ", list(numeric_fields()))
+@pytest.mark.parametrize("section, key, typ", NUMERIC)
 def test_every_numeric_field_is_bounded(section, key, typ):
     """A rule over the dataclass fields, not a list: a field added later is covered without being named."""
     bounds = field_range(section, key)
@@ -79,6 +74,10 @@ def test_non_string_keys_are_named(tmp_path, text):
     path = tmp_path / "keys.yaml"
     path.write_text(text)
     assert "key" in config_error(path=path)
+
+
+def test_a_directory_is_not_a_config_file(tmp_path):
+    assert "is not a regular file" in config_error(path=tmp_path)
 
 
 def test_non_utf8_file_is_named(tmp_path):
@@ -174,7 +173,7 @@ def outcome(path: Path, overrides=()) -> None:
         cfg = load_config(path, list(overrides))
     except ConfigError as exc:
         return one_line(exc)
-    for section, key, typ in numeric_fields():  # accepted: every number has its type and lies in its range
+    for section, key, typ in NUMERIC:  # accepted: every number has its type and lies in its range
         value = getattr(getattr(cfg, section), key)
         assert type(value) is typ and value in field_range(section, key), (section, key, value)
     saved = path.with_name("saved.yaml")  # what a run writes to its directory reads back as the same Config
@@ -194,8 +193,6 @@ VALUES = st.one_of(SCALARS, st.lists(SCALARS, max_size=4), st.dictionaries(SCALA
 TYPED = {int: st.integers(-2, 64), float: st.floats(-0.5, 4), bool: st.booleans(),
          str: st.text(max_size=20), list: st.lists(st.text(max_size=8), max_size=3),
          list[int]: st.lists(st.integers(-1, 8), max_size=4), dict: st.dictionaries(SCALARS, SCALARS, max_size=3)}
-SLOTS = [(s.name, f.name, typing.get_type_hints(s.default_factory)[f.name])
-         for s in dataclasses.fields(Config) for f in dataclasses.fields(s.default_factory)]
 YAMLISH = st.lists(st.sampled_from(list("ab1.-:[]{},&*!? \n#'\"|>%@`\t\\e") + ["!!", "&x", "*x", "nan", ".inf",
                                                                                 "model:", "  steps: "]),
                    max_size=40).map("".join)
