@@ -7,6 +7,7 @@ ever appears under its final name complete: it is written as `.tmp-<name>`, fsyn
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -37,6 +38,15 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+@contextlib.contextmanager
+def writing(path: Path):
+    """A failed write (a full disk, a quota) as a CheckpointError naming the file: the OS error alone does not."""
+    try:
+        yield
+    except OSError as exc:
+        raise CheckpointError(f"writing {path} failed: {exc.strerror or exc}") from exc
+
+
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[str, int]:
     """Write a safetensors file, hashing the bytes as they go out; fsync it. Returns (sha256, size)."""
     header, offset, blobs = {"__metadata__": metadata}, 0, []
@@ -52,7 +62,7 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
     text += b" " * (-len(text) % 8)
     digest = hashlib.sha256()
     # Hash block i on a second thread while block i+1 is written (both release the GIL).
-    with open(path, "wb") as f, ThreadPoolExecutor(1) as hasher:
+    with writing(path), open(path, "wb") as f, ThreadPoolExecutor(1) as hasher:
         pending = None
         for piece in [len(text).to_bytes(8, "little"), text, *blobs]:
             view = memoryview(piece).cast("B")
@@ -71,7 +81,7 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
 
 def write_json(path: Path, obj) -> tuple[str, int]:
     data = json.dumps(obj, indent=1, sort_keys=True).encode()
-    with open(path, "wb") as f:
+    with writing(path), open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())

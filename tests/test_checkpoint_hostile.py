@@ -2,7 +2,10 @@
 manifests that cannot point outside their checkpoint, a full disk, and readers that fail in one line."""
 import errno
 import json
+import resource
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ from engine.train import main as train_main
 from parallel.distributed import DistEnv
 from tests.distributed import WorkerPool
 from tests.test_checkpoint import TINY, flip_byte, saved_run, train, trainer
+from tests.test_train import ROOT
 from tools.ckpt_convert import main as convert
 
 RANK_FILE = "tp00-pp00-dp000.safetensors"
@@ -163,6 +167,22 @@ def test_full_disk_during_a_save_is_one_final_line(tmp_path, monkeypatch, capsys
         "No space left on device" in err, err
     root = tmp_path / "run" / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000001"]
+
+
+def test_write_failure_of_a_real_process_is_one_line_naming_the_file(tmp_path):
+    """The OS refuses the write (a file-size limit stands in for a full disk): status 1, left in the stop file
+    (final), one line on stderr naming the file, nothing left behind."""
+    limit = 1 << 20  # the config and logs fit; a checkpoint's rank file (~2.4 MB) does not
+    stop_file = tmp_path / "stop"
+    done = subprocess.run([sys.executable, "-m", "engine.train", "--config", TINY, f"run.dir={tmp_path / 'run'}",
+                           "checkpoint.interval=1", "train.steps=2"], cwd=ROOT, capture_output=True, text=True,
+                          env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin",
+                               "TRILITH_STOP_FILE": str(stop_file)}, timeout=300,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    rank_file = tmp_path / "run" / "checkpoints" / ".tmp-step_00000001" / RANK_FILE
+    assert done.returncode == 1 and stop_file.read_text() == "1\n"
+    assert done.stderr.count("\n") == 1 and f"writing {rank_file} failed: File too large" in done.stderr, done.stderr
+    assert list((tmp_path / "run" / "checkpoints").iterdir()) == []
 
 
 def _full_disk_on_rank_1(rank, world, run_dir):
