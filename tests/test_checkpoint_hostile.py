@@ -156,11 +156,13 @@ def full_disk_at(call: int):
     return write_until_full
 
 
-def test_full_disk_during_a_save_is_one_final_line(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("mode", ["false", "true"], ids=["sync", "async"])
+def test_full_disk_during_a_save_is_one_final_line(tmp_path, monkeypatch, capsys, mode):
     monkeypatch.setattr(engine.checkpoint, "write_safetensors", full_disk_at(call=2))
     stop_file = tmp_path / "stop"
     monkeypatch.setenv("TRILITH_STOP_FILE", str(stop_file))
-    status = train_main(["--config", TINY, f"run.dir={tmp_path / 'run'}", "checkpoint.interval=1", "train.steps=3"])
+    status = train_main(["--config", TINY, f"run.dir={tmp_path / 'run'}", "checkpoint.interval=1", "train.steps=3",
+                         f"checkpoint.async_save={mode}"])
     err = capsys.readouterr().err
     assert status == 1 and stop_file.read_text() == "1\n"  # a code in the stop file: --max-restarts stops here
     assert err.count("\n") == 1 and err.startswith("trilith: checkpoint error: saving step 2") and \
