@@ -154,8 +154,17 @@ def check_manifest(directory: Path, manifest) -> None:
              f"tensor {name[:80]!r}: a piece's tp_rank is outside 0..{tp_size - 1}")
 
 
+def _scaler(value) -> bool:
+    if value is None:  # converted checkpoints: the run's own scaler starts fresh
+        return True
+    scale = value.get("scale") if isinstance(value, dict) else None
+    return isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale) and scale > 0 \
+        and _count(value.get("good_steps"))
+
+
 def check_metadata(path: Path, meta) -> None:
-    fields = {"step": _count, "consumed_samples": _count, "adam_step": _count,
+    """The fields resuming uses, with their types (a damaged value would fail later, mid-training)."""
+    fields = {"step": _count, "consumed_samples": _count, "adam_step": _count, "scaler": _scaler,
               "layout": lambda v: isinstance(v, dict), "config": lambda v: isinstance(v, dict)}
     bad = [k for k, ok in fields.items() if not isinstance(meta, dict) or not ok(meta.get(k))]
     if bad:

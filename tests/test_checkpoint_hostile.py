@@ -248,5 +248,11 @@ def test_damaged_files_without_checksums_are_named(tmp_path):
         flip_byte(path, offset=offset)
         one_line_error(lambda: trainer(tmp_path, "checkpoint.verify=false"), path)
         path.write_bytes(pristine)
+    meta = json.loads((step / "metadata.json").read_text())
+    meta["scaler"]["scale"] = "inf"  # would fail only at the first step that scales a loss
+    (step / "metadata.json").write_text(json.dumps(meta))
+    edit_manifest(step, lambda manifest: manifest["files"]["metadata.json"].update(
+        bytes=(step / "metadata.json").stat().st_size))
+    one_line_error(lambda: trainer(tmp_path, "checkpoint.verify=false"), step / "metadata.json", "scaler")
     edit_manifest(step, lambda manifest: manifest.pop("tensors"))
     one_line_error(lambda: trainer(tmp_path, "checkpoint.verify=false"), step / "manifest.json", "'tensors'")
