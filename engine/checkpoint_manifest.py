@@ -7,6 +7,10 @@ file the tensor `"{key}/{name}"` is that 1-D fp32 range. The manifest also lists
 SHA-256 and size. `CheckpointReader` answers "elements [a, b) of my TP-local tensor" for any target
 layout: directly from the matching pieces when the TP split is the same, otherwise through the global
 tensor.
+
+Nothing read is trusted: `check_manifest` confines every file a manifest names to its own listed (and so
+verified) files and every piece to its tensor, and `SafetensorsRanges` checks each header field against
+the file's size; anything else is one CheckpointError line naming the file.
 """
 from __future__ import annotations
 
