@@ -29,6 +29,7 @@ from engine.metrics import H100_BF16_PEAK_FLOPS, MetricsLog, flops_per_token, pe
 from engine.mock_data import MockBatchLoader
 from engine.model import CausalLM, num_parameters
 from engine.monitor import NonFiniteTraining, TrainingMonitor
+from engine.run_lock import hold_run_dir
 from engine.stop import StopControl, StopRun, exit_status, final_failure
 from engine.zero_optimizer import build_data_parallel
 from parallel import comm, heartbeat
@@ -501,7 +502,8 @@ def main(argv=None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         env = init_distributed(cfg.train.device, cfg.parallel.backend, cfg.parallel.timeout_minutes)
-        run(cfg, env)
+        with hold_run_dir(cfg.run.dir, env):  # one training per run.dir (engine/run_lock.py)
+            run(cfg, env)
         clean = True
     except ConfigError as exc:
         print(f"trilith: configuration error: {exc}", file=sys.stderr)

@@ -23,6 +23,7 @@
 #SBATCH --signal=USR1@180
 #SBATCH --requeue
 #SBATCH --output=slurm-%j.out
+#SBATCH --open-mode=append           # a requeued job keeps the earlier attempts' output (SLURM would truncate it)
 set -euo pipefail
 
 # sbatch runs a spooled copy of this file: find the checkout from TRILITH_ROOT or the submit directory.
@@ -73,35 +74,73 @@ restart_allowed() {  # restart_allowed STATUS ATTEMPT
 announce_restart() {  # announce_restart STATUS ATTEMPT
   echo "run_pretrain.sh: the run failed (exit $1); restart $(( $2 + 1 )) of $MAX_RESTARTS, resuming from the latest checkpoint" >&2
 }
+# The ranks' stop file (engine/stop.py): a code on the first line, after a GPU-health stop a second line
+# `unhealthy NODE[,NODE...]`. Whatever can write it must not reach bash arithmetic or sbatch --wrap: only
+# digits are a code (anything else is a failure, 1) and only SLURM node-name characters are names.
+STOP_CODE="" UNHEALTHY=""
+read_stop_file() {
+  local code nodes shown
+  STOP_CODE="" UNHEALTHY=""
+  [[ -s "$TRILITH_STOP_FILE" ]] || return 0
+  code="$(head -n 1 "$TRILITH_STOP_FILE")"
+  nodes="$(sed -n 's/^unhealthy //p' "$TRILITH_STOP_FILE" | head -n 1)"
+  if [[ "$code" =~ ^[0-9]{1,3}$ ]] && (( 10#$code <= 255 )); then
+    STOP_CODE=$(( 10#$code ))
+  else
+    printf -v shown '%q' "${code:0:60}"
+    echo "run_pretrain.sh: the ranks' stop file holds no exit code (first line $shown); the run failed" >&2
+    STOP_CODE=1
+  fi
+  if [[ "$nodes" =~ ^[A-Za-z0-9._-]+(,[A-Za-z0-9._-]+)*$ ]]; then
+    UNHEALTHY="$nodes"
+  elif [[ -n "$nodes" ]]; then
+    printf -v shown '%q' "${nodes:0:60}"
+    echo "run_pretrain.sh: ignoring the stop file's unhealthy nodes $shown (not SLURM node names)" >&2
+  fi
+}
+# Before any rank starts: the configuration, for the world size, and (training, on the node of rank 0,
+# which takes the lock) that no live run holds run.dir. A failure is launch/check.py's one line and status
+# 2, not a line per rank and torchrun's report of a failed child.
+check_launch() {  # check_launch WORLD_SIZE
+  local lock=()
+  [[ "$MODULE" == engine.train && "$NODE_RANK" -eq 0 ]] && lock=(--lock)
+  "$PY" "$ROOT/launch/check.py" --world-size "$1" "${lock[@]}" "${ARGS[@]}" || exit "$?"
+}
 
 cd "$ROOT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 # sbatch: this is the batch shell, not a rank. Start one rank per task with srun; requeue on preemption.
 if [[ -n "${SLURM_JOB_ID:-}" && -z "${SLURM_STEP_ID:-}" && -z "${RANK:-}" && "$NPROC" -eq 1 ]]; then
+  # Each start of the job (a requeue appends to the same output: --open-mode=append) says where and when.
+  echo "run_pretrain.sh: job $SLURM_JOB_ID starting (SLURM restart count ${SLURM_RESTART_COUNT:-0})" \
+    "on $(hostname) at $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  check_launch "${SLURM_NTASKS:-1}"
   # Ranks report an early stop here (rank 0 runs on this, the first, node) and exit 0 so that
   # --kill-on-bad-exit does not cut the others short, and a final failure's code; see engine/stop.py.
-  export TRILITH_STOP_FILE="${TMPDIR:-/tmp}/trilith-stop-$SLURM_JOB_ID"
+  TRILITH_STOP_FILE="$(mktemp "${TMPDIR:-/tmp}/trilith-stop.XXXXXX")"
+  export TRILITH_STOP_FILE
+  trap 'rm -f "$TRILITH_STOP_FILE"' EXIT
   trap 'INTERRUPTED=1' TERM USR1 INT
+  # The rendezvous port: one free on this node (rank 0's) now, chosen again for every attempt (the last
+  # one's may still be held for a moment). Ports derived from the job id would collide between jobs
+  # 20,000 ids apart sharing a first node; the kernel knows which ports are taken.
+  USER_PORT="${MASTER_PORT:-}"
   attempt=0
   while :; do
-    rm -f "$TRILITH_STOP_FILE"
-    # Each attempt rendezvouses on a port of its own: the last one's may still be held for a moment.
-    export TRILITH_ATTEMPT="$attempt"
+    : > "$TRILITH_STOP_FILE"
+    MASTER_PORT="${USER_PORT:-$("$PY" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')}"
+    export MASTER_PORT
     set +e
     srun --kill-on-bad-exit=1 --export=ALL bash "$ROOT/launch/run_pretrain.sh" "${MODE[@]}" "${ARGS[@]}"
     status=$?
     set -e
-    UNHEALTHY=""
-    if [[ -s "$TRILITH_STOP_FILE" ]]; then
-      status="$(head -n 1 "$TRILITH_STOP_FILE")"
-      UNHEALTHY="$(sed -n 's/^unhealthy //p' "$TRILITH_STOP_FILE")"
-    fi
+    read_stop_file
+    status="${STOP_CODE:-$status}"
     restart_allowed "$status" "$attempt" || break
     announce_restart "$status" "$attempt"
     attempt=$(( attempt + 1 ))
   done
-  rm -f "$TRILITH_STOP_FILE"
   if [[ "$status" -eq 3 && "${TRILITH_REQUEUE:-1}" == 1 ]]; then
     echo "run_pretrain.sh: preempted (exit 3); requeueing job $SLURM_JOB_ID to resume from run.dir" >&2
     scontrol requeue "$SLURM_JOB_ID"
@@ -124,11 +163,12 @@ if [[ -n "${SLURM_JOB_ID:-}" && -z "${SLURM_STEP_ID:-}" && -z "${RANK:-}" && "$N
       value="$(job_field "$field")"
       [[ -n "$value" ]] && where+=("--${field,,}=$value")
     done
-    requeue="scontrol requeuehold $SLURM_JOB_ID && scontrol update JobId=$SLURM_JOB_ID ExcNodeList=$excluded"
-    requeue+=" && scontrol release $SLURM_JOB_ID"
+    # Every value is quoted for the helper's shell (sbatch --wrap runs a script of the text).
+    printf -v requeue 'scontrol requeuehold %q && scontrol update JobId=%q ExcNodeList=%q && scontrol release %q' \
+      "$SLURM_JOB_ID" "$SLURM_JOB_ID" "$excluded" "$SLURM_JOB_ID"
+    printf -v note 'echo %q >> %q' "run_pretrain.sh: job $SLURM_JOB_ID requeued without node(s) $excluded" "$job_out"
     if sbatch --quiet "${where[@]}" --job-name="trilith-exclude-$SLURM_JOB_ID" --dependency="afterany:$SLURM_JOB_ID" \
-        --ntasks=1 --cpus-per-task=1 --time=10 --output=/dev/null \
-        --wrap "$requeue && echo 'run_pretrain.sh: job $SLURM_JOB_ID requeued without node(s) $excluded' >> '$job_out'"
+        --ntasks=1 --cpus-per-task=1 --time=10 --output=/dev/null --wrap "$requeue && $note"
     then
       echo "run_pretrain.sh: GPU health stop (exit 4) on $UNHEALTHY; job $SLURM_JOB_ID goes back to the queue" \
         "without node(s) $excluded once it has ended, to resume from run.dir elsewhere" >&2
@@ -165,6 +205,7 @@ if [[ "$NPROC" -gt 1 || "$NNODES" -gt 1 ]]; then
   # torchrun reports any non-zero rank exit as its own failure (1), so the ranks exit 0 from an early stop
   # and rank 0 leaves the code (3 preempted, 4 GPU health) here; see engine/stop.py. With --nnodes > 1
   # only node 0's launcher holds rank 0 and returns the code; the other nodes return 0.
+  check_launch "$(( NPROC * NNODES ))"
   TRILITH_STOP_FILE="$(mktemp "${TMPDIR:-/tmp}/trilith-stop.XXXXXX")"
   export TRILITH_STOP_FILE
   trap 'rm -f "$TRILITH_STOP_FILE"' EXIT
@@ -193,7 +234,8 @@ if [[ "$NPROC" -gt 1 || "$NNODES" -gt 1 ]]; then
     while kill -0 "$TORCHRUN" 2>/dev/null; do wait "$TORCHRUN" || true; done
     status=0
     wait "$TORCHRUN" || status=$?
-    if [[ -s "$TRILITH_STOP_FILE" ]]; then status="$(cat "$TRILITH_STOP_FILE")"; fi
+    read_stop_file
+    status="${STOP_CODE:-$status}"
     restart_allowed "$status" "$attempt" || exit "$status"
     announce_restart "$status" "$attempt"
     attempt=$(( attempt + 1 ))

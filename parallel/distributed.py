@@ -8,16 +8,23 @@
     4. SLURM (srun)                                SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID
 
 MPI comes before SLURM because `mpirun` inside an allocation inherits the batch step's SLURM_PROCID=0.
-The rendezvous (MASTER_ADDR/MASTER_PORT) is taken from the environment when set; otherwise SLURM runs use
-the first host of SLURM_JOB_NODELIST and a port derived from the job id, MPI runs let rank 0 pick its
-address and a free port and broadcast them with mpi4py.
+The rendezvous (MASTER_ADDR/MASTER_PORT) is taken from the environment when set (launch/run_pretrain.sh's
+batch shell picks a free port on the first node); otherwise SLURM runs use the first host of
+SLURM_JOB_NODELIST and the step's reserved port (srun --resv-ports) or one derived from the job id, MPI runs
+let rank 0 pick its address and a free port and broadcast them with mpi4py.
+
+A launched rank dies with the process that started it (`die_with_launcher`): torchrun starts each rank in a
+session of its own, so a kill -9 of the launch's process group would otherwise leave the ranks training.
 """
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
 import re
+import signal
 import socket
+import sys
 import traceback
 from dataclasses import dataclass
 
@@ -143,15 +150,43 @@ def rendezvous(launch: Launch, environ=None) -> tuple[str, str]:
         if not nodelist:
             raise LaunchError("SLURM run without MASTER_ADDR and without SLURM_JOB_NODELIST to pick the first "
                               "host from; set MASTER_ADDR")
-        # The port must agree on every rank without communication: derive it from the job id, and from
-        # the attempt (launch/run_pretrain.sh --max-restarts) so that a restart never meets the last one's.
-        job, attempt = int(env.get("SLURM_JOB_ID", 0)), int(env.get("TRILITH_ATTEMPT", 0))
-        return addr or expand_nodelist(nodelist)[0], port or str(20000 + (job + 1009 * attempt) % 20000)
+        return addr or expand_nodelist(nodelist)[0], port or slurm_port(env)
     if launch.source in ("openmpi", "mpich"):
         mpi_addr, mpi_port = _mpi_rendezvous(launch.source)
         return addr or mpi_addr, port or mpi_port
     raise LaunchError(f"MASTER_ADDR/MASTER_PORT not set for a {launch.source} run of {launch.world_size} ranks: "
                       "start multi-process runs with launch/run_pretrain.sh or torchrun, which set them")
+
+
+def slurm_port(env) -> str:
+    """The rendezvous port of a SLURM step started without MASTER_PORT; every rank must agree on it without
+    communication. A port srun reserved for the step (--resv-ports, or MpiParams=ports in slurm.conf) is
+    never another running step's. Failing that, one derived from the job id: jobs a multiple of 20,000
+    ids apart on the same first node would share it, which is why the batch shell sets MASTER_PORT."""
+    reserved = env.get("SLURM_STEP_RESV_PORTS", "")
+    match = re.match(r"(\d+)", reserved)
+    if match:
+        return match.group(1)
+    return str(20000 + int(env.get("SLURM_JOB_ID", 0)) % 20000)
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_launcher() -> None:
+    """Have the kernel SIGKILL this rank when the process that started it ends (Linux; elsewhere nothing).
+    SIGKILL, not a stop signal: with the launcher gone no one reads the ranks' exit codes or restarts them,
+    and its other ranks die at the same moment. If the launcher ended before the signal was armed, this
+    rank's parent has already changed: it exits now."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:
+        raise SystemExit(f"trilith: rank {os.environ.get('RANK', '?')}: its launcher (PID {parent}) has ended; "
+                         "exiting")
 
 
 def node_name() -> str:
@@ -170,6 +205,8 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
 
 def init_distributed(device: str = "auto", backend: str = "auto", timeout_minutes: float = 10.0) -> DistEnv:
     launch = discover()
+    if launch.source != "single":  # alone, a rank may outlive its shell on purpose (nohup)
+        die_with_launcher()
     dev = pick_device(device, launch.local_rank)
     chosen = backend if backend != "auto" else ("nccl" if dev.type == "cuda" else "gloo")
     global _TIMEOUT

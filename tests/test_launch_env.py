@@ -61,8 +61,8 @@ def test_slurm_nodelist_expansion(nodelist, hosts):
 def test_slurm_rendezvous_from_nodelist_and_job_id():
     env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_JOB_NODELIST": "gpu[12-13]", "SLURM_JOB_ID": "4242"}
     assert rendezvous(discover(env), env) == ("gpu12", str(20000 + 4242))
-    restarted = {**env, "TRILITH_ATTEMPT": "1"}  # run_pretrain.sh --max-restarts: a port of its own
-    assert rendezvous(discover(restarted), restarted) == ("gpu12", str(20000 + 4242 + 1009))
+    reserved = {**env, "SLURM_STEP_RESV_PORTS": "12071-12072"}  # srun --resv-ports: the step's own port
+    assert rendezvous(discover(reserved), reserved) == ("gpu12", "12071")
     env["MASTER_ADDR"], env["MASTER_PORT"] = "head", "1234"
     assert rendezvous(discover(env), env) == ("head", "1234")
 

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -220,3 +221,70 @@ def test_gpu_health_stop_requeues_the_job_without_the_hot_node(cluster, tmp_path
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     ref = reference_losses(tmp_path / "single", steps)
     assert max(abs(a - r["loss"]) for a, r in zip(ref, records)) <= 1e-4, (ref, [r["loss"] for r in records])
+
+
+def test_requeued_job_keeps_the_first_attempts_output(cluster, tmp_path):
+    """With the script's own #SBATCH --open-mode=append (not overridden here), the output of the attempt that
+    was preempted survives the requeue, and each attempt's start is marked with the restart count."""
+    run_dir, out = tmp_path / "run", tmp_path / "job.out"
+    job = cluster.sbatch(["-N", "1", "-n", "1", "-c", "1", "--overcommit", f"--output={out}",
+                          "launch/run_pretrain.sh", "--config", TINY, f"run.dir={run_dir}", "train.steps=40"],
+                         cwd=ROOT, env=ENV)
+    wait_for_steps(cluster, job, run_dir, out, 3)
+    cluster.run(["scancel", "--signal=USR1", job])
+    state, code = cluster.wait(job, timeout=240, until=("COMPLETED", "FAILED", "CANCELLED"))
+    text = out.read_text()
+    assert (state, code) == ("COMPLETED", "0:0"), text[-3000:] + cluster.logs()
+    assert "received SIGUSR1" in text and f"requeueing job {job}" in text, text[-3000:]  # the first attempt's
+    starts = re.findall(rf"run_pretrain.sh: job {job} starting \(SLURM restart count (\d)\) on \S+ at \S+Z", text)
+    assert starts == ["0", "1"], text[-3000:]
+    first, second = text.split("SLURM restart count 1")
+    assert "received SIGUSR1" in first and f"requeueing job {job}" in first, text[-3000:]
+    assert "resumed from" in second, text[-3000:]
+
+
+# Loaded by every Python of the job (PYTHONPATH): rank 0 of a job step leaves the given text in the batch
+# shell's stop file and every rank exits 0 at once, as engine/stop.py does after an early stop.
+FAKE_RANK = '''
+import os
+if os.environ.get("SLURM_STEP_ID") is not None:
+    if os.environ.get("SLURM_PROCID") == "0":
+        with open(os.environ["TRILITH_STOP_FILE"], "w") as f:
+            f.write(os.environ["STOP_TEXT"])
+    os._exit(0)
+'''
+
+
+@pytest.mark.parametrize("text, code", [("PATH[$(touch {pwned})]\n", "1:0"), ("4\nunhealthy $(touch {pwned})\n", "4:0")])
+def test_hostile_stop_file_runs_nothing_in_the_batch_shell(cluster, tmp_path, text, code):
+    """Text in the stop file is data: a first line that is not a number is a failure (1), a node line that
+    is not SLURM node names requeues nothing; no command in it runs, now or in a helper job."""
+    fake, out, pwned = tmp_path / "fake", tmp_path / "job.out", tmp_path / "pwned"
+    fake.mkdir()
+    (fake / "sitecustomize.py").write_text(FAKE_RANK)
+    job = cluster.sbatch(["-N", "1", "-n", "1", "-c", "1", "--overcommit", f"--output={out}", "launch/run_pretrain.sh",
+                          "--config", TINY, f"run.dir={tmp_path / 'run'}"], cwd=ROOT,
+                         env={**ENV, "PYTHONPATH": str(fake), "STOP_TEXT": text.format(pwned=pwned)})
+    state, got = cluster.wait(job, timeout=120)
+    assert (state, got) == ("FAILED", code), out.read_text()[-3000:] + cluster.logs()
+    assert not pwned.exists(), out.read_text()[-3000:]
+    # No requeue helper job was submitted (ended jobs stay listed for MinJobAge, 300 s).
+    assert f"JobName=trilith-exclude-{job}" not in cluster.run(["scontrol", "-o", "show", "jobs"]).stdout
+    assert "unbound variable" not in out.read_text() and "goes back to the queue" not in out.read_text()
+
+
+def test_a_port_derived_from_the_job_id_may_be_taken_by_a_job_20000_ids_earlier(cluster, tmp_path):
+    """Job N's derived port, 20000 + N % 20000, is job N - 20000's too: here a listening socket holds it, as
+    that job's rendezvous store would on the same first node. The batch shell picks a port the kernel says
+    is free, so the job's two ranks still meet and train."""
+    out, run_dir = tmp_path / "job.out", tmp_path / "run"
+    job = cluster.sbatch(["--hold", "-w", cluster.nodes[0], "-N", "1", "-n", "2", "-c", "1", "--overcommit",
+                          f"--output={out}", "launch/run_pretrain.sh", "--config", TINY, f"run.dir={run_dir}",
+                          "train.steps=3"], cwd=ROOT, env=ENV)
+    with socket.socket() as earlier_job:
+        earlier_job.bind(("", 20000 + int(job) % 20000))
+        earlier_job.listen()
+        cluster.run(["scontrol", "release", job])
+        state, code = cluster.wait(job, timeout=180)
+    assert (state, code) == ("COMPLETED", "0:0"), out.read_text()[-3000:] + cluster.logs()
+    assert len(steps_per_attempt(run_dir)[0]) == 3

@@ -1,0 +1,36 @@
+"""What launch/run_pretrain.sh checks before it starts any rank: the configuration loads and validates for
+the world size, and (--lock) no live training holds run.dir. A failure is one line and exit status 2, as
+from a rank, without torchrun's report of a failed child after it.
+
+    python launch/check.py --world-size 8 [--lock] --config FILE [section.key=value ...]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from engine.config import ConfigError, load_config, validate
+from engine.run_lock import check_free
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="launch/check.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, required=True, help="ranks the launch will start")
+    parser.add_argument("--lock", action="store_true", help="also refuse a run.dir that a live training holds")
+    parser.add_argument("--config", required=True, help="YAML run configuration")
+    parser.add_argument("--steps", help="engine.preflight's option, checked there")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        validate(cfg, args.world_size)
+        if args.lock:
+            check_free(cfg.run.dir)
+    except ConfigError as exc:
+        print(f"trilith: configuration error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
