@@ -1,6 +1,6 @@
 """What launch/run_pretrain.sh checks before it starts any rank: the configuration loads and validates for
-the world size, and (--lock) no live training holds run.dir. A failure is one line and exit status 2, as
-from a rank, without torchrun's report of a failed child after it.
+the world size, and (--lock) no live training holds run.dir. A failure is one line and exit status 2 (1 for
+an unreadable Hugging Face checkpoint.load), as from a rank, without torchrun's report of a failed child.
 
     python launch/check.py --world-size 8 [--lock] --config FILE [section.key=value ...]
 """
@@ -13,6 +13,19 @@ from engine.config import ConfigError, load_config, validate
 from engine.run_lock import check_free
 
 
+def fill_model_from_checkpoint(cfg) -> bool:
+    """model.* from a Hugging Face checkpoint.load directory, as the ranks take it before they validate
+    (engine/train.py); False, after its one line, when the directory is unreadable."""
+    from engine.checkpoint_io import CheckpointError  # these import torch: only for a run that loads
+    from engine.hf_checkpoint import fill_model_from_hf
+    try:
+        fill_model_from_hf(cfg)
+    except CheckpointError as exc:
+        print(f"trilith: checkpoint error: {exc}", file=sys.stderr)
+        return False
+    return True
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="launch/check.py", description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, required=True, help="ranks the launch will start")
@@ -23,6 +36,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        if cfg.checkpoint.load and not fill_model_from_checkpoint(cfg):
+            return 1
         validate(cfg, args.world_size)
         if args.lock:
             check_free(cfg.run.dir)

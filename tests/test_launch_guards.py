@@ -2,6 +2,8 @@
 file holding something other than a code, a launcher killed with kill -9, a second launch into a run
 directory that a live run is using. Real processes throughout.
 """
+import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -19,6 +21,8 @@ ENV = {"TRILITH_PYTHON": sys.executable, "PATH": f"{BIN}:/usr/bin:/bin", "OMP_NU
 # Loaded by every Python the launcher starts (PYTHONPATH): a rank (RANK set by torchrun) leaves the given
 # text in the launcher's stop file and exits 0 at once, as engine/stop.py does after an early stop.
 FAKE_RANK = '''
+import importlib.util
+import json
 import os
 if os.environ.get("RANK") == "0":
     with open(os.environ["TRILITH_STOP_FILE"], "w") as f:
@@ -157,3 +161,21 @@ def test_a_rank_whose_launcher_ended_before_it_armed_the_death_signal_exits():
                           text=True, timeout=120)
     assert done.returncode == 1 and done.stderr.strip() == \
         "trilith: rank 1: its launcher (PID 4321) has ended; exiting", done.stderr[-3000:]
+
+
+def test_launch_check_takes_the_model_from_a_hugging_face_checkpoint_as_the_ranks_do(tmp_path, capsys):
+    """checkpoint.load naming a Hugging Face directory replaces model.* before validation, in the ranks and
+    so in the launcher's check: an architecture the run's own model.* would not pass is not refused."""
+    spec = importlib.util.spec_from_file_location("trilith_launch_check", ROOT / "launch" / "check.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256,
+        "max_position_embeddings": 64}))
+    args = ["--world-size", "1", "--config", str(ROOT / TINY), f"run.dir={tmp_path / 'run'}",
+            "model.num_attention_heads=3"]  # 64 is not divisible by 3
+    assert check.main(args) == 2 and "num_attention_heads" in capsys.readouterr().err
+    assert check.main(args + [f"checkpoint.load={hf}"]) == 0, capsys.readouterr().err
