@@ -45,7 +45,9 @@ def pool():
 
 
 def make_hf_directory(path, family: str, layout: str):
-    """A model with random weights (random biases too) saved as `layout`; returns the reference model."""
+    """A model with random weights saved as `layout`; returns the reference model. Weights are drawn wider
+    than transformers' initialisation and biases nonzero, so that logits are far from uniform and a wrong
+    import shows in the loss too."""
     cls, shipped = FAMILIES[family]
     config = cls(**copy.deepcopy(shipped))  # transformers writes into the dicts it is given
     torch.manual_seed(0)
@@ -54,6 +56,8 @@ def make_hf_directory(path, family: str, layout: str):
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
                 p.normal_(0.0, 0.5)
+            elif p.dim() == 2:
+                p.normal_(0.0, 0.1)
     model.save_pretrained(path)
     if layout == "hub_v4":
         (path / "config.json").write_text(json.dumps(shipped, indent=2))
