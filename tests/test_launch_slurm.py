@@ -21,8 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = "launch/configs/tiny.yaml"
 BIN = Path(sys.executable).parent
 ENV = {"TRILITH_PYTHON": sys.executable, "PATH": f"{BIN}:/usr/bin:/bin:/usr/sbin", "OMP_NUM_THREADS": "1"}
-# Four ranks, two per node, on this machine's cores: override the script's GPU-node #SBATCH defaults.
-FOUR_RANKS = ["-N", "2", "-n", "4", "--ntasks-per-node=2", "-c", "1", "--overcommit", "--open-mode=append"]
+# Four ranks, two per node, on this machine's cores: override the script's GPU-node #SBATCH defaults
+# (its --open-mode=append stays: a requeued job's output keeps the first attempt's lines).
+FOUR_RANKS = ["-N", "2", "-n", "4", "--ntasks-per-node=2", "-c", "1", "--overcommit"]
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +201,7 @@ def test_gpu_health_stop_requeues_the_job_without_the_hot_node(cluster, tmp_path
     fake.mkdir()
     (fake / "pynvml.py").write_text(FAKE_PYNVML)
     run_dir, out, steps = tmp_path / "run", tmp_path / "job.out", 16
-    job = cluster.sbatch(["-N", "1", "-n", "2", "-c", "1", "--overcommit", "--open-mode=append", f"--output={out}",
+    job = cluster.sbatch(["-N", "1", "-n", "2", "-c", "1", "--overcommit", f"--output={out}",
                           "launch/run_pretrain.sh", "--config", TINY, f"run.dir={run_dir}", f"train.steps={steps}",
                           "run.health_interval=4", "run.max_gpu_temperature=90"],
                          cwd=ROOT, env={**ENV, "PYTHONPATH": str(fake)})
