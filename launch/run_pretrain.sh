@@ -9,9 +9,10 @@
 #   launch/run_pretrain.sh --preflight [--nproc N] --config FILE               scaled-down check, pass/fail report
 #   --max-restarts K (with --nproc, or in an sbatch job): after a failure (a rank died, a collective timed
 #   out), start all ranks again, up to K times; they resume from the latest checkpoint.
-# Exit status: 0 done, 2 configuration error, 3 preempted after a checkpoint (a SLURM batch job requeues
-# itself), 4 stopped by a GPU-health threshold after a checkpoint (a SLURM batch job requeues itself
-# without the node(s) named; TRILITH_EXCLUDE_UNHEALTHY=0 stops instead), anything else: failure.
+# Exit status: 0 done, 2 configuration error (or run.dir in use by a live training), 3 preempted after a
+# checkpoint (a SLURM batch job requeues itself), 4 stopped by a GPU-health threshold after a checkpoint (a
+# SLURM batch job requeues itself without the node(s) named; TRILITH_EXCLUDE_UNHEALTHY=0 stops instead),
+# anything else: failure.
 #
 # SLURM defaults: edit, or override on the sbatch command line (sbatch --nodes=4 ...).
 #SBATCH --job-name=trilith
