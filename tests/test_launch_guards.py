@@ -21,8 +21,6 @@ ENV = {"TRILITH_PYTHON": sys.executable, "PATH": f"{BIN}:/usr/bin:/bin", "OMP_NU
 # Loaded by every Python the launcher starts (PYTHONPATH): a rank (RANK set by torchrun) leaves the given
 # text in the launcher's stop file and exits 0 at once, as engine/stop.py does after an early stop.
 FAKE_RANK = '''
-import importlib.util
-import json
 import os
 if os.environ.get("RANK") == "0":
     with open(os.environ["TRILITH_STOP_FILE"], "w") as f:
