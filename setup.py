@@ -2,6 +2,7 @@ from setuptools import find_packages, setup
 
 MPI = ["mpi4py", "mpich"]  # the mpich wheel ships mpiexec (Hydra) and the library mpi4py loads
 CURATE = ["py3langid>=0.4", "datasketch>=2.0"]  # tools/curate_data.py: language id, MinHash LSH
+TRACKERS = ["tensorboard", "wandb"]  # run.tensorboard_dir, run.wandb_project (engine/trackers.py)
 
 setup(
     name="trilith",
@@ -18,12 +19,13 @@ setup(
         "mpi": MPI,
         "curate": CURATE,
         "plot": ["matplotlib"],  # tools/plot_metrics.py
+        "trackers": TRACKERS,
         # The suite launches real mpiexec jobs, curates corpora and draws curves, so `make test` (which
-        # installs .[dev]) brings the MPI, curate and plot extras.
+        # installs .[dev]) brings the MPI, curate and plot extras, and the trackers the demo and their tests write.
         # gguf: `ckpt_convert --to gguf` and its read-back test; protobuf: loading SentencePiece exports in
         # transformers; hypothesis: the fuzz tests over every reader of untrusted input.
         "interop": ["gguf", "protobuf"],
         "dev": ["pytest", "hypothesis", "transformers", "safetensors", "matplotlib", "gguf", "protobuf", *MPI,
-                *CURATE],
+                *CURATE, *TRACKERS],
     },
 )

@@ -185,6 +185,12 @@ class RunConfig:
     max_memory_fragmentation: float = 0.3  # CUDA: 1 - peak allocated/reserved above which cached blocks are freed
     replica_check_interval: int = 1000  # steps between checks that replicated parameters agree bit for bit
         # across ranks (also at start); 0 = at start only (parallel/replicas.py)
+    # Trackers (engine/trackers.py): every metrics.jsonl record, sent by rank 0; packages from the trackers extra
+    tensorboard_dir: str = ""  # TensorBoard event files go here (torch.utils.tensorboard); "" = off
+    wandb_project: str = ""  # Weights & Biases project; "" = off
+    wandb_mode: str = "online"  # online | offline (a local run directory, `wandb sync` later) | disabled
+    wandb_name: str = ""  # W&B run name; "" = the name of run.dir
+    wandb_tags: list = field(default_factory=list)  # W&B run tags, e.g. [llama, 1b]
 
 
 @dataclass
@@ -211,6 +217,7 @@ CHOICES = {
     ("train", "precision"): ("fp32", "bf16", "fp16"),
     ("train", "device"): ("auto", "cpu", "cuda"),
     ("optim", "schedule"): ("cosine", "linear", "constant", "wsd", "two_phase"),
+    ("run", "wandb_mode"): ("online", "offline", "disabled"),
     ("parallel", "rank_order"): tuple("-".join(order) for order in itertools.permutations(("tp", "dp", "pp"))),
 }
 

@@ -24,8 +24,9 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 class MetricsLog:
-    def __init__(self, run_dir: Path, enabled: bool, console=print):
+    def __init__(self, run_dir: Path, enabled: bool, console=print, trackers=None):
         self.enabled, self.console = enabled, console
+        self.trackers = trackers  # engine/trackers.Trackers: TensorBoard / W&B get every record written here
         self.path = Path(run_dir) / "metrics.jsonl"
         self.file = open(self.path, "a", buffering=1) if enabled else None
         self.last_time = time.perf_counter()
@@ -39,6 +40,8 @@ class MetricsLog:
         if not self.enabled:
             return
         self.file.write(json.dumps(record) + "\n")
+        if self.trackers:
+            self.trackers.log(record)
         parts = [f"step {record['step']:>6}", f"loss {record['loss']:.4f}", f"lr {record['lr']:.3e}",
                  f"grad_norm {record['grad_norm']:.3f}", f"{record['tokens_per_s']:,.0f} tok/s"]
         if "eval_loss" in record:
@@ -61,3 +64,5 @@ class MetricsLog:
     def close(self) -> None:
         if self.file:
             self.file.close()
+        if self.trackers:
+            self.trackers.close()

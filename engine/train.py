@@ -31,6 +31,7 @@ from engine.model import CausalLM, num_parameters
 from engine.monitor import NonFiniteTraining, TrainingMonitor
 from engine.run_lock import hold_run_dir
 from engine.stop import StopControl, StopRun, exit_status, final_failure
+from engine.trackers import Trackers
 from engine.zero_optimizer import build_data_parallel
 from parallel import comm, heartbeat
 from parallel.distributed import DistEnv, describe_failure, init_distributed, shutdown, world_group
@@ -483,7 +484,8 @@ def run(cfg: Config, env: DistEnv) -> list[dict]:
                                           block_key):
             log.warning(f"WARNING: {warning}")
     trainer = Trainer(cfg, env)
-    metrics = MetricsLog(run_dir, enabled=env.rank == 0, console=log.info)
+    metrics = MetricsLog(run_dir, enabled=env.rank == 0, console=log.info,
+                         trackers=Trackers(cfg, run_dir, trainer.step, env.rank == 0, log.warning))
     control = StopControl(env, HealthMonitor(cfg.run, run_dir, console=log.info) if env.local_rank == 0 else None)
     try:
         return trainer.train(metrics, control)

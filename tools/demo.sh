@@ -45,6 +45,8 @@ assert last["loss"] < first["loss"], "the demo's loss did not fall"
 evals = [r for r in rows if "eval_loss" in r]
 print("validation loss (held-out files): " + ", ".join(f"{r['eval_loss']:.3f} (step {r['step']})" for r in evals))
 assert evals and evals[-1]["eval_loss"] < evals[0]["eval_loss"], "the demo's validation loss did not fall"
+import glob
+assert glob.glob("$OUT/run/tensorboard/events.out.tfevents.*"), "the demo wrote no TensorBoard events"
 PYEOF
 echo "the run's first training sample, traced through cleaning back to the raw corpus:"
 "$PY" tools/trace_sample.py --run-dir $OUT/run --sample 0
@@ -54,4 +56,5 @@ echo "the run's first training sample, traced through cleaning back to the raw c
 step "7/7 export to Hugging Face and sample with transformers"
 "$PY" tools/ckpt_convert.py --to hf --load-dir $OUT/run/checkpoints --save-dir $OUT/hf
 "$PY" tools/hf_sample.py --model-dir $OUT/hf --prompt "def " --max-new-tokens 48
-echo "demo: run directory $OUT/run (config.yaml, metrics.jsonl, curves.png, logs/, checkpoints/), Hugging Face model $OUT/hf"
+echo "demo: run directory $OUT/run (config.yaml, metrics.jsonl, curves.png, tensorboard/, logs/, checkpoints/), Hugging Face model $OUT/hf"
+echo "      curves in TensorBoard: $PY -m tensorboard.main --logdir $OUT/run/tensorboard"
