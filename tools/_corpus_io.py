@@ -102,20 +102,65 @@ def _open_lines(path):
     return open(path, "rb")
 
 
-def _lines(path, max_bytes):
-    """(line number, line bytes) of a JSONL file; a line over `max_bytes` is a too_long RecordError
-    instead, its bytes skipped unread into memory. A UTF-8 byte-order mark is encoding, not content."""
+def shard_ranges(files, index, count):
+    """What shard `index` of `count` reads: [(file index, first byte, end byte or None for the whole file)].
+
+    The shards split the corpus's bytes evenly. A plain JSONL line belongs to the shard holding its first
+    byte, so a large file is shared by several shards; a compressed or table file, which cannot be entered
+    in the middle, goes whole to the shard holding its first byte. The shards in order are the corpus in
+    order, which is what lets their outputs be concatenated into the single-process run's.
+    """
+    sizes = [os.path.getsize(path) for path in files]
+    total = sum(sizes)
+    lo, hi = total * index // count, total * (index + 1) // count
+    ranges, begin = [], 0
+    for i, (path, size) in enumerate(zip(files, sizes)):
+        if path.endswith(JSONL_SUFFIXES):
+            first, end = max(lo, begin), min(hi, begin + size)
+            if first < end:
+                ranges.append((i, first - begin, end - begin))
+        elif lo <= begin < hi or (index == count - 1 and begin >= hi):  # begin == total: an empty file at the end
+            ranges.append((i, 0, None))
+        begin += size
+    return ranges
+
+
+def _seek_line(f, start):
+    """Move `f` (a plain file) to the first line starting at or after byte `start`; returns (that position,
+    the number of lines before it)."""
+    if start == 0:
+        return 0, 0
+    f.seek(start - 1)
+    position = start - 1
+    while True:  # the rest of the line holding byte start - 1 belongs to the shard before
+        part = f.readline(1 << 20)
+        position += len(part)
+        if not part or part.endswith(b"\n"):
+            break
+    f.seek(0)
+    newlines, left = 0, position
+    while left:
+        block = f.read(min(left, 1 << 24))
+        newlines += block.count(b"\n")
+        left -= len(block)
+    return position, newlines
+
+
+def _lines(path, max_bytes, start=0, end=None):
+    """(line number, line bytes) of a JSONL file, of the lines starting in bytes [start, end) (end None: to the
+    end); a line over `max_bytes` is a too_long RecordError instead, its bytes skipped unread into memory.
+    A UTF-8 byte-order mark is encoding, not content."""
     with _open_lines(path) as f:
-        line_no = 0
-        while True:
+        position, line_no = _seek_line(f, start)
+        while end is None or position < end:
             line = f.readline(max_bytes + 1)
             if not line:
                 return
             line_no += 1
-            if line_no == 1 and line.startswith(codecs.BOM_UTF8):
+            size = len(line)
+            if position == 0 and line.startswith(codecs.BOM_UTF8):
                 line = line[len(codecs.BOM_UTF8):]
             if len(line) > max_bytes and not line.endswith(b"\n"):
-                size = len(line)
                 while line and not line.endswith(b"\n"):
                     line = f.readline(1 << 20)
                     size += len(line)
@@ -123,6 +168,7 @@ def _lines(path, max_bytes):
                                                        f"{max_bytes:,}")
             elif line.strip():
                 yield line_no, line
+            position += size
 
 
 def _table_batches(path, columns):
@@ -148,24 +194,25 @@ def _table_batches(path, columns):
             yield {k: col[row] for k, col in values.items() if columns is None or k in columns}
 
 
-def iter_records(files, keys, all_fields=False, max_record_bytes=MAX_RECORD_BYTES):
+def iter_records(files, keys, all_fields=False, max_record_bytes=MAX_RECORD_BYTES, ranges=None):
     """Yield (file_index, record_number, payload): payload is a raw JSONL line (bytes), a dict, or the
     RecordError of a line too long to read.
 
     Parsing is left to `parse_record` so that it can run in worker processes. Blank JSONL lines are
     not records (a trailing newline is common) and are not yielded. Table rows carry `keys` and
-    ORIGIN_FIELDS, or every column with `all_fields`. A file that cannot be read to its end is a
-    CorpusError naming it.
+    ORIGIN_FIELDS, or every column with `all_fields`. `ranges` (from shard_ranges) limits the reading to
+    one shard's part of `files`. A file that cannot be read to its end is a CorpusError naming it.
     """
     import pyarrow as pa
     columns = None if all_fields else list(keys) + list(ORIGIN_FIELDS)
-    for file_index, path in enumerate(files):
+    for file_index, start, end in ranges if ranges is not None else [(i, 0, None) for i in range(len(files))]:
+        path = files[file_index]
         try:
             if path.endswith(TABLE_SUFFIXES):
                 for row, values in enumerate(_table_batches(path, columns), 1):
                     yield file_index, row, values
             else:
-                for line_no, line in _lines(path, max_record_bytes):
+                for line_no, line in _lines(path, max_record_bytes, start, end):
                     yield file_index, line_no, line
         except (OSError, ValueError, OverflowError, pa.ArrowException) as e:  # ValueError: pyarrow's conversions
             kind = ("Parquet/Arrow" if path.endswith(TABLE_SUFFIXES)

@@ -74,6 +74,56 @@ def lsh_bands(threshold, num_perm):
     return best
 
 
+def find_clusters(digests, bands, signatures, threshold):
+    """(root, similarity, exact) per document, from its exact digest (uint64[n]), its LSH band keys (an
+    iterable of uint64[n], one per band) and its signatures (rows taken by an index array): see the module
+    docstring. The same on one machine and across the parts of an array job."""
+    n = len(digests)
+    pairs = [bucket_pairs(digests)]
+    for keys in bands:
+        first, second = bucket_pairs(keys)
+        keep = similarity(signatures, first, second) >= threshold
+        pairs.append((first[keep], second[keep]))
+    first = np.concatenate([p[0] for p in pairs])
+    second = np.concatenate([p[1] for p in pairs])
+    root = components(n, first, second)
+    estimate = np.ones(n, dtype=np.float32)
+    dropped = np.flatnonzero(root != np.arange(n))
+    estimate[dropped] = similarity(signatures, root[dropped], dropped)
+    return root, estimate, digests[root] == digests
+
+
+class ShardedSignatures:
+    """The saved parts of an array job's tasks (DuplicateFinder.save), read as one corpus in task order."""
+
+    def __init__(self, directories, num_perm, bands):
+        self.num_perm, self.bands = num_perm, bands
+        self.digests = np.concatenate([np.fromfile(os.path.join(d, "digests.u64"), np.uint64)
+                                       for d in directories] or [np.zeros(0, np.uint64)])
+        counts = [os.path.getsize(os.path.join(d, "digests.u64")) // 8 for d in directories]
+        self.offsets = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+        self._parts = [(np.memmap(os.path.join(d, "signatures.u32"), np.uint32, "r", shape=(n, num_perm)),
+                        np.memmap(os.path.join(d, "bands.u64"), np.uint64, "r", shape=(bands, n)))
+                       if n else (np.zeros((0, num_perm), np.uint32), np.zeros((bands, 0), np.uint64))
+                       for d, n in zip(directories, counts)]
+
+    def __len__(self):
+        return len(self.digests)
+
+    def band_keys(self):
+        for b in range(self.bands):
+            yield np.concatenate([keys[b] for _, keys in self._parts] or [np.zeros(0, np.uint64)])
+
+    def __getitem__(self, index):
+        """Signature rows of documents `index` (an int array of corpus-wide numbers)."""
+        out = np.empty((len(index), self.num_perm), np.uint32)
+        part = np.searchsorted(self.offsets, index, side="right") - 1
+        for p in np.unique(part):
+            mask = part == p
+            out[mask] = self._parts[p][0][index[mask] - self.offsets[p]]
+        return out
+
+
 def components(n, first, second):
     """Connected components of n nodes joined by the pairs (first[i], second[i]): each node's label is the
     smallest node of its component (label propagation with pointer jumping, all in numpy)."""
@@ -120,24 +170,33 @@ class DuplicateFinder:
         if self._file is not None:
             self._file.close()
         n = len(self._digests)
-        digests = np.frombuffer(self._digests, dtype=np.uint64) if n else np.zeros(0, np.uint64)
         signatures = (np.memmap(self.path, dtype=np.uint32, mode="r", shape=(n, self.num_perm)) if n
                       else np.zeros((0, self.num_perm), np.uint32))
-        pairs = [self._bucket_pairs(digests)]
-        for band in range(self.bands):
-            columns = signatures[:, band * self.rows:(band + 1) * self.rows]
-            first, second = self._bucket_pairs(self._band_keys(columns))
-            keep = self._similarity(signatures, first, second) >= self.threshold
-            pairs.append((first[keep], second[keep]))
-        first = np.concatenate([p[0] for p in pairs])
-        second = np.concatenate([p[1] for p in pairs])
-        root = components(n, first, second)
-        similarity = np.ones(n, dtype=np.float32)
-        dropped = np.flatnonzero(root != np.arange(n))
-        similarity[dropped] = self._similarity(signatures, root[dropped], dropped)
-        exact = digests[root] == digests
+        bands = (band_keys(signatures[:, b * self.rows:(b + 1) * self.rows]) for b in range(self.bands))
+        found = find_clusters(self.digests(), bands, signatures, self.threshold)
         del signatures
-        return root, similarity, exact
+        return found
+
+    def digests(self):
+        return np.frombuffer(self._digests, dtype=np.uint64) if len(self._digests) else np.zeros(0, np.uint64)
+
+    def save(self, directory):
+        """Keep this task's part for a merge across tasks (ShardedSignatures): the digests, the LSH band keys
+        (band-major, so the merge reads one band of every task at a time) and the signatures."""
+        if self._file is not None:
+            self._file.close()
+        n = len(self)
+        signatures = (np.memmap(self.path, dtype=np.uint32, mode="r", shape=(n, self.num_perm)) if n
+                      else np.zeros((0, self.num_perm), np.uint32))
+        with open(os.path.join(directory, "bands.u64"), "wb") as f:
+            for b in range(self.bands):
+                f.write(band_keys(signatures[:, b * self.rows:(b + 1) * self.rows]).tobytes())
+        del signatures
+        self.digests().tofile(os.path.join(directory, "digests.u64"))
+        if n:
+            os.replace(self.path, os.path.join(directory, "signatures.u32"))
+        else:
+            open(os.path.join(directory, "signatures.u32"), "wb").close()
 
     def close(self):
         if self._file is not None and not self._file.closed:
@@ -145,44 +204,44 @@ class DuplicateFinder:
         if os.path.exists(self.path):
             os.remove(self.path)
 
-    @staticmethod
-    def _band_keys(columns, chunk=1 << 18):
-        """One 64-bit hash per row of a band (a polynomial over its values, wrapping like C)."""
-        keys = np.empty(len(columns), dtype=np.uint64)
-        multiplier = np.uint64(0x9E3779B97F4A7C15)
-        with np.errstate(over="ignore"):
-            for start in range(0, len(columns), chunk):
-                block = np.asarray(columns[start:start + chunk], dtype=np.uint64)
-                h = np.full(len(block), np.uint64(0xCBF29CE484222325))
-                for j in range(block.shape[1]):
-                    h = (h ^ block[:, j]) * multiplier
-                keys[start:start + chunk] = h
-        return keys
 
-    @staticmethod
-    def _bucket_pairs(keys):
-        """For every document that shares its key with earlier ones: (the bucket's first, it) and (its
-        previous member, it), by document number."""
-        order = np.argsort(keys, kind="stable")  # stable: members of a bucket stay in corpus order
-        ranked = keys[order]
-        repeat = np.flatnonzero(ranked[1:] == ranked[:-1]) + 1
-        if len(repeat) == 0:
-            return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        starts = np.flatnonzero(np.r_[True, ranked[1:] != ranked[:-1]])
-        bucket_first = order[starts[np.searchsorted(starts, repeat, side="right") - 1]]
-        members = order[repeat]
-        previous = order[repeat - 1]
-        first = np.concatenate([bucket_first, previous])
-        second = np.concatenate([members, members])
-        unique = first != second
-        return first[unique].astype(np.int64), second[unique].astype(np.int64)
+def band_keys(columns, chunk=1 << 18):
+    """One 64-bit hash per row of a band (a polynomial over its values, wrapping like C)."""
+    keys = np.empty(len(columns), dtype=np.uint64)
+    multiplier = np.uint64(0x9E3779B97F4A7C15)
+    with np.errstate(over="ignore"):
+        for start in range(0, len(columns), chunk):
+            block = np.asarray(columns[start:start + chunk], dtype=np.uint64)
+            h = np.full(len(block), np.uint64(0xCBF29CE484222325))
+            for j in range(block.shape[1]):
+                h = (h ^ block[:, j]) * multiplier
+            keys[start:start + chunk] = h
+    return keys
 
-    @staticmethod
-    def _similarity(signatures, first, second):
-        """Estimated Jaccard of each pair: the share of signature values the two documents have in common."""
-        out = np.empty(len(first), dtype=np.float32)
-        for start in range(0, len(first), _PAIR_CHUNK):
-            a = signatures[first[start:start + _PAIR_CHUNK]]
-            b = signatures[second[start:start + _PAIR_CHUNK]]
-            out[start:start + _PAIR_CHUNK] = (a == b).mean(axis=1)
-        return out
+
+def bucket_pairs(keys):
+    """For every document that shares its key with earlier ones: (the bucket's first, it) and (its
+    previous member, it), by document number."""
+    order = np.argsort(keys, kind="stable")  # stable: members of a bucket stay in corpus order
+    ranked = keys[order]
+    repeat = np.flatnonzero(ranked[1:] == ranked[:-1]) + 1
+    if len(repeat) == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    starts = np.flatnonzero(np.r_[True, ranked[1:] != ranked[:-1]])
+    bucket_first = order[starts[np.searchsorted(starts, repeat, side="right") - 1]]
+    members = order[repeat]
+    previous = order[repeat - 1]
+    first = np.concatenate([bucket_first, previous])
+    second = np.concatenate([members, members])
+    unique = first != second
+    return first[unique].astype(np.int64), second[unique].astype(np.int64)
+
+
+def similarity(signatures, first, second):
+    """Estimated Jaccard of each pair: the share of signature values the two documents have in common."""
+    out = np.empty(len(first), dtype=np.float32)
+    for start in range(0, len(first), _PAIR_CHUNK):
+        a = signatures[first[start:start + _PAIR_CHUNK]]
+        b = signatures[second[start:start + _PAIR_CHUNK]]
+        out[start:start + _PAIR_CHUNK] = (a == b).mean(axis=1)
+    return out

@@ -20,6 +20,7 @@ import collections
 import functools
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -32,10 +33,13 @@ if ROOT not in sys.path:
 from tools import _pii, _quality  # noqa: E402
 from tools._corpus_io import (JSONL_SUFFIXES, ORIGIN_FIELDS, CorpusError, RecordError,  # noqa: E402
                               add_input_arguments, expand_inputs, iter_records, parse_record, record_origin,
-                              record_texts, refuse_overwriting)
+                              record_texts, refuse_overwriting, shard_ranges)
 from tools._contamination import EvaluationIndex  # noqa: E402
-from tools._dedup import SHINGLE_UNITS, DuplicateFinder, Signer  # noqa: E402
+from tools._dedup import (SHINGLE_UNITS, DuplicateFinder, ShardedSignatures, Signer, find_clusters,  # noqa: E402
+                          lsh_bands)
 from tools._parallel import WorkerDied, batched, ordered_map  # noqa: E402
+from tools._shards import (add_shard_arguments, all_markers, describe_inputs, finished, resolve_shard,  # noqa: E402
+                           settings, shard_name, write_marker)
 
 LANGID_CHARS = 4096  # the head of a document decides its language: langid's cost grows with length
 REPORT_FIRST = 5     # unreadable records printed with file:line; all of them go to the rejects file
@@ -138,34 +142,17 @@ def curate(args, files, stages, finder, start):
     no deduplication) deciding last; returns the summary (`start`: when the run began)."""
     dropped, pii = collections.Counter(), collections.Counter()
     counts = collections.Counter()
-    last_report = time.time()
     out_tmp, rejects_tmp = args.output + ".tmp", args.rejects + ".tmp"
     pending = args.output + ".pending"  # documents that passed the stages, until duplicates are known
     try:
         with open(rejects_tmp, "w", encoding="utf-8") as rejects:
             with open(pending if finder is not None else out_tmp, "w", encoding="utf-8") as out:
-                records = iter_records(files, args.json_keys, all_fields=True, max_record_bytes=args.max_record_bytes)
-                batches = batched(records, args.batch_size)
-                for results, nbytes in ordered_map(_clean_task, batches, args.workers, _init_worker, (stages,)):
-                    counts["bytes"] += nbytes
-                    for result in results:
-                        counts["documents"] += 1
-                        if isinstance(result, Dropped):
-                            _write_reject(rejects, result, dropped, args.quiet)
-                        elif finder is None:
-                            out.write(result.output + "\n")
-                            pii.update(result.pii)
-                            counts["kept"] += 1
-                        else:
-                            finder.add(*result.signature)
-                            # JSON output never holds a raw tab: the origin and PII counts go before one.
-                            out.write(json.dumps([result.origin, result.pii], ensure_ascii=False) + "\t"
-                                      + result.output + "\n")
-                    if not args.quiet and time.time() - last_report > 10:
-                        last_report = time.time()
-                        print(f"curate: {counts['documents']:,} documents read", file=sys.stderr)
+                _run_stages(args, files, stages, finder, out, rejects, dropped, pii, counts)
             if finder is not None:
-                _remove_duplicates(finder, pending, out_tmp, rejects, dropped, pii, counts, args.quiet)
+                if not args.quiet:
+                    print(f"curate: finding duplicates among {len(finder):,} documents ({finder.bands} LSH "
+                          f"bands of {finder.rows} rows)", file=sys.stderr)
+                _remove_duplicates(finder.find(), [pending], out_tmp, rejects, dropped, pii, counts, args.quiet)
         os.replace(rejects_tmp, args.rejects)
         os.replace(out_tmp, args.output)  # last: an output file means a finished run
     except BaseException:
@@ -178,6 +165,39 @@ def curate(args, files, stages, finder, start):
             finder.close()
         if os.path.exists(pending):
             os.remove(pending)
+    return _summary(args, counts, dropped, pii, start)
+
+
+def _run_stages(args, files, stages, finder, out, rejects, dropped, pii, counts, ranges=None, pend=False):
+    """The per-document stages over `files` (one task's `ranges` of them), in corpus order: rejects to
+    `rejects`; kept documents to `out`, as pending lines (origin and PII counts, a tab, the output) when
+    duplicates are still to be found (a finder, or `pend` for an array task without deduplication)."""
+    last_report = time.time()
+    records = iter_records(files, args.json_keys, all_fields=True, max_record_bytes=args.max_record_bytes,
+                           ranges=ranges)
+    for results, nbytes in ordered_map(_clean_task, batched(records, args.batch_size), args.workers,
+                                       _init_worker, (stages,)):
+        counts["bytes"] += nbytes
+        for result in results:
+            counts["documents"] += 1
+            if isinstance(result, Dropped):
+                _write_reject(rejects, result, dropped, args.quiet)
+            elif finder is None and not pend:
+                out.write(result.output + "\n")
+                pii.update(result.pii)
+                counts["kept"] += 1
+            else:
+                if finder is not None:
+                    finder.add(*result.signature)
+                # JSON output never holds a raw tab: the origin and PII counts go before one.
+                out.write(json.dumps([result.origin, result.pii], ensure_ascii=False) + "\t" + result.output + "\n")
+                counts["pending"] += 1
+        if not args.quiet and time.time() - last_report > 10:
+            last_report = time.time()
+            print(f"curate: {counts['documents']:,} documents read", file=sys.stderr)
+
+
+def _summary(args, counts, dropped, pii, start):
     by_stage = collections.defaultdict(dict)
     for (stage, reason), n in sorted(dropped.items(), key=lambda item: -item[1]):
         by_stage[stage][reason] = n
@@ -189,17 +209,78 @@ def curate(args, files, stages, finder, start):
             "output": args.output, "rejects": args.rejects}
 
 
-def _remove_duplicates(finder, pending, out_path, rejects, dropped, pii, counts, quiet):
-    """Find the duplicates among the pending documents, then copy the others to `out_path` in order; each
-    duplicate's reject names the kept document of its cluster."""
-    if not quiet:
-        print(f"curate: finding duplicates among {len(finder):,} documents ({finder.bands} LSH bands of "
-              f"{finder.rows} rows)", file=sys.stderr)
-    root, similarity, exact = finder.find()
+def shard_dir(args, index):
+    return os.path.join(args.output + ".shards", shard_name(index, args.num_shards))
+
+
+def curate_shard(args, files, stages, finder):
+    """One array task: the stages over its part of the corpus, into its directory beside the output (pending
+    documents, rejects, MinHash digests, band keys and signatures), then its done-marker. Returns False when
+    an earlier run already finished this task on the same bytes and settings."""
+    directory = shard_dir(args, args.shard_index)
+    ranges = shard_ranges(files, args.shard_index, args.num_shards)
+    inputs, options = describe_inputs(files, ranges), settings(args)
+    marker_path = os.path.join(directory, "done.json")
+    if finished(marker_path, inputs, options):
+        return False
+    os.makedirs(directory, exist_ok=True)
+    if os.path.exists(marker_path):
+        os.remove(marker_path)
+    dropped, pii, counts = collections.Counter(), collections.Counter(), collections.Counter()
+    with open(os.path.join(directory, "rejects.jsonl"), "w", encoding="utf-8") as rejects, \
+            open(os.path.join(directory, "pending.jsonl"), "w", encoding="utf-8") as out:
+        _run_stages(args, files, stages, finder, out, rejects, dropped, pii, counts, ranges, pend=True)
+    if finder is not None:
+        finder.save(directory)
+    write_marker(marker_path, {"inputs": inputs, "settings": options, "counts": dict(counts),
+                               "dropped": [[stage, reason, n] for (stage, reason), n in dropped.items()]})
+    return True
+
+
+def merge_shards(args, files, stages, start):
+    """The merge after all array tasks: their rejects in order, then duplicates found across all of them and
+    the pending documents written out without them, exactly as one process would."""
+    directories = [shard_dir(args, i) for i in range(args.num_shards)]
+    markers = all_markers([os.path.join(d, "done.json") for d in directories], files, settings(args))
+    dropped, pii, counts = collections.Counter(), collections.Counter(), collections.Counter()
+    for marker in markers:
+        counts.update(marker["counts"])
+        dropped.update({(stage, reason): n for stage, reason, n in marker["dropped"]})
+    out_tmp, rejects_tmp = args.output + ".tmp", args.rejects + ".tmp"
+    pending = [os.path.join(d, "pending.jsonl") for d in directories]
+    try:
+        with open(rejects_tmp, "w", encoding="utf-8") as rejects:
+            for d in directories:
+                with open(os.path.join(d, "rejects.jsonl"), encoding="utf-8") as part:
+                    shutil.copyfileobj(part, rejects)
+            if stages.signer is not None:
+                bands, _ = lsh_bands(args.dedup_threshold, args.num_perm)
+                corpus = ShardedSignatures(directories, args.num_perm, bands)
+                found = find_clusters(corpus.digests, corpus.band_keys(), corpus, args.dedup_threshold)
+            else:
+                n = counts["pending"]
+                found = np.arange(n), np.ones(n, np.float32), np.ones(n, bool)
+            _remove_duplicates(found, pending, out_tmp, rejects, dropped, pii, counts, args.quiet)
+        os.replace(rejects_tmp, args.rejects)
+        os.replace(out_tmp, args.output)
+    except BaseException:
+        for tmp in (out_tmp, rejects_tmp):
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        raise
+    shutil.rmtree(args.output + ".shards")
+    return _summary(args, counts, dropped, pii, start)
+
+
+def _remove_duplicates(found, pending, out_path, rejects, dropped, pii, counts, quiet):
+    """Copy the pending documents (the lines of the `pending` files, in order) to `out_path` without the
+    duplicates `found` (root, similarity, exact); each duplicate's reject names the kept document of its
+    cluster."""
+    root, similarity, exact = found
     kept_origins = {}  # origins of the kept documents that others duplicate; each comes before its copies
     needed = set(np.unique(root[root != np.arange(len(root))]).tolist())
-    with open(pending, encoding="utf-8") as src, open(out_path, "w", encoding="utf-8") as out:
-        for i, line in enumerate(src):
+    with open(out_path, "w", encoding="utf-8") as out:
+        for i, line in enumerate(line for path in pending for line in open(path, encoding="utf-8")):
             head, output = line.split("\t", 1)
             origin, replaced = json.loads(head)
             keeper = int(root[i])
@@ -309,6 +390,8 @@ def build_parser():
     g.add_argument("--workers", type=int, default=1, help="worker processes")
     g.add_argument("--batch-size", type=int, default=64, help="documents per worker task")
     g.add_argument("--quiet", action="store_true", help="no progress or skipped-record lines")
+    g = p.add_argument_group("array jobs (tools/_shards.py; launch/run_data_job.sh submits them)")
+    add_shard_arguments(g)
     return p
 
 
@@ -344,12 +427,16 @@ def main(argv=None):
         p.error("--dedup-threshold must be in (0, 1]")
     if not args.output.endswith(JSONL_SUFFIXES):
         p.error(f"--output {args.output!r} should end with {', '.join(JSONL_SUFFIXES)}")
+    resolve_shard(args, p)
     args.rejects = args.rejects or default_rejects_path(args.output)
+    task = args.num_shards is not None and not args.merge_shards
     try:
         files = expand_inputs(args.input)
         stages = build_stages(args, files)
-        finder = None if args.no_dedup else DuplicateFinder(
-            args.dedup_threshold, args.num_perm, args.dedup_workdir or os.path.dirname(os.path.abspath(args.output)))
+        workdir = shard_dir(args, args.shard_index) if task else (
+            args.dedup_workdir or os.path.dirname(os.path.abspath(args.output)))
+        finder = None if args.no_dedup or args.merge_shards else DuplicateFinder(
+            args.dedup_threshold, args.num_perm, workdir)
     except ImportError as e:
         p.error(f"{e}: install the curate extra (pip install -e '.[curate]')")
     except (ValueError, OSError, CorpusError) as e:
@@ -362,11 +449,26 @@ def main(argv=None):
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.rejects)), exist_ok=True)
     try:
-        summary = curate(args, files, stages, finder, start)
-    except (CorpusError, WorkerDied) as e:
+        if task:
+            return _run_task(args, files, stages, finder, start)
+        summary = (merge_shards(args, files, stages, start) if args.merge_shards
+                   else curate(args, files, stages, finder, start))
+    except (CorpusError, WorkerDied, ValueError) as e:
         raise SystemExit(f"curate: {e}")
     print(format_summary(summary, stages))
     return summary
+
+
+def _run_task(args, files, stages, finder, start):
+    name = shard_name(args.shard_index, args.num_shards)
+    try:
+        ran = curate_shard(args, files, stages, finder)
+    finally:
+        if finder is not None:
+            finder.close()
+    print(f"curate: {name} " + (f"done in {time.time() - start:.1f} s" if ran else
+                                "already done on the same inputs and settings; skipped"))
+    return ran
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import argparse
 import collections
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -37,9 +38,11 @@ from data.indexed import (COMPRESSIONS, DEFAULT_BLOCK_TOKENS, IndexedDataset, In
 from data.provenance import merge_provenance, write_provenance  # noqa: E402
 from tools._corpus_io import (REJECT_REASONS, CorpusError, RecordError, add_input_arguments,  # noqa: E402
                               expand_inputs, iter_records, parse_record, record_origin, record_texts,
-                              refuse_overwriting)
+                              refuse_overwriting, shard_ranges)
 from tools._encoder import eod_token_id, load_encoder, tokenizer_spec  # noqa: E402
 from tools._parallel import WorkerDied, batched, ordered_map  # noqa: E402
+from tools._shards import (add_shard_arguments, all_markers, describe_inputs, finished, resolve_shard,  # noqa: E402
+                           settings, shard_name, write_marker)
 
 REPORT_FIRST = 5  # rejects printed with file:line; all of them go to the rejects file
 
@@ -122,19 +125,20 @@ def output_prefix(prefix, key):
     return f"{prefix}_{key}_document"
 
 
-def preprocess(args, files, prefix, spec, vocab_size, eod):
-    """Tokenize `files` into `<prefix>_<key>_document`; returns (counters, rejects file or None)."""
+def preprocess(args, files, prefix, spec, vocab_size, eod, ranges=None, rejects_path=None):
+    """Tokenize `files` (an array task: its `ranges` of them) into `<prefix>_<key>_document`; returns
+    (counters, rejects file or None)."""
     dtype = token_dtype(vocab_size)
     builders = {k: IndexedDatasetBuilder(output_prefix(prefix, k), dtype, args.compression, args.block_tokens)
                 for k in args.json_keys}
-    rejects_path = args.rejects or prefix + "_rejects.jsonl"
+    rejects_path = rejects_path or args.rejects or prefix + "_rejects.jsonl"
     rejects_out = None
     stats = collections.Counter()
     sources, prov_file, prov_line = _SourceTable(files), [], []
     progress = _Progress(args.quiet)
     try:
-        batches = batched(iter_records(files, args.json_keys, max_record_bytes=args.max_record_bytes),
-                          args.batch_size)
+        batches = batched(iter_records(files, args.json_keys, max_record_bytes=args.max_record_bytes,
+                                       ranges=ranges), args.batch_size)
         init_args = (spec, args.json_keys, not args.no_cache, eod)
         for kept, rejects, per_key, nbytes in ordered_map(_encode_task, batches, args.workers, _init_worker,
                                                           init_args):
@@ -264,6 +268,8 @@ def build_parser():
     g.add_argument("--batch-size", type=int, default=64, help="documents per worker task")
     g.add_argument("--log-interval", type=int, default=None, help="accepted for Megatron compatibility")
     g.add_argument("--quiet", action="store_true", help="no progress line")
+    g = p.add_argument_group("array jobs (tools/_shards.py; launch/run_data_job.sh submits them)")
+    add_shard_arguments(g)
     return p
 
 
@@ -277,6 +283,9 @@ def main(argv=None):
         p.error("--split-sentences is not supported: Trilith trains on whole documents")
     if min(args.workers, args.batch_size, args.partitions, args.block_tokens, args.max_record_bytes) < 1:
         p.error("--workers, --batch-size, --partitions, --block-tokens and --max-record-bytes must be at least 1")
+    resolve_shard(args, p)
+    if args.num_shards is not None and args.partitions > 1:
+        p.error("--partitions and --num-shards both split the input: use one")
     start = time.time()
     try:
         files = expand_inputs(args.input)
@@ -303,10 +312,61 @@ def main(argv=None):
     except ValueError as e:
         p.error(str(e))
     try:
-        stats, rejects_path = _run(args, files, spec, encoder, eod)
-    except (CorpusError, WorkerDied) as e:
+        if args.num_shards is not None and not args.merge_shards:
+            return _run_task(args, files, spec, encoder, eod, start)
+        if args.merge_shards:
+            stats, rejects_path = merge_shards(args, files)
+        else:
+            stats, rejects_path = _run(args, files, spec, encoder, eod)
+    except (CorpusError, WorkerDied, ValueError) as e:
         raise SystemExit(f"preprocess: {e}")
     _summary(args, stats, rejects_path, encoder, start)
+
+
+def shard_prefix(args, index):
+    return os.path.join(args.output_prefix + ".shards", shard_name(index, args.num_shards))
+
+
+def _run_task(args, files, spec, encoder, eod, start):
+    """One array task: its part of the corpus into its own dataset beside the output, then its done-marker;
+    skipped when an earlier run finished it on the same bytes and settings."""
+    part = shard_prefix(args, args.shard_index)
+    ranges = shard_ranges(files, args.shard_index, args.num_shards)
+    inputs, options = describe_inputs(files, ranges), settings(args)
+    name = os.path.basename(part)
+    if finished(part + ".done.json", inputs, options):
+        print(f"preprocess: {name} already done on the same inputs and settings; skipped")
+        return False
+    os.makedirs(os.path.dirname(part), exist_ok=True)
+    if os.path.exists(part + ".done.json"):
+        os.remove(part + ".done.json")
+    stats, _ = preprocess(args, files, part, spec, encoder.vocab_size, eod, ranges, part + "_rejects.jsonl")
+    write_marker(part + ".done.json", {"inputs": inputs, "settings": options, "counts": dict(stats)})
+    print(f"preprocess: {name} done in {time.time() - start:.1f} s ({stats['documents']:,} documents)")
+    return True
+
+
+def merge_shards(args, files):
+    """After all array tasks: their datasets concatenated in order (the single-process output, byte for byte)
+    and their rejects; returns (counters, rejects file or None)."""
+    parts = [shard_prefix(args, i) for i in range(args.num_shards)]
+    markers = all_markers([part + ".done.json" for part in parts], files, settings(args))
+    stats = collections.Counter()
+    for marker in markers:
+        stats.update(marker["counts"])
+    for key in args.json_keys:
+        merge([output_prefix(part, key) for part in parts], output_prefix(args.output_prefix, key),
+              args.compression, args.block_tokens)
+    rejects_path = args.rejects or args.output_prefix + "_rejects.jsonl"
+    found = [part + "_rejects.jsonl" for part in parts if os.path.exists(part + "_rejects.jsonl")]
+    if found:
+        with open(rejects_path + ".tmp", "wb") as out:
+            for path in found:
+                with open(path, "rb") as f:
+                    shutil.copyfileobj(f, out)
+        os.replace(rejects_path + ".tmp", rejects_path)
+    shutil.rmtree(args.output_prefix + ".shards")
+    return stats, rejects_path if found else None
 
 
 def _run(args, files, spec, encoder, eod):
