@@ -26,6 +26,9 @@ while [[ $# -gt 0 ]]; do
     --local) LOCAL=1; shift ;;
     --after) AFTER="${2:-}"; shift 2 ;;
     --sbatch) SBATCH_OPTS="${2:-}"; shift 2 ;;
+    --tasks=*) TASKS="${1#*=}"; shift ;;
+    --after=*) AFTER="${1#*=}"; shift ;;
+    --sbatch=*) SBATCH_OPTS="${1#*=}"; shift ;;
     curate|preprocess) break ;;
     *) echo "run_data_job.sh: unknown option '$1'" >&2; usage ;;
   esac
