@@ -104,6 +104,7 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.saved: list[str] = []  # this run's saves, oldest first: the order retention prunes by
+        self.extra_metadata: dict = {}  # more run state for metadata.json (engine/rollback.py: skipped samples)
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             for root in [self.root] + ([self.mirror] if self.mirror else []):
@@ -161,7 +162,7 @@ class Checkpointer:
         meta = {"format": FORMAT, "step": step, "consumed_samples": consumed_samples,
                 "adam_step": self.optimizer.adam_step, "scaler": self.optimizer.scaler.state_dict(),
                 "lr_schedule": {"step": step, "total_steps": self.cfg.train.steps}, "layout": self.layout,
-                "config": to_dict(self.cfg)}
+                "config": to_dict(self.cfg), **self.extra_metadata}
         args = (step, file, tensors, {"rng": json.dumps(rng_json)}, entries, meta)
         if self.ck.async_save:
             self._thread = threading.Thread(target=self._write_in_background, args=args, name="checkpoint-writer")

@@ -185,6 +185,11 @@ class RunConfig:
     max_memory_fragmentation: float = 0.3  # CUDA: 1 - peak allocated/reserved above which cached blocks are freed
     replica_check_interval: int = 1000  # steps between checks that replicated parameters agree bit for bit
         # across ranks (also at start); 0 = at start only (parallel/replicas.py)
+    # Loss spikes and rollback (engine/rollback.py)
+    spike_window: int = 100  # sound steps whose loss mean and std judge a spike; the span rollback_after counts
+    spike_zscore: float = 6.0  # a loss this many std above the window's mean is a spike (logged); 0 = off
+    rollback_after: int = 0  # this many spikes or non-finite steps within spike_window reload the last checkpoint
+        # before the first of them and skip the samples read since; 0 = never roll back
     # Trackers (engine/trackers.py): every metrics.jsonl record, sent by rank 0; packages from the trackers extra
     tensorboard_dir: str = ""  # TensorBoard event files go here (torch.utils.tensorboard); "" = off
     wandb_project: str = ""  # Weights & Biases project; "" = off
@@ -489,6 +494,12 @@ def validate(cfg: Config, world_size: int) -> None:
     if r.attention_entropy_max and r.attention_entropy_max <= r.attention_entropy_min:
         raise ConfigError(f"run.attention_entropy_max={r.attention_entropy_max} must exceed "
                           f"run.attention_entropy_min={r.attention_entropy_min} (0 = no upper bound)")
+    if r.rollback_after > r.spike_window:
+        raise ConfigError(f"run.rollback_after={r.rollback_after} bad steps can never fall within run.spike_window="
+                          f"{r.spike_window} steps; lower it or widen the window (0 = never roll back)")
+    if r.rollback_after and not (cfg.checkpoint.interval or cfg.checkpoint.interval_minutes):
+        raise ConfigError(f"run.rollback_after={r.rollback_after} reloads a checkpoint, but none is saved; set "
+                          f"checkpoint.interval (or checkpoint.interval_minutes), or run.rollback_after=0")
 
 
 def validate_data_parallel(p: ParallelConfig, dp: int) -> None:

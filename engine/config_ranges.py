@@ -56,6 +56,7 @@ RANGES = {
     ("data", "eod_token_id"): Interval(-1),  # -1 = the tokenizer's end-of-document token
     ("checkpoint", "keep"): AT_LEAST_ONE,
     ("run", "max_memory_fragmentation"): BELOW_ONE,
+    ("run", "spike_window"): Interval(2),  # a standard deviation needs two losses
 }
 
 

@@ -29,6 +29,7 @@ from engine.metrics import H100_BF16_PEAK_FLOPS, MetricsLog, flops_per_token, pe
 from engine.mock_data import MockBatchLoader
 from engine.model import CausalLM, num_parameters
 from engine.monitor import NonFiniteTraining, TrainingMonitor
+from engine.rollback import LossGuard
 from engine.run_lock import hold_run_dir
 from engine.stop import StopControl, StopRun, exit_status, final_failure
 from engine.trackers import Trackers
@@ -174,6 +175,8 @@ class Trainer:
         self.eod_id = resolve_eod_id(cfg)
         self.last_save_time = time.monotonic()  # checkpoint.interval_minutes counts from the start or last save
         self.monitor = TrainingMonitor(cfg, Path(cfg.run.dir), env.rank, self.topo.dp_size, log.warning)
+        self.loss_guard = LossGuard(cfg, Path(cfg.run.dir), env.rank, log.warning, resumed)
+        self.checkpointer.extra_metadata = self.loss_guard.metadata
         self.flops_per_token = flops_per_token(num_parameters(cfg.model), cfg.model.num_layers,
                                                cfg.model.hidden_size, cfg.model.seq_length)
         self.check_replicas()  # the seed (or the checkpoint just loaded) gave every copy the same values
@@ -341,6 +344,8 @@ class Trainer:
                                      self.micro_batch_size, self.describe_sample)
         if bad:
             record["nonfinite_samples"] = bad
+        record.update(self.loss_guard.observe(self.step, record["loss"], bool(bad), losses_by_rank, window_start,
+                                              self.micro_batch_size, self.describe_sample))
         record.update(self.monitor.memory(self.step, self.env.device))
         if self.monitor.probe_due(self.step):
             record["attention_entropy"] = self.monitor.attention_entropy(
@@ -372,6 +377,19 @@ class Trainer:
         dataset = self.datasets["train"]
         return {"sample": index, "tokens": dataset[index % len(dataset)].tolist(),
                 "pieces": sample_provenance(dataset, index)}
+
+    def roll_back(self) -> dict:
+        """Reload the newest checkpoint before the first bad step; the loader goes on where it stands, so the
+        samples read since are skipped (engine/rollback.py). Returns the event for metrics.jsonl."""
+        self.checkpointer.wait()
+        path = self.loss_guard.target(self.checkpointer)
+        meta = self.checkpointer.load(path)
+        event = self.loss_guard.rolled_back(self.step, meta, path, self.consumed_samples)
+        self.step = meta["step"]
+        heartbeat.set_step(self.step)
+        self.checkpointer.extra_metadata = self.loss_guard.metadata
+        self.save_checkpoint()  # the same step again, now recording where the data goes on
+        return event
 
     def save_checkpoint(self) -> Path:
         """Save the full training state now (blocks only for the snapshot under checkpoint.async_save)."""
@@ -406,6 +424,11 @@ class Trainer:
             gpu, stop = control.check(self.step) if control else (None, 0)
             while self.step < self.cfg.train.steps and not stop:
                 record = self.train_step()
+                if self.loss_guard.rollback_due:
+                    record["rollback"] = self.roll_back()
+                    history.append(record)
+                    metrics.write(record)
+                    continue
                 interval = self.cfg.run.replica_check_interval
                 if interval and self.step % interval == 0:
                     self.check_replicas()
