@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 from engine.checkpoint_io import CheckpointError, sha256_file
+from parallel.tensor import padded_vocab_size
 
 FORMAT, VERSION = "trilith-checkpoint", 1
 KEYS = ("master", "exp_avg", "exp_avg_sq")
@@ -48,7 +49,7 @@ def padded_full_shape(shape, tp_dim, tp_size: int) -> list[int]:
     """The TP=1 shape a layout holds: vocabulary rows padded to a multiple of the TP size."""
     full = list(shape)
     if tp_dim == 0:
-        full[0] = math.ceil(full[0] / tp_size) * tp_size
+        full[0] = padded_vocab_size(full[0], tp_size)
     return full
 
 

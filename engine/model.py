@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 
 import torch
 import torch.nn as nn
@@ -25,7 +24,7 @@ from kernels.swiglu import swiglu
 from parallel import comm
 from parallel.random import TRACKER
 from parallel.tensor import (ColumnParallelLinear, ReplicatedRowsLinear, RowParallelLinear, TensorParallel,
-                             VocabParallelEmbedding, describe, divide, initialize_parameters,
+                             VocabParallelEmbedding, describe, divide, initialize_parameters, padded_vocab_size,
                              vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy)
 
 
@@ -185,8 +184,8 @@ class CausalLM(nn.Module):
         self.embed_dropout = Dropout(cfg.hidden_dropout, tp)
         self.lm_head = None
         if post_process and not (cfg.tie_embeddings and pre_process):
-            self.lm_head = ColumnParallelLinear(cfg.hidden_size, _padded_vocab(cfg, tp), tp, cfg.init_std,
-                                                valid_rows=cfg.vocab_size)
+            self.lm_head = ColumnParallelLinear(cfg.hidden_size, padded_vocab_size(cfg.vocab_size, tp.size), tp,
+                                                cfg.init_std, valid_rows=cfg.vocab_size)
             if cfg.tie_embeddings:  # a separate copy on the last stage that must start equal to the embedding
                 self.lm_head.weight.init_name = "model.embed_tokens.weight"
                 self.lm_head.weight.pipeline_duplicate = True
@@ -274,10 +273,6 @@ class CausalLM(nn.Module):
     def full_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
         """Gather the vocabulary slices and drop the padding (generation, evaluation, tests)."""
         return comm.gather_from_last_dim(local_logits, self.tp.group)[..., : self.cfg.vocab_size]
-
-
-def _padded_vocab(cfg: ModelConfig, tp: TensorParallel) -> int:
-    return math.ceil(cfg.vocab_size / tp.size) * tp.size
 
 
 def num_parameters(cfg: ModelConfig) -> int:

@@ -187,8 +187,8 @@ class Trainer:
         the shards across HSDP replicas at ZeRO-3 (where the TP check compares shard slices)."""
         whole_on_tp = {id(p) for _, p in self.named_params if getattr(p, "tp_dim", None) is None}
         if self.cfg.parallel.zero_stage == 3:
-            pieces = [(f"{name}[{a}:{b}]", unit.param_shard[lo:hi], p) for unit in self.data_parallel.units
-                      for name, p, a, b, lo, hi in unit.shard_ranges]
+            pieces = [(f"{r.name}[{r.param_start}:{r.param_end}]", unit.param_shard[r.shard_start:r.shard_end],
+                       r.param) for unit in self.data_parallel.units for r in unit.shard_ranges]
             tp_named = [(n, t) for n, t, p in pieces if id(p) in whole_on_tp]
             return [("tensor-parallel", self.topo.tp_group, tp_named),
                     ("HSDP replica", self.data_parallel.replicate_group, [(n, t) for n, t, _ in pieces])]

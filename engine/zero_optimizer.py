@@ -28,10 +28,8 @@ class ZeroAdamW:
         self.exp_avg_sq = [torch.zeros_like(m) for m in self.master]
         self.adam_step = 0
         self.scaler = LossScaler(precision == "fp16")
-        self.decay_ranges = [[(lo, hi) for n, p, _, _, lo, hi in u.shard_ranges if not no_weight_decay(n, p)]
-                             for u in sdp.units]
-        self.norm_ranges = [[(lo, hi) for _, p, _, _, lo, hi in u.shard_ranges if counts_in_norm(p, topo.tp_rank)]
-                            for u in sdp.units]
+        self.decay_ranges = [[r for r in u.shard_ranges if not no_weight_decay(r.name, r.param)] for u in sdp.units]
+        self.norm_ranges = [[r for r in u.shard_ranges if counts_in_norm(r.param, topo.tp_rank)] for u in sdp.units]
 
     def zero_grad(self) -> None:
         self.sdp.zero_grad()
@@ -39,8 +37,8 @@ class ZeroAdamW:
     def global_grad_norm(self, grads: list) -> float:
         total = torch.zeros(1, dtype=torch.float64, device=self.master[0].device)
         for g, ranges in zip(grads, self.norm_ranges):
-            for lo, hi in ranges:
-                total += g[lo:hi].double().pow(2).sum()
+            for r in ranges:
+                total += g[r.shard_start:r.shard_end].double().pow(2).sum()
         comm.all_reduce(total, self.sdp.shard_group)  # HSDP replicas hold the same shards: not summed again
         comm.all_reduce(total, self.topo.mp_group)
         return math.sqrt(total.item())
@@ -64,8 +62,8 @@ class ZeroAdamW:
         c = self.cfg
         bias1, bias2_sqrt = 1 - c.beta1 ** self.adam_step, math.sqrt(1 - c.beta2 ** self.adam_step)
         for master, m, v, g, decay in zip(self.master, self.exp_avg, self.exp_avg_sq, grads, self.decay_ranges):
-            for lo, hi in decay:  # decoupled weight decay, as torch.optim.AdamW applies it
-                master[lo:hi].mul_(1 - lr * c.weight_decay)
+            for r in decay:  # decoupled weight decay, as torch.optim.AdamW applies it
+                master[r.shard_start:r.shard_end].mul_(1 - lr * c.weight_decay)
             m.lerp_(g, 1 - c.beta1)
             v.mul_(c.beta2).addcmul_(g, g, value=1 - c.beta2)
             denom = (v.sqrt() / bias2_sqrt).add_(c.eps)
@@ -77,17 +75,18 @@ class ZeroAdamW:
     def owned_state(self) -> dict:
         out = {}
         for unit, master, m, v in zip(self.sdp.units, self.master, self.exp_avg, self.exp_avg_sq):
-            for name, p, start, end, lo, hi in unit.shard_ranges:
-                out[name] = {"shape": tuple(p.shape), "range": (start, end), "master": master[lo:hi],
-                             "exp_avg": m[lo:hi], "exp_avg_sq": v[lo:hi]}
+            for r in unit.shard_ranges:
+                piece = slice(r.shard_start, r.shard_end)
+                out[r.name] = {"shape": tuple(r.param.shape), "range": (r.param_start, r.param_end),
+                               "master": master[piece], "exp_avg": m[piece], "exp_avg_sq": v[piece]}
         return out
 
     @torch.no_grad()
     def load_owned_state(self, read) -> None:
         for unit, master, m, v in zip(self.sdp.units, self.master, self.exp_avg, self.exp_avg_sq):
-            for name, _, start, end, lo, hi in unit.shard_ranges:
+            for r in unit.shard_ranges:
                 for key, dest in (("master", master), ("exp_avg", m), ("exp_avg_sq", v)):
-                    dest[lo:hi].copy_(read(name, key, start, end))
+                    dest[r.shard_start:r.shard_end].copy_(read(r.name, key, r.param_start, r.param_end))
         self.sdp.write_shards(self.master)
 
     def held_tensors(self) -> list:

@@ -74,6 +74,19 @@ def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
+def all_reduce_flat(tensors: list, group, dtype: torch.dtype | None = None) -> None:
+    """Sum `tensors` over `group` in place with one all-reduce of their concatenation, taken in `dtype`
+    (by default theirs), instead of one small collective each."""
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) if dtype is None else t.reshape(-1).to(dtype) for t in tensors])
+    all_reduce(flat, group)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
 def all_gather(tensor: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     """Concatenate every rank's `tensor` along `dim`."""
     world = group_size(group)

@@ -21,6 +21,7 @@ rank's part of that segment padded to the largest part so the collective has equ
 from __future__ import annotations
 
 import collections
+from dataclasses import dataclass
 
 import torch
 
@@ -58,7 +59,33 @@ def hierarchical_reduce_scatter(out: torch.Tensor, flat: torch.Tensor, intra, in
     comm.reduce_scatter_into(out, part, inter)
 
 
+@dataclass(frozen=True, eq=False)
+class ShardRange:
+    """The elements of one parameter that fall inside this rank's shard of its unit's flat buffer.
+
+    `param_start:param_end` index the flattened parameter (what a checkpoint stores as the piece's range);
+    `shard_start:shard_end` index the same elements in this rank's shard (master weights, moments, gradient).
+    """
+    name: str
+    param: torch.Tensor
+    param_start: int
+    param_end: int
+    shard_start: int
+    shard_end: int
+
+
 class Unit:
+    """One sharding unit: a flat buffer holding its parameters, split into equal shards over a DP group.
+
+    index: position among all units of the rank (selects its process group when units have their own).
+    named: (name, parameter) pairs in the unit, in forward order; each parameter becomes a view into `flat`.
+    stage: the ZeRO stage (1: full gradients kept, 2: gradient shards, 3: parameters sharded too).
+    group: the process group the unit's shards are gathered and reduced over.
+    shard_size, shard_rank: the number of shards (the shard group's size) and which one this rank owns.
+    compute_dtype: the dtype of the parameters and of `flat`; under bf16/fp16 the parameters that reduce in
+        fp32 (`fp32_names`, see parallel.ddp.reduces_in_fp32) are placed last, as the fp32 segment.
+    """
+
     def __init__(self, index: int, named: list, stage: int, group, shard_size: int, shard_rank: int,
                  compute_dtype: torch.dtype, fp32_names):
         self.index, self.stage, self.group = index, stage, group
@@ -73,26 +100,21 @@ class Unit:
             offset += p.numel()
         self.numel = offset
         self.fp32_start = sum(p.numel() for _, p in main)  # segment [fp32_start, numel) reduces in fp32
-        n = shard_size
-        self.shard_numel = -(-max(offset, 1) // n)
-        self.padded = self.shard_numel * n
-        self.shard_size, self.shard_rank = n, shard_rank
-        lo, S = shard_rank * self.shard_numel, self.shard_numel
-        self.shard_start = lo
-        # per rank: (start in the fp32 segment, count) of the fp32 elements inside that rank's shard
+        self.shard_numel = -(-max(offset, 1) // shard_size)
+        self.padded = self.shard_numel * shard_size
+        self.shard_size, self.shard_rank = shard_size, shard_rank
+        self.shard_start = shard_rank * self.shard_numel
+        # Per rank: (start in the fp32 segment, count) of the fp32 elements inside that rank's shard.
         self.fp32_parts = []
-        for r in range(n):
-            a, b = max(self.fp32_start, r * S), min(self.numel, (r + 1) * S)
-            self.fp32_parts.append((a - self.fp32_start, max(b - a, 0)))
-        self.fp32_width = max(c for _, c in self.fp32_parts)
+        for r in range(shard_size):
+            first = max(self.fp32_start, r * self.shard_numel)
+            end = min(self.numel, (r + 1) * self.shard_numel)
+            self.fp32_parts.append((first - self.fp32_start, max(end - first, 0)))
+        self.fp32_width = max(count for _, count in self.fp32_parts)
         start, count = self.fp32_parts[shard_rank]
-        self.fp32_local = (self.fp32_start + start - lo, self.fp32_start + start - lo + count)
-        # (name, param, start, end in the flattened parameter, lo, hi in this rank's shard)
-        self.shard_ranges = []
-        for name, p in self.named:
-            a, b = max(self.offsets[p], lo), min(self.offsets[p] + p.numel(), lo + S)
-            if a < b:
-                self.shard_ranges.append((name, p, a - self.offsets[p], b - self.offsets[p], a - lo, b - lo))
+        first = self.fp32_start + start - self.shard_start
+        self.fp32_local = slice(first, first + count)  # this rank's fp32 elements, as positions in its shard
+        self.shard_ranges = self._shard_ranges()
 
         device = self.params[0].device
         self.flat = torch.zeros(self.padded, dtype=compute_dtype, device=device)
@@ -102,12 +124,13 @@ class Unit:
                 p.data = self.flat[self.offsets[p]:self.offsets[p] + p.numel()].view(p.shape)
         self.full_bytes = self.padded * self.flat.element_size()
         self.gather_handle = None
+        shard = slice(self.shard_start, self.shard_start + self.shard_numel)
         if stage == 3:
-            self.param_shard = self.flat[lo:lo + S].clone()
+            self.param_shard = self.flat[shard].clone()
             self.flat.untyped_storage().resize_(0)
             self.gathered = False
         else:
-            self.param_shard = self.flat[lo:lo + S]
+            self.param_shard = self.flat[shard]
             self.gathered = True
         self.fp32_numel = self.numel - self.fp32_start
         # gradients: stage 1 keeps full ones (persistent buffers); stages 2/3 keep only reduced shards
@@ -121,6 +144,16 @@ class Unit:
         self.reduced = False  # reduced at least once this step
         self.tied: list = []  # parameters summed over the pipeline's embedding group before reduction
         self.in_backward = False  # between its pre-backward gather and its last gradient
+
+    def _shard_ranges(self) -> list[ShardRange]:
+        """The parameters (or parts) inside this rank's shard, in buffer order."""
+        lo, hi = self.shard_start, self.shard_start + self.shard_numel
+        ranges = []
+        for name, p in self.named:
+            first, end = max(self.offsets[p], lo), min(self.offsets[p] + p.numel(), hi)
+            if first < end:
+                ranges.append(ShardRange(name, p, first - self.offsets[p], end - self.offsets[p], first - lo, end - lo))
+        return ranges
 
     # -- parameters (stage 3) ----------------------------------------------------------------------
     def gather(self, async_op: bool = False) -> None:
@@ -164,7 +197,7 @@ class Unit:
         return out.view(-1)
 
     def take_reduced(self, out: torch.Tensor, out32: torch.Tensor | None) -> None:
-        count = self.fp32_local[1] - self.fp32_local[0]
+        count = self.fp32_local.stop - self.fp32_local.start
         if self.stage == 1:
             self.grad_shard = self.full_grad[self.shard_start:self.shard_start + self.shard_numel]
             self.grad_shard.copy_(out)
@@ -184,7 +217,7 @@ class Unit:
             return torch.zeros(self.shard_numel, dtype=torch.float32, device=self.param_shard.device)
         g = self.grad_shard.float()
         if self.grad32 is not None:
-            g[self.fp32_local[0]:self.fp32_local[1]] = self.grad32
+            g[self.fp32_local] = self.grad32
         return g
 
     def zero_grad(self) -> None:
@@ -353,19 +386,9 @@ class ShardedDataParallel:
     def _sum_replicated_over_tp(self) -> None:
         if self.tp.size == 1:
             return
-        pieces = []
-        for unit in self.units:
-            for _, p, _, _, lo, hi in unit.shard_ranges:
-                if getattr(p, "tp_replicated_grad", False):
-                    pieces.append(self._grad_view(unit, lo, hi))
-        if not pieces:
-            return
-        flat = torch.cat([v.float() for v in pieces])
-        comm.all_reduce(flat, self.tp.group)
-        offset = 0
-        for v in pieces:
-            v.copy_(flat[offset:offset + v.numel()])
-            offset += v.numel()
+        pieces = [self._grad_view(unit, r) for unit in self.units for r in unit.shard_ranges
+                  if getattr(r.param, "tp_replicated_grad", False)]
+        comm.all_reduce_flat(pieces, self.tp.group, dtype=torch.float32)
 
     def owned_gradients(self):
         """(name, parameter, first flattened index, reduced gradient piece) of this rank's shards after
@@ -375,15 +398,16 @@ class ShardedDataParallel:
         for unit in self.units:
             if unit.grad_shard is None:
                 continue
-            for name, p, start, _, lo, hi in unit.shard_ranges:
-                yield name, p, start, self._grad_view(unit, lo, hi)
+            for r in unit.shard_ranges:
+                yield r.name, r.param, r.param_start, self._grad_view(unit, r)
 
     @staticmethod
-    def _grad_view(unit: Unit, lo: int, hi: int) -> torch.Tensor:
-        a, b = unit.fp32_local
-        if unit.grad32 is not None and a <= lo < b:
-            return unit.grad32[lo - a:hi - a]
-        return unit.grad_shard[lo:hi]
+    def _grad_view(unit: Unit, r: ShardRange) -> torch.Tensor:
+        """The reduced gradient of the range: in the fp32 segment's own buffer when it lies there."""
+        fp32 = unit.fp32_local
+        if unit.grad32 is not None and fp32.start <= r.shard_start < fp32.stop:
+            return unit.grad32[r.shard_start - fp32.start:r.shard_end - fp32.start]
+        return unit.grad_shard[r.shard_start:r.shard_end]
 
     def zero_grad(self) -> None:
         for unit in self.units:

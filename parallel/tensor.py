@@ -67,6 +67,8 @@ def divide(a: int, b: int, what: str) -> int:
 
 
 def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
+    """Vocabulary rows as the model holds them: rounded up to a multiple of the TP size (the extra rows are
+    zeros that never reach the softmax)."""
     return math.ceil(vocab_size / tp_size) * tp_size
 
 
@@ -180,14 +182,7 @@ def allreduce_replicated_grads(module: nn.Module, tp: TensorParallel) -> None:
     if tp.size == 1:
         return
     grads = [p.grad for p in module.parameters() if getattr(p, "tp_replicated_grad", False) and p.grad is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    comm.all_reduce(flat, tp.group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+    comm.all_reduce_flat(grads, tp.group)
 
 
 def parameter_seed(seed: int, name: str) -> int:

@@ -13,6 +13,7 @@ from engine.config import ConfigError, from_dict, validate
 from engine.train import Trainer
 from parallel import comm
 from parallel.distributed import DistEnv
+from parallel.tensor import padded_vocab_size
 from tests.distributed import worker_pools
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,7 +98,7 @@ def tp_local(full: torch.Tensor, tp_dim, tp_size: int, tp_rank: int) -> torch.Te
     """The TP-local slice of a single-process weight (vocabulary rows padded to a multiple of TP)."""
     if tp_dim is None:
         return full
-    rows = -(-full.shape[0] // tp_size) * tp_size
+    rows = padded_vocab_size(full.shape[0], tp_size)
     padded = torch.zeros((rows,) + tuple(full.shape[1:]))
     padded[: full.shape[0]] = full
     return padded.chunk(tp_size, dim=tp_dim)[tp_rank]

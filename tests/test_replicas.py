@@ -66,9 +66,9 @@ def dp_weight(trainer):
 def tp_norm_shard(trainer):
     """A norm weight's slice in this rank's ZeRO-3 shard (norms sit in data-parallel rank 0's shards here)."""
     for unit in trainer.data_parallel.units:
-        for name, p, a, b, lo, hi in unit.shard_ranges:
-            if name.endswith("norm.weight") and hi > lo:
-                return name, unit.param_shard[lo:hi]
+        for r in unit.shard_ranges:
+            if r.name.endswith("norm.weight") and r.shard_end > r.shard_start:
+                return r.name, unit.param_shard[r.shard_start:r.shard_end]
     raise AssertionError("no norm weight in this rank's shard")
 
 
