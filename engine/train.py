@@ -22,6 +22,7 @@ from data.eod import eod_id_from_tokenizer
 from engine.checkpoint import Checkpointer
 from engine.checkpoint_io import CheckpointError
 from engine.config import Config, ConfigError, data_parallel_size, load_config, save_config, validate
+from engine.data_parallel import build_data_parallel
 from engine.health import HealthMonitor
 from engine.hf_checkpoint import fill_model_from_hf
 from engine.lr_schedule import lr_at
@@ -33,15 +34,15 @@ from engine.rollback import LossGuard
 from engine.run_lock import hold_run_dir
 from engine.stop import StopControl, StopRun, exit_status, final_failure
 from engine.trackers import Trackers
-from engine.zero_optimizer import build_data_parallel
 from parallel import comm, heartbeat
 from parallel.distributed import DistEnv, describe_failure, init_distributed, shutdown, world_group
+from parallel.micro_batch import MicroBatch
 from parallel.p2p import PipelineComm
-from parallel.pipeline_schedules import forward_backward_pipeline, forward_only_pipeline
+from parallel.pipeline_schedules import (forward_backward_no_pipeline, forward_backward_pipeline,
+                                         forward_only_no_pipeline, forward_only_pipeline)
 from parallel.placement import describe_placement, placement_warnings
 from parallel.random import seed_all
 from parallel.replicas import differing
-from parallel.schedules import MicroBatch, forward_backward_no_pipeline, forward_only_no_pipeline
 from parallel.stage_layers import chunk_roles, stage_layer_ids
 from parallel.tensor import TensorParallel
 from parallel.topology import Layout, Topology

@@ -1,6 +1,6 @@
-"""AdamW on sharded fp32 master weights (ZeRO stages 1-3), and the choice of data-parallel strategy.
+"""AdamW on sharded fp32 master weights (ZeRO stages 1-3).
 
-Each DP rank keeps, for every sharding unit of `parallel.fsdp`, only its shard of the fp32 master
+Each DP rank keeps, for every sharding unit of `parallel.fsdp_units`, only its shard of the fp32 master
 weights and of Adam's two moments (12 bytes per owned element). The gradient norm used for clipping is
 global: squares are summed over this rank's shard (TP-replicated parameters on TP rank 0 only, tied
 pipeline duplicates never), then over the shard group and the model-parallel (TP × PP) group.
@@ -11,10 +11,8 @@ import math
 
 import torch
 
-from engine.config import Config
-from engine.optimizer import LossScaler, MixedPrecisionAdamW, counts_in_norm, no_weight_decay
+from engine.optimizer import LossScaler, counts_in_norm, no_weight_decay
 from parallel import comm
-from parallel.ddp import BucketedDDP
 from parallel.fsdp import ShardedDataParallel
 
 
@@ -91,24 +89,3 @@ class ZeroAdamW:
 
     def held_tensors(self) -> list:
         return self.master + self.exp_avg + self.exp_avg_sq
-
-
-def build_data_parallel(cfg: Config, topo, tp, chunks: list, named_params: list, dtype: torch.dtype):
-    """(gradient synchroniser, optimizer) for `parallel.zero_stage`: bucketed DDP + replicated AdamW for
-    stage 0, sharded units + ZeroAdamW for stages 1-3."""
-    p = cfg.parallel
-    hierarchy = topo.build_hierarchical_dp(p.hierarchical_node_size) if p.hierarchical_node_size else None
-    tied = topo.embedding_group if cfg.model.tie_embeddings else None  # embedding + its last-stage copy
-    if p.zero_stage == 0:
-        ddp = BucketedDDP(named_params, topo.dp_group, tp, chunks, p.bucket_mb, p.fp32_reduce, hierarchy, tied)
-        return ddp, MixedPrecisionAdamW(named_params, cfg.optim, topo, cfg.train.precision)
-    hsdp = topo.build_hierarchical_dp(p.hsdp_group_size) if p.hsdp_group_size else None
-    unit_groups = topo.build_unit_groups(max_units(cfg)) if p.unit_process_groups else None
-    sdp = ShardedDataParallel(chunks, p.zero_stage, topo.dp_group, topo.dp_size, tp, dtype,
-                              p.fp32_reduce, unit_groups, hsdp, hierarchy, tied)
-    return sdp, ZeroAdamW(sdp, cfg.optim, topo, cfg.train.precision)
-
-
-def max_units(cfg: Config) -> int:
-    """An upper bound on any rank's unit count, the same on every rank (group creation is collective)."""
-    return cfg.model.num_layers + 2

@@ -1,9 +1,10 @@
-"""Pipeline schedules: GPipe, 1F1B and interleaved 1F1B over the micro-batches of one step.
+"""Schedules of one step's micro-batches: without a pipeline, GPipe, 1F1B and interleaved 1F1B.
 
 Each rank runs its own model chunks; `PipelineComm` moves activations forward and gradients backward.
 Every micro-batch's mean token loss is backpropagated with weight loss_scale / m, exactly as
 `forward_backward_no_pipeline` does, so gradients equal the single-process model's.
 
+    no pipeline  each micro-batch forward then backward on the one chunk (`forward_backward_no_pipeline`).
     GPipe        all m forwards, then all m backwards: up to m micro-batches' activations live.
     1F1B         p − rank − 1 warm-up forwards, then one forward / one backward: at most p live.
     interleaved  1F1B over v virtual chunks per rank (chunk c of the model on rank c mod p); the bubble
@@ -24,7 +25,29 @@ import torch
 from torch.autograd.variable import Variable
 
 from parallel import comm
-from parallel.schedules import MicroBatch
+from parallel.micro_batch import MicroBatch
+
+
+def forward_backward_no_pipeline(model, micro_batches: list, loss_scale: float = 1.0) -> torch.Tensor:
+    """Each micro-batch's mean token loss, backpropagated with weight 1/m; returns those losses ([m], float32,
+    detached). `micro_batches`: MicroBatch objects or plain token tensors [b, s + 1]."""
+    micro_batches = [MicroBatch.of(mb) for mb in micro_batches]
+    m = len(micro_batches)
+    losses = []
+    for mb in micro_batches:
+        args, kwargs = mb.forward_args(first=True, last=True)
+        loss = model(*args, **kwargs)
+        (loss * (loss_scale / m)).backward()
+        losses.append(loss.detach().float())
+    return torch.stack(losses)
+
+
+@torch.no_grad()
+def forward_only_no_pipeline(model, micro_batches: list) -> torch.Tensor:
+    """Evaluation: the mean of the micro-batches' mean token losses, no gradients."""
+    losses = [model(*args, **kwargs).float() for args, kwargs in
+              (MicroBatch.of(mb).forward_args(first=True, last=True) for mb in micro_batches)]
+    return torch.stack(losses).mean()
 
 
 @dataclass
@@ -100,6 +123,8 @@ def gpipe(steps: _Steps, pipe) -> None:
 
 def one_f_one_b(steps: _Steps, pipe) -> None:
     m = len(steps.micro_batches)
+    # Warm-up: the first gradient reaches this stage only after micro-batch 0 has gone through the
+    # p − rank − 1 stages after it and back, so run that many forwards before any backward.
     warmup = min(pipe.pp_size - pipe.pp_rank - 1, m)
     remaining = m - warmup
     held: deque = deque()
@@ -107,6 +132,7 @@ def one_f_one_b(steps: _Steps, pipe) -> None:
     for _ in range(warmup):
         held.append(_forward_and_send(steps, pipe, fwd))
         fwd += 1
+    # Steady state: one forward, then the backward of the oldest micro-batch held; at most p − rank live.
     received = pipe.recv_forward() if remaining else None
     for i in range(remaining):
         out = steps.forward(0, fwd, received)
@@ -121,6 +147,7 @@ def one_f_one_b(steps: _Steps, pipe) -> None:
             pipe.send_backward(input_grad)
         else:
             received = pipe.send_backward_recv_forward(input_grad)
+    # Cool-down: the backwards of the warm-up's micro-batches, as their gradients arrive.
     for _ in range(warmup):
         old_in, old_out = held.popleft()
         grad = pipe.recv_backward()
@@ -132,6 +159,12 @@ def interleaved(steps: _Steps, pipe) -> None:
     p, rank, v = pipe.pp_size, pipe.pp_rank, len(steps.chunks)
     m = len(steps.micro_batches)
     total = m * v
+    # Forward slot k runs chunk (k mod p·v) // p on micro-batch (k // p·v)·p + k mod p: micro-batches go
+    # through each chunk in groups of p. Warm-up: the first backward (micro-batch 0 on this rank's last
+    # chunk) can start only after micro-batch 0 has run through every chunk, which takes this rank
+    # (v − 1)·p forwards of its earlier chunks (p micro-batches each), plus 2·(p − rank − 1) slots for its
+    # last chunk's output to reach the last stage and the gradient to come back. With m == p that is every
+    # forward, so the schedule runs all forwards, then all backwards (as Megatron-LM does).
     all_warmup = m == p
     warmup = total if all_warmup else min((p - rank - 1) * 2 + (v - 1) * p, total)
     remaining = total - warmup
@@ -174,6 +207,7 @@ def interleaved(steps: _Steps, pipe) -> None:
         steps.release(chunk_of(k, True), out)
         if recv_prev:
             inputs[nxt].append(received)
+    # Steady state: forward slot k + warmup, then backward slot k, with one exchange per pair.
     for k in range(remaining):
         fk = k + warmup
         out = forward_step(fk)
@@ -203,6 +237,7 @@ def interleaved(steps: _Steps, pipe) -> None:
             grads[nxt_b].append(grad)
     if all_warmup and not pipe.is_last:
         grads[v - 1].append(pipe.communicate(recv_next=True)[1])
+    # Cool-down: the backward slots left over from the warm-up.
     for k in range(remaining, total):
         input_grad = backward_step(k)
         nxt_b = chunk_of(k + 1, False)

@@ -13,7 +13,7 @@ from engine.config import ConfigError, ModelConfig, load_config, validate
 from engine.model import CausalLM
 from engine.train import Trainer
 from parallel.distributed import DistEnv
-from parallel.schedules import MicroBatch
+from parallel.micro_batch import MicroBatch
 
 EOD = 1
 CFG = ModelConfig(hidden_size=64, num_layers=2, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=96,

@@ -19,8 +19,7 @@ from engine.train import Trainer, build_model_chunks
 from parallel import comm
 from parallel.distributed import DistEnv
 from parallel.p2p import PipelineComm
-from parallel.pipeline_schedules import ScheduleTrace, forward_backward_pipeline
-from parallel.schedules import forward_backward_no_pipeline
+from parallel.pipeline_schedules import ScheduleTrace, forward_backward_no_pipeline, forward_backward_pipeline
 from parallel.stage_layers import (chunk_layer_counts, stage_layer_ids,
                                    tied_embedding_weights)
 from parallel.tensor import TensorParallel

@@ -1,4 +1,4 @@
-"""Micro-batches, and forward(/backward) over the micro-batches of one step when there is no pipeline."""
+"""The unit a schedule works on: one micro-batch of packed samples and its document extras."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,25 +28,3 @@ class MicroBatch:
         if last:
             kwargs["loss_mask"] = self.loss_mask
         return (inputs, labels), kwargs
-
-
-def forward_backward_no_pipeline(model, micro_batches: list, loss_scale: float = 1.0) -> torch.Tensor:
-    """Each micro-batch's mean token loss, backpropagated with weight 1/m; returns those losses ([m], float32,
-    detached). `micro_batches`: MicroBatch objects or plain token tensors [b, s + 1]."""
-    micro_batches = [MicroBatch.of(mb) for mb in micro_batches]
-    m = len(micro_batches)
-    losses = []
-    for mb in micro_batches:
-        args, kwargs = mb.forward_args(first=True, last=True)
-        loss = model(*args, **kwargs)
-        (loss * (loss_scale / m)).backward()
-        losses.append(loss.detach().float())
-    return torch.stack(losses)
-
-
-@torch.no_grad()
-def forward_only_no_pipeline(model, micro_batches: list) -> torch.Tensor:
-    """Evaluation: the mean of the micro-batches' mean token losses, no gradients."""
-    losses = [model(*args, **kwargs).float() for args, kwargs in
-              (MicroBatch.of(mb).forward_args(first=True, last=True) for mb in micro_batches)]
-    return torch.stack(losses).mean()

@@ -1,0 +1,32 @@
+"""The data-parallel strategy of a run: which gradient synchroniser and which optimizer `parallel.zero_stage`
+selects, with the process groups they need."""
+from __future__ import annotations
+
+import torch
+
+from engine.config import Config
+from engine.optimizer import MixedPrecisionAdamW
+from engine.zero_optimizer import ZeroAdamW
+from parallel.ddp import BucketedDDP
+from parallel.fsdp import ShardedDataParallel
+
+
+def build_data_parallel(cfg: Config, topo, tp, chunks: list, named_params: list, dtype: torch.dtype):
+    """(gradient synchroniser, optimizer) for `parallel.zero_stage`: bucketed DDP + replicated AdamW for
+    stage 0, sharded units + ZeroAdamW for stages 1-3."""
+    p = cfg.parallel
+    hierarchy = topo.build_hierarchical_dp(p.hierarchical_node_size) if p.hierarchical_node_size else None
+    tied = topo.embedding_group if cfg.model.tie_embeddings else None  # embedding + its last-stage copy
+    if p.zero_stage == 0:
+        ddp = BucketedDDP(named_params, topo.dp_group, tp, chunks, p.bucket_mb, p.fp32_reduce, hierarchy, tied)
+        return ddp, MixedPrecisionAdamW(named_params, cfg.optim, topo, cfg.train.precision)
+    hsdp = topo.build_hierarchical_dp(p.hsdp_group_size) if p.hsdp_group_size else None
+    unit_groups = topo.build_unit_groups(max_units(cfg)) if p.unit_process_groups else None
+    sdp = ShardedDataParallel(chunks, p.zero_stage, topo.dp_group, topo.dp_size, tp, dtype,
+                              p.fp32_reduce, unit_groups, hsdp, hierarchy, tied)
+    return sdp, ZeroAdamW(sdp, cfg.optim, topo, cfg.train.precision)
+
+
+def max_units(cfg: Config) -> int:
+    """An upper bound on any rank's unit count, the same on every rank (group creation is collective)."""
+    return cfg.model.num_layers + 2

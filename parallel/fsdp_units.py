@@ -1,0 +1,216 @@
+"""Sharding units of ZeRO stages 1-3: which parameters share a flat buffer, and who owns which slice of it.
+
+The sharding unit is one transformer block, plus one unit for the embedding and one for the final norm and
+LM head (one unit for embedding + norm when the output layer is the tied embedding on this chunk). A unit
+owns one flat buffer of its parameters (each parameter is a view into it). Its flat index space, padded to
+a multiple of the shard-group size N, is split into N equal contiguous shards; DP rank r owns shard r of
+every unit. `ShardRange` names the piece of a parameter inside this rank's shard, in both index spaces
+(the flattened parameter and the shard), so checkpoints, the optimizer and the replica checks agree.
+
+Under bf16/fp16, parameters reduced in fp32 (`reduces_in_fp32`: norm weights and configured names) are
+laid out at the end of the unit; their gradients are kept in fp32 and reduce-scattered in fp32, each
+rank's part of that segment padded to the largest part so the collective has equal chunks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from parallel import comm
+from parallel.ddp import reduces_in_fp32
+
+
+def unit_plan(chunk) -> list[dict]:
+    """The units of one model chunk in forward order: their modules, and where they are entered and left."""
+    bb = chunk.model
+    tied_here = chunk.post_process and chunk.lm_head is None
+    plan = []
+    if bb.embed_tokens is not None:
+        if tied_here:  # the output layer reuses the embedding: one unit used at both ends of the chunk
+            plan.append(dict(modules=[bb.embed_tokens, bb.norm], entries=[bb.embed_tokens, bb.norm],
+                             exits=[bb.embed_tokens, chunk]))
+        else:
+            plan.append(dict(modules=[bb.embed_tokens], entries=[bb.embed_tokens], exits=[bb.embed_tokens]))
+    for layer in bb.layers.values():
+        plan.append(dict(modules=[layer], entries=[layer], exits=[layer]))
+    if chunk.post_process and not tied_here:
+        plan.append(dict(modules=[m for m in (bb.norm, chunk.lm_head) if m is not None], entries=[bb.norm],
+                         exits=[chunk]))
+    return plan
+
+
+@dataclass(frozen=True, eq=False)
+class ShardRange:
+    """The elements of one parameter that fall inside this rank's shard of its unit's flat buffer.
+
+    `param_start:param_end` index the flattened parameter (what a checkpoint stores as the piece's range);
+    `shard_start:shard_end` index the same elements in this rank's shard (master weights, moments, gradient).
+    """
+    name: str
+    param: torch.Tensor
+    param_start: int
+    param_end: int
+    shard_start: int
+    shard_end: int
+
+
+class Unit:
+    """One sharding unit: a flat buffer holding its parameters, split into equal shards over a DP group.
+
+    index: position among all units of the rank (selects its process group when units have their own).
+    named: (name, parameter) pairs in the unit, in forward order; each parameter becomes a view into `flat`.
+    stage: the ZeRO stage (1: full gradients kept, 2: gradient shards, 3: parameters sharded too).
+    group: the process group the unit's shards are gathered and reduced over.
+    shard_size, shard_rank: the number of shards (the shard group's size) and which one this rank owns.
+    compute_dtype: the dtype of the parameters and of `flat`; under bf16/fp16 the parameters that reduce in
+        fp32 (`fp32_names`, see parallel.ddp.reduces_in_fp32) are placed last, as the fp32 segment.
+    """
+
+    def __init__(self, index: int, named: list, stage: int, group, shard_size: int, shard_rank: int,
+                 compute_dtype: torch.dtype, fp32_names):
+        self.index, self.stage, self.group = index, stage, group
+        split = compute_dtype != torch.float32
+        main = [(n, p) for n, p in named if not (split and reduces_in_fp32(n, fp32_names))]
+        fp32 = [(n, p) for n, p in named if split and reduces_in_fp32(n, fp32_names)]
+        self.named = main + fp32
+        self.params = [p for _, p in self.named]
+        self.offsets, offset = {}, 0
+        for _, p in self.named:
+            self.offsets[p] = offset
+            offset += p.numel()
+        self.numel = offset
+        self.fp32_start = sum(p.numel() for _, p in main)  # segment [fp32_start, numel) reduces in fp32
+        self.shard_numel = -(-max(offset, 1) // shard_size)
+        self.padded = self.shard_numel * shard_size
+        self.shard_size, self.shard_rank = shard_size, shard_rank
+        self.shard_start = shard_rank * self.shard_numel
+        # Per rank: (start in the fp32 segment, count) of the fp32 elements inside that rank's shard.
+        self.fp32_parts = []
+        for r in range(shard_size):
+            first = max(self.fp32_start, r * self.shard_numel)
+            end = min(self.numel, (r + 1) * self.shard_numel)
+            self.fp32_parts.append((first - self.fp32_start, max(end - first, 0)))
+        self.fp32_width = max(count for _, count in self.fp32_parts)
+        start, count = self.fp32_parts[shard_rank]
+        first = self.fp32_start + start - self.shard_start
+        self.fp32_local = slice(first, first + count)  # this rank's fp32 elements, as positions in its shard
+        self.shard_ranges = self._shard_ranges()
+
+        device = self.params[0].device
+        self.flat = torch.zeros(self.padded, dtype=compute_dtype, device=device)
+        with torch.no_grad():
+            for p in self.params:
+                self.flat[self.offsets[p]:self.offsets[p] + p.numel()].copy_(p.detach().reshape(-1))
+                p.data = self.flat[self.offsets[p]:self.offsets[p] + p.numel()].view(p.shape)
+        self.full_bytes = self.padded * self.flat.element_size()
+        self.gather_handle = None
+        shard = slice(self.shard_start, self.shard_start + self.shard_numel)
+        if stage == 3:
+            self.param_shard = self.flat[shard].clone()
+            self.flat.untyped_storage().resize_(0)
+            self.gathered = False
+        else:
+            self.param_shard = self.flat[shard]
+            self.gathered = True
+        self.fp32_numel = self.numel - self.fp32_start
+        # gradients: stage 1 keeps full ones (persistent buffers); stages 2/3 keep only reduced shards
+        self.full_grad = self.full_grad32 = None
+        if stage == 1:
+            self.full_grad = torch.zeros(self.padded, dtype=compute_dtype, device=device)
+            self.full_grad32 = torch.zeros(self.fp32_numel, dtype=torch.float32, device=device)
+        self.grad_shard = self.grad32 = None
+        self.arrived = 0
+        self.micro_batches_done = 0
+        self.reduced = False  # reduced at least once this step
+        self.tied: list = []  # parameters summed over the pipeline's embedding group before reduction
+        self.in_backward = False  # between its pre-backward gather and its last gradient
+
+    def _shard_ranges(self) -> list[ShardRange]:
+        """The parameters (or parts) inside this rank's shard, in buffer order."""
+        lo, hi = self.shard_start, self.shard_start + self.shard_numel
+        ranges = []
+        for name, p in self.named:
+            first, end = max(self.offsets[p], lo), min(self.offsets[p] + p.numel(), hi)
+            if first < end:
+                ranges.append(ShardRange(name, p, first - self.offsets[p], end - self.offsets[p], first - lo, end - lo))
+        return ranges
+
+    # -- parameters (stage 3) ----------------------------------------------------------------------
+    def gather(self, async_op: bool = False) -> None:
+        if self.gathered:
+            return
+        if self.gather_handle is None:
+            self.flat.untyped_storage().resize_(self.full_bytes)
+            self.gather_handle = comm.all_gather_into(self.flat, self.param_shard, self.group, async_op=True)
+            if self.gather_handle is None:  # group of one: copied synchronously
+                self.gathered = True
+                return
+        if not async_op:
+            self.gather_handle.wait()
+            self.gather_handle, self.gathered = None, True
+
+    def free(self) -> None:
+        if self.stage == 3 and self.gathered:
+            self.flat.untyped_storage().resize_(0)
+            self.gathered = False
+
+    # -- gradients ---------------------------------------------------------------------------------
+    def add_grad(self, p: torch.Tensor) -> None:
+        """Move `p.grad` into this unit's gradient buffers (the parameter's own gradient is released)."""
+        if self.full_grad is None:
+            self.full_grad = torch.zeros(self.padded, dtype=self.flat.dtype, device=p.grad.device)
+            self.full_grad32 = torch.zeros(self.fp32_numel, dtype=torch.float32, device=p.grad.device)
+        self.full_grad_view(p).add_(p.grad.reshape(-1))
+        p.grad = None
+
+    def full_grad_view(self, p: torch.Tensor) -> torch.Tensor:
+        o = self.offsets[p]
+        if o >= self.fp32_start:
+            return self.full_grad32[o - self.fp32_start:o - self.fp32_start + p.numel()]
+        return self.full_grad[o:o + p.numel()]
+
+    def fp32_send_buffer(self) -> torch.Tensor:
+        """The fp32 segment as N equal chunks (chunk r = the part inside rank r's shard, zero-padded)."""
+        out = torch.zeros(self.shard_size, self.fp32_width, dtype=torch.float32, device=self.full_grad32.device)
+        for r, (start, count) in enumerate(self.fp32_parts):
+            out[r, :count] = self.full_grad32[start:start + count]
+        return out.view(-1)
+
+    def take_reduced(self, out: torch.Tensor, out32: torch.Tensor | None) -> None:
+        count = self.fp32_local.stop - self.fp32_local.start
+        if self.stage == 1:
+            self.grad_shard = self.full_grad[self.shard_start:self.shard_start + self.shard_numel]
+            self.grad_shard.copy_(out)
+            self.grad32 = out32[:count].clone() if out32 is not None else None
+            return
+        if self.grad_shard is None:
+            self.grad_shard = out
+            self.grad32 = out32[:count].clone() if out32 is not None else None
+        else:
+            self.grad_shard.add_(out)
+            if out32 is not None:
+                self.grad32.add_(out32[:count])
+
+    def master_grad(self) -> torch.Tensor:
+        """This rank's reduced gradient shard in fp32 (zeros when no gradient arrived)."""
+        if self.grad_shard is None:
+            return torch.zeros(self.shard_numel, dtype=torch.float32, device=self.param_shard.device)
+        g = self.grad_shard.float()
+        if self.grad32 is not None:
+            g[self.fp32_local] = self.grad32
+        return g
+
+    def zero_grad(self) -> None:
+        if self.stage == 1:
+            self.full_grad.zero_()
+            self.full_grad32.zero_()
+        else:
+            self.full_grad = self.full_grad32 = None
+        self.grad_shard = self.grad32 = None
+        self.arrived = self.micro_batches_done = 0
+        self.reduced = False
+
+    def held_tensors(self) -> list:
+        return [t for t in (self.flat, self.param_shard, self.full_grad, self.full_grad32, self.grad_shard,
+                            self.grad32) if t is not None]
