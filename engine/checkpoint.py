@@ -28,6 +28,7 @@ from engine.checkpoint_manifest import (FORMAT, KEYS, MANIFEST, METADATA, VERSIO
                                         rank_file, tensor_entry, verify)
 from engine.config import to_dict
 from engine.hf_checkpoint import HFWeights, is_hf_directory
+from engine.light_snapshot import refuse_light
 from parallel.random import TRACKER, seed_all
 
 log = logging.getLogger("trilith")
@@ -279,6 +280,7 @@ class Checkpointer:
         for path in candidates:
             if is_hf_directory(path):
                 return self.load_hf(path)
+            refuse_light(path)  # weights only: run.dir/light_checkpoints is never searched either
             problems = self.problems(path)
             if not problems:
                 return self.load(path)

@@ -27,6 +27,7 @@ FORMAT, VERSION = "trilith-checkpoint", 1
 KEYS = ("master", "exp_avg", "exp_avg_sq")
 MANIFEST, METADATA = "manifest.json", "metadata.json"
 ENTRY_FIELDS = ("shape", "dtype", "tp_dim", "tp_size", "local_shape", "keys", "pieces")
+ENTRY_BYTES = {"float32": 4, "bfloat16": 2}  # stored element sizes: full checkpoints fp32, light snapshots bf16
 
 
 def rank_file(tp_rank: int, pp_rank: int, dp_rank: int) -> str:
@@ -129,7 +130,7 @@ def check_manifest(directory: Path, manifest) -> None:
         keys, pieces = entry.get("keys"), entry.get("pieces")
         need(_dims(shape) and _dims(local) and len(shape) == len(local) and isinstance(tp_size, int)
              and tp_size >= 1 and ((tp_dim is None and tp_size == 1) or (_count(tp_dim) and tp_dim < len(shape)))
-             and entry.get("dtype") == "float32", f"tensor {name[:80]!r} has an invalid shape, split or dtype")
+             and entry.get("dtype") in ENTRY_BYTES, f"tensor {name[:80]!r} has an invalid shape, split or dtype")
         full = list(local)
         if tp_dim is not None:
             full[tp_dim] *= tp_size
@@ -151,7 +152,7 @@ def check_manifest(directory: Path, manifest) -> None:
                      and covered < q["end"] <= numel, f"tensor {name[:80]!r}: the pieces of TP rank {rank} do not "
                                                       f"tile its {numel} elements")
                 covered = q["end"]
-                budget[q["file"]] -= 4 * (q["end"] - q["start"]) * len(keys)
+                budget[q["file"]] -= ENTRY_BYTES[entry["dtype"]] * (q["end"] - q["start"]) * len(keys)
                 need(budget[q["file"]] >= 0, f"its pieces ask more bytes of {q['file']} than it has")
             need(covered == numel, f"tensor {name[:80]!r}: the pieces of TP rank {rank} cover {covered} of its "
                                    f"{numel} elements")
@@ -241,12 +242,15 @@ class SafetensorsRanges:
         return out
 
     def read(self, key: str, start: int, end: int) -> torch.Tensor:
-        """Elements [start, end) of the 1-D fp32 tensor `key`."""
-        _, shape, offset = self._entry(key, torch.float32)
+        """Elements [start, end) of the 1-D fp32 (or, in light snapshots, bf16) tensor `key`, as fp32."""
+        dtype, shape, offset = self._entry(key)
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise CheckpointError(f"{self.path} is damaged: tensor {key[:80]!r} is neither fp32 nor bf16")
         if not 0 <= start <= end <= math.prod(shape):
             raise CheckpointError(f"{self.path}: elements [{start}, {end}) lie outside tensor {key[:80]!r} of "
                                   f"{math.prod(shape)} elements")
-        return self._read_into(torch.empty(end - start, dtype=torch.float32), offset + 4 * start, key)
+        out = torch.empty(end - start, dtype=dtype)
+        return self._read_into(out, offset + dtype.itemsize * start, key).float()
 
     def tensor(self, key: str) -> torch.Tensor:
         dtype, shape, offset = self._entry(key)

@@ -114,6 +114,13 @@ class TrainConfig:
     eval_interval: int = 0  # steps between validation losses (and at the last step); 0 = no evaluation
     eval_iters: int = 10  # global batches of the validation split per evaluation (the same ones each time)
     eval_per_dataset: bool = False  # also each data.paths dataset's own validation loss (eval_loss_by_dataset)
+    eval_tasks: list = field(default_factory=list)  # multiple-choice task files (JSONL: context, choices, gold)
+        # scored as lm-evaluation-harness does; logged as <task>/acc, <task>/acc_norm (engine/evaluation_tasks.py)
+    eval_tasks_interval: int = 0  # steps between task evaluations (and at the last step); 0 = never
+    diary_prompts: list = field(default_factory=list)  # prompts continued at every checkpoint save into
+        # run.dir/diary.jsonl (engine/diary.py); needs data.tokenizer
+    diary_max_tokens: int = 32  # new tokens per diary continuation (fewer at the end-of-document token)
+    diary_sample: bool = False  # also a sampled continuation (temperature 0.8, top-p 0.95, seed train.seed + step)
 
 
 @dataclass
@@ -165,6 +172,9 @@ class CheckpointConfig:
     fallback: bool = False  # on a corrupt checkpoint, load the mirror's copy or the previous intact one
         # instead of stopping
     exit_after: int = 0  # save and stop after this step (scheduled stops, resume drills); 0 = off
+    light_interval: int = 0  # steps between light snapshots (bf16 weights only, run.dir/light_checkpoints; never
+        # resumed from; engine/light_snapshot.py); 0 = off
+    light_keep: int = 3  # newest light snapshots kept
 
 
 @dataclass
@@ -468,6 +478,11 @@ def validate(cfg: Config, world_size: int) -> None:
         if t.recompute_switch_step < 1:
             raise ConfigError("train.micro_batch_size_after_switch needs train.recompute_switch_step ≥ 1 "
                               "(the step at which the micro batch changes)")
+    if (t.eval_tasks or t.diary_prompts) and not cfg.data.tokenizer:
+        raise ConfigError("train.eval_tasks and train.diary_prompts need data.tokenizer (a tokenizer.json) to turn "
+                          "text into tokens and back")
+    if t.eval_tasks and t.eval_tasks_interval == 0:
+        raise ConfigError("train.eval_tasks needs train.eval_tasks_interval > 0 (steps between task evaluations)")
     if t.eval_per_dataset and (t.eval_interval == 0 or cfg.data.mock):
         raise ConfigError("train.eval_per_dataset=true needs train.eval_interval > 0 and data.paths (not data.mock)")
     if p.schedule == "interleaved" and p.pipeline > 1 and micro_batches % p.pipeline:

@@ -22,9 +22,12 @@ from data.eod import eod_id_from_tokenizer
 from engine.checkpoint import Checkpointer
 from engine.checkpoint_io import CheckpointError
 from engine.config import Config, ConfigError, data_parallel_size, load_config, save_config, validate
+from engine.diary import Diary
+from engine.evaluation_tasks import InRunTasks
 from engine.data_parallel import build_data_parallel
 from engine.health import HealthMonitor
 from engine.hf_checkpoint import fill_model_from_hf
+from engine.light_snapshot import LightSnapshots
 from engine.lr_schedule import lr_at
 from engine.metrics import H100_BF16_PEAK_FLOPS, MetricsLog, flops_per_token, peak_memory_gb
 from engine.mock_data import MockBatchLoader
@@ -176,6 +179,9 @@ class Trainer:
         self.eod_id = resolve_eod_id(cfg)
         self.last_save_time = time.monotonic()  # checkpoint.interval_minutes counts from the start or last save
         self.monitor = TrainingMonitor(cfg, Path(cfg.run.dir), env.rank, self.topo.dp_size, log.warning)
+        self.tasks = InRunTasks(cfg, self.topo, self.chunks, self.dtype, env.device)  # train.eval_tasks
+        self.diary = Diary(cfg, env.rank, env.device, self.dtype)  # train.diary_prompts, at each save
+        self.light_snapshots = LightSnapshots(self.checkpointer)  # checkpoint.light_interval
         self.loss_guard = LossGuard(cfg, Path(cfg.run.dir), env.rank, log.warning, resumed)
         self.checkpointer.extra_metadata = self.loss_guard.metadata
         self.flops_per_token = flops_per_token(num_parameters(cfg.model), cfg.model.num_layers,
@@ -395,7 +401,9 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         """Save the full training state now (blocks only for the snapshot under checkpoint.async_save)."""
         self.last_save_time = time.monotonic()
-        return self.checkpointer.save(self.step, self.consumed_samples)
+        path = self.checkpointer.save(self.step, self.consumed_samples)
+        self.diary.write(self.step, path, wait=self.checkpointer.wait)
+        return path
 
     def _save_due_by_time(self) -> bool:
         """checkpoint.interval_minutes: rank 0's clock decides for every rank (one broadcast of a flag)."""
@@ -415,6 +423,8 @@ class Trainer:
         by_step = ck.interval > 0 and (self.step % ck.interval == 0 or self.step == self.cfg.train.steps)
         if stop or by_step or self._save_due_by_time():
             self.save_checkpoint()
+        elif self.light_snapshots.due(self.step):
+            self.light_snapshots.save(self.step, self.consumed_samples)
         if stop:
             log.info(f"checkpoint.exit_after={ck.exit_after}: stopping after step {self.step}")
         return stop
@@ -440,6 +450,9 @@ class Trainer:
                     if self.validation_sets:
                         record["eval_loss_by_dataset"] = {name: self.evaluate(sets)
                                                           for name, sets in self.validation_sets.items()}
+                if self.tasks.due(self.step):
+                    record.update(self.tasks.evaluate())
+                    evaluated = True
                 gpu, stop = control.check(self.step) if control else (None, 0)
                 if gpu is not None:
                     record["gpu"] = gpu

@@ -1,0 +1,196 @@
+"""Loss, perplexity and bits per byte of a model on text, from a Trilith checkpoint or a Hugging Face directory.
+
+    # one process
+    python tools/evaluate.py --model runs/x/checkpoints --data held_out.jsonl --output eval.json
+    # at a layout (TP × PP × DP over the ranks), with any launcher that sets the usual rank variables
+    torchrun --nproc-per-node 4 tools/evaluate.py --model runs/x/checkpoints --tensor 2 --pipeline 2 \\
+        --data demo_out/data/stdlib_text_document
+
+--model: a checkpoint (full or light, saved at any layout), a checkpoints directory (its `latest`) or a
+Hugging Face directory. --data: JSONL files (one document per line, its text under --text-key) or token
+dataset prefixes (.bin/.idx or .arrow/.idx from tools/preprocess_data.py), in any mix.
+
+Every document is scored as [end-of-document token] + its tokens, in consecutive windows of
+model.seq_length predictions (the first prediction of a window sees the window's one token before it, as
+lm-evaluation-harness's rolling log-likelihood does), so every token of the text is predicted once.
+  loss = nats summed over the text's tokens / tokens;  perplexity = exp(loss);
+  bits per byte = nats summed / ln 2 / UTF-8 bytes of the text.
+The bytes of a JSONL document are its text's; those of a token-dataset document are the text its tokens
+decode to (with --tokenizer or the checkpoint's data.tokenizer; special tokens decode to nothing, and a
+trailing end-of-document token is not scored). Bits per byte divides by bytes, not tokens, so models with
+different tokenizers compare.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from engine.checkpoint_io import CheckpointError  # noqa: E402
+from engine.model_source import ModelSource  # noqa: E402
+from engine.scoring import Scorer  # noqa: E402
+from engine.text_tokenizer import TextTokenizer  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class EvaluationError(ValueError):
+    """Bad input to tools/evaluate.py: one line naming the file or option and the fix."""
+
+
+def read_documents(path: str, tokenizer: TextTokenizer | None, text_key: str, eod_id: int, limit: int = 0
+                   ) -> list[tuple[list[int], int]]:
+    """(tokens, UTF-8 bytes) of each document of a JSONL file or token dataset prefix."""
+    docs = []
+    if path.endswith((".jsonl", ".json")):
+        if tokenizer is None:
+            raise EvaluationError(f"{path}: text needs a tokenizer; pass --tokenizer tokenizer.json")
+        try:
+            lines = Path(path).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise EvaluationError(f"{path} is not a readable UTF-8 JSONL file ({exc})") from exc
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                text = json.loads(line)[text_key]
+            except (ValueError, KeyError, TypeError):
+                text = None
+            if not isinstance(text, str):
+                raise EvaluationError(f"{path} line {number}: not a JSON object with a text string under "
+                                      f"{text_key!r} (choose the key with --text-key)")
+            docs.append((tokenizer.encode(text), len(text.encode("utf-8"))))
+            if limit and len(docs) == limit:
+                break
+        return docs
+    from data.indexed import IndexedDataset
+    try:
+        data = IndexedDataset(path)
+    except (OSError, ValueError) as exc:
+        raise EvaluationError(f"--data {path}: {exc}") from exc
+    if tokenizer is None:
+        raise EvaluationError(f"{path}: bits per byte of a token dataset needs its tokenizer to count the bytes; "
+                              f"pass --tokenizer tokenizer.json")
+    bounds = data.document_indices
+    for d in range(len(bounds) - 1):
+        tokens = [int(t) for s in range(bounds[d], bounds[d + 1]) for t in data[s]]
+        if tokens and tokens[-1] == eod_id:
+            tokens = tokens[:-1]
+        if tokens:
+            docs.append((tokens, len(tokenizer.decode(tokens).encode("utf-8"))))
+        if limit and len(docs) == limit:
+            break
+    return docs
+
+
+def windows(tokens: list[int], eod_id: int, length: int) -> list[tuple[list[int], int]]:
+    """Scoring requests covering every token of a document once: [eod] + tokens in windows of `length`."""
+    full = [eod_id] + tokens
+    return [(full[start:start + length + 1], len(full[start + 1:start + length + 1]))
+            for start in range(0, len(tokens), length)]
+
+
+def summarize(nats: float, tokens: int, n_bytes: int) -> dict:
+    loss = nats / max(tokens, 1)
+    return {"loss": loss, "perplexity": math.exp(min(loss, 100.0)), "bits_per_byte": nats / math.log(2) / n_bytes,
+            "tokens": tokens, "bytes": n_bytes, "nats": nats}
+
+
+def build(source: ModelSource, tensor: int, pipeline: int, rank: int, world: int, device, dtype):
+    """(model chunks, Scorer) of this rank at the layout TP × PP × (world / TP·PP)."""
+    from engine.config import Config, validate
+    from engine.train import build_model_chunks
+    from parallel.p2p import PipelineComm
+    from parallel.tensor import TensorParallel
+    from parallel.topology import Layout, Topology
+    cfg = Config(model=source.model)
+    cfg.parallel.tensor, cfg.parallel.pipeline, cfg.data.mock = tensor, pipeline, True
+    cfg.train.micro_batch_size, cfg.train.global_batch_size = 1, max(world // (tensor * pipeline), 1)
+    validate(cfg, world)
+    topo = Topology(Layout.for_world(world, tensor, pipeline), rank)
+    chunks = build_model_chunks(cfg, topo, TensorParallel.from_topology(topo))
+    source.fill(chunks, topo.tp_size, topo.tp_rank)
+    for chunk in chunks:
+        chunk.to(device=device, dtype=dtype).eval()
+    pipe = PipelineComm.for_model(topo, cfg.model, 1, False, dtype, device) if pipeline > 1 else None
+    return Scorer(chunks, cfg.model.seq_length, device, pipe, topo.dp_group, topo.dp_rank, topo.dp_size)
+
+
+def evaluate(model: str, data: list[str], tokenizer: str = "", tensor: int = 1, pipeline: int = 1, rank: int = 0,
+             world: int = 1, device="cpu", dtype=torch.float32, text_key: str = "text", limit: int = 0,
+             progress: bool = False) -> dict:
+    """{"model", "step", "datasets": {path: summary}, "all": summary}; the same on every rank."""
+    source = ModelSource(model)
+    try:
+        eod = source.eod_id
+        if eod is None:
+            raise EvaluationError(f"{model}: no end-of-document token is known (no data.eod_token_id, no tokenizer "
+                                  f"with one); pass --tokenizer with an end-of-document token")
+        text = TextTokenizer(tokenizer or source.tokenizer, "--tokenizer") if (tokenizer or source.tokenizer) \
+            else None
+        scorer = build(source, tensor, pipeline, rank, world, device, dtype)
+    finally:
+        source.close()
+    out, total = {}, [0.0, 0, 0]
+    for path in data:
+        docs = read_documents(path, text, text_key, eod, limit)
+        if not docs:
+            raise EvaluationError(f"--data {path} holds no documents")
+        requests = [r for tokens, _ in docs for r in windows(tokens, eod, scorer.seq_length)]
+        nats = 0.0
+        step = 64  # requests per progress update
+        from tqdm import tqdm
+        with tqdm(total=len(requests), desc=Path(path).name, unit="window", disable=not progress) as bar:
+            for start in range(0, len(requests), step):
+                nats += sum(scorer.nll_sums(requests[start:start + step]))
+                bar.update(len(requests[start:start + step]))
+        tokens, n_bytes = sum(len(t) for t, _ in docs), sum(b for _, b in docs)
+        out[path] = summarize(nats, tokens, n_bytes)
+        total = [total[0] + nats, total[1] + tokens, total[2] + n_bytes]
+    return {"model": str(source.path), "step": source.step, "datasets": out, "all": summarize(*total)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="tools/evaluate.py", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True, help="checkpoint, checkpoints directory or Hugging Face directory")
+    ap.add_argument("--data", required=True, nargs="+", help="JSONL files and/or token dataset prefixes")
+    ap.add_argument("--tokenizer", default="", help="tokenizer.json (default: the model's own)")
+    ap.add_argument("--text-key", default="text", help="JSONL field holding each document's text")
+    ap.add_argument("--tensor", type=int, default=1, help="tensor-parallel size (under a launcher)")
+    ap.add_argument("--pipeline", type=int, default=1, help="pipeline size (under a launcher)")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    ap.add_argument("--limit", type=int, default=0, help="at most this many documents per dataset (0 = all)")
+    ap.add_argument("--output", default="", help="write the JSON result here too")
+    args = ap.parse_args(argv)
+    from parallel.distributed import init_distributed, shutdown
+    env = init_distributed(args.device, "auto")
+    clean = False
+    try:
+        result = evaluate(args.model, args.data, args.tokenizer, args.tensor, args.pipeline, env.rank,
+                          env.world_size, env.device, DTYPES[args.dtype], args.text_key, args.limit,
+                          progress=env.rank == 0)
+        clean = True
+    except (ValueError, CheckpointError) as exc:  # EvaluationError, ConfigError, a bad tokenizer file
+        print(f"evaluate: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        shutdown(clean)
+    if env.rank == 0:
+        text = json.dumps(result, indent=1)
+        print(text)
+        if args.output:
+            Path(args.output).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
