@@ -206,6 +206,8 @@ class RunConfig:
     wandb_mode: str = "online"  # online | offline (a local run directory, `wandb sync` later) | disabled
     wandb_name: str = ""  # W&B run name; "" = the name of run.dir
     wandb_tags: list = field(default_factory=list)  # W&B run tags, e.g. [llama, 1b]
+    profile_steps: list[int] = field(default_factory=list)  # [a, b]: torch.profiler trace of steps a..b per rank
+        # in run.dir/profile/rank_K/ (engine/profiling.py; tools/profile_summary.py); [] = off
 
 
 @dataclass
@@ -509,6 +511,9 @@ def validate(cfg: Config, world_size: int) -> None:
     if r.attention_entropy_max and r.attention_entropy_max <= r.attention_entropy_min:
         raise ConfigError(f"run.attention_entropy_max={r.attention_entropy_max} must exceed "
                           f"run.attention_entropy_min={r.attention_entropy_min} (0 = no upper bound)")
+    if r.profile_steps and (len(r.profile_steps) != 2 or not 1 <= r.profile_steps[0] <= r.profile_steps[1]):
+        raise ConfigError(f"run.profile_steps={r.profile_steps} must be [first, last] steps to profile, "
+                          f"1 ≤ first ≤ last (e.g. [10, 12]), or [] for none")
     if r.rollback_after > r.spike_window:
         raise ConfigError(f"run.rollback_after={r.rollback_after} bad steps can never fall within run.spike_window="
                           f"{r.spike_window} steps; lower it or widen the window (0 = never roll back)")

@@ -2,16 +2,19 @@
 
 The low-level functions (`all_reduce`, `all_gather`, `reduce_scatter`, ...) are thin wrappers over
 torch.distributed that append (op, group, bytes, dtype) to `RECORD` while recording is on. A group of
-None means "size 1": the call is a no-op and is not recorded. The autograd Functions below use them, so
+None means "size 1": the call is a no-op and is not recorded. Under torch.profiler each collective is a range
+named `comm:<op>[<group>]`; on the steps that engine/stragglers.py times, `TIMER` adds up its seconds. The autograd Functions below use them, so
 the record shows exactly what crosses the wire in forward and in backward.
 """
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.autograd.profiler import record_function
 
 _GROUP_NAMES: dict = {}
 
@@ -67,11 +70,51 @@ class CommRecord:
 RECORD = CommRecord()
 
 
+def named_range(name: str):
+    """A range called `name` in a torch.profiler trace (engine/profiling.py); nothing when no profiler runs."""
+    return record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
+
+
+class CommTimer:
+    """Seconds this rank spent in collectives while `active` (the steps engine/stragglers.py times). Then each
+    collective is waited for where it is issued and, on CUDA (`cuda`), the device synchronised before and after
+    it: the time is this rank's wait for its peers plus the transfer, not the kernels queued before it."""
+
+    def __init__(self):
+        self.active, self.cuda, self.seconds = False, False, 0.0
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+TIMER = CommTimer()
+
+
+def issue(op: str, group, call, async_op: bool = False):
+    """`call()`: one torch.distributed operation on `group`, in a profiler range named after it and, on timed
+    steps, waited for and timed. Returns what `call` returns (a work handle when `async_op`)."""
+    if not TIMER.active and not torch.autograd._profiler_enabled():
+        return call()
+    with named_range(f"comm:{op}[{_GROUP_NAMES.get(group, '?')}]"):
+        if not TIMER.active:
+            return call()
+        TIMER.sync()
+        start = time.perf_counter()
+        work = call()
+        if async_op and work is not None:
+            work.wait()
+        TIMER.sync()
+        TIMER.seconds += time.perf_counter() - start
+        return work
+
+
 def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = False):
     if group is None:
         return None
     RECORD.add("all_reduce", group, tensor)
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return issue("all_reduce", group, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op),
+                 async_op)
 
 
 def all_reduce_flat(tensors: list, group, dtype: torch.dtype | None = None) -> None:
@@ -95,7 +138,7 @@ def all_gather(tensor: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     moved = tensor.movedim(dim, 0).contiguous()
     out = torch.empty((world * moved.shape[0],) + moved.shape[1:], dtype=tensor.dtype, device=tensor.device)
     RECORD.add("all_gather", group, out)
-    dist.all_gather_into_tensor(out, moved, group=group)
+    issue("all_gather", group, lambda: dist.all_gather_into_tensor(out, moved, group=group))
     return out.movedim(0, dim)
 
 
@@ -105,7 +148,8 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group, async_op: 
         output.copy_(shard)
         return None
     RECORD.add("all_gather", group, output)
-    return dist.all_gather_into_tensor(output, shard, group=group, async_op=async_op)
+    return issue("all_gather", group,
+                 lambda: dist.all_gather_into_tensor(output, shard, group=group, async_op=async_op), async_op)
 
 
 def reduce_scatter(tensor: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
@@ -118,7 +162,7 @@ def reduce_scatter(tensor: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
         raise ValueError(f"reduce_scatter: dimension {dim} of size {moved.shape[0]} not divisible by {world}")
     out = torch.empty((moved.shape[0] // world,) + moved.shape[1:], dtype=tensor.dtype, device=tensor.device)
     RECORD.add("reduce_scatter", group, moved)
-    dist.reduce_scatter_tensor(out, moved, group=group)
+    issue("reduce_scatter", group, lambda: dist.reduce_scatter_tensor(out, moved, group=group))
     return out.movedim(0, dim)
 
 
@@ -128,14 +172,15 @@ def reduce_scatter_into(output: torch.Tensor, flat: torch.Tensor, group, async_o
         output.copy_(flat)
         return None
     RECORD.add("reduce_scatter", group, flat)
-    return dist.reduce_scatter_tensor(output, flat, group=group, async_op=async_op)
+    return issue("reduce_scatter", group,
+                 lambda: dist.reduce_scatter_tensor(output, flat, group=group, async_op=async_op), async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group) -> None:
     if group is None:
         return
     RECORD.add("broadcast", group, tensor)
-    dist.broadcast(tensor, src=src, group=group)
+    issue("broadcast", group, lambda: dist.broadcast(tensor, src=src, group=group))
 
 
 def split_along(tensor: torch.Tensor, group, dim: int) -> torch.Tensor:

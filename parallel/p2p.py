@@ -30,8 +30,11 @@ def batch_isend_irecv(ops: list[tuple[str, torch.Tensor, int, int]], group) -> N
     for kind, tensor, peer, tag in ops:
         comm.RECORD.add(kind, group, tensor)
         batch.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, peer, group, tag))
-    for work in dist.batch_isend_irecv(batch):
-        work.wait()
+
+    def exchange():
+        for work in dist.batch_isend_irecv(batch):
+            work.wait()
+    comm.issue("send/recv", group, exchange)
 
 
 class PipelineComm:

@@ -25,6 +25,7 @@ import torch
 from torch.autograd.variable import Variable
 
 from parallel import comm
+from parallel.comm import named_range
 from parallel.micro_batch import MicroBatch
 
 
@@ -36,8 +37,10 @@ def forward_backward_no_pipeline(model, micro_batches: list, loss_scale: float =
     losses = []
     for mb in micro_batches:
         args, kwargs = mb.forward_args(first=True, last=True)
-        loss = model(*args, **kwargs)
-        (loss * (loss_scale / m)).backward()
+        with named_range("forward"):
+            loss = model(*args, **kwargs)
+        with named_range("backward"):
+            (loss * (loss_scale / m)).backward()
         losses.append(loss.detach().float())
     return torch.stack(losses)
 
@@ -75,7 +78,8 @@ class _Steps:
         chunk = self.chunks[chunk_id]
         start = time.time()
         args, kwargs = self.micro_batches[mb].forward_args(chunk.pre_process, chunk.post_process, received)
-        out = chunk(*args, **kwargs)
+        with named_range("forward"):
+            out = chunk(*args, **kwargs)
         if chunk.post_process:
             self.losses.append(out.detach().float())
             out = out * self.weight
@@ -92,12 +96,13 @@ class _Steps:
 
     def backward(self, chunk_id: int, mb: int, received, output, output_grad):
         start = time.time()
-        if output_grad is None:  # the last chunk: the output is the scaled loss
-            torch.autograd.backward(output)
-        else:  # the output may be released: call the engine directly, skipping the public API's shape check
-            Variable._execution_engine.run_backward(tensors=(output,), grad_tensors=(output_grad,), keep_graph=False,
-                                                   create_graph=False, inputs=(), allow_unreachable=True,
-                                                   accumulate_grad=True)
+        with named_range("backward"):
+            if output_grad is None:  # the last chunk: the output is the scaled loss
+                torch.autograd.backward(output)
+            else:  # the output may be released: call the engine directly, skipping the public API's shape check
+                Variable._execution_engine.run_backward(tensors=(output,), grad_tensors=(output_grad,),
+                                                       keep_graph=False, create_graph=False, inputs=(),
+                                                       allow_unreachable=True, accumulate_grad=True)
         if self.trace is not None:
             self.trace.add("B", mb, chunk_id, start, time.time())
         return None if received is None else received.grad
