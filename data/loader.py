@@ -19,6 +19,7 @@ from data.gpt_dataset import GPTDataset
 from data.indexed import IndexedDataset
 from data.provenance import Provenance, provenance_path
 from data.split import SPLIT_NAMES, documents_to_sequences, split_documents
+from data.stages import StagedDataset
 
 
 def parse_paths(paths):
@@ -96,19 +97,22 @@ def worker_seed(seed, dp_rank, worker=0):
 
 
 class DistributedBatchLoader:
+    """`global_batch_size` is a number, or a function of the samples consumed before a step giving that
+    step's global batch (a batch-size ramp); either way the order of samples is the same."""
+
     def __init__(self, dataset, micro_batch_size, global_batch_size, dp_rank, dp_size,
                  consumed_samples=0, prefetch=2, seed=0):
         if dp_size < 1 or not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} is not in [0, dp_size={dp_size})")
-        if micro_batch_size < 1 or global_batch_size % (micro_batch_size * dp_size):
-            raise ValueError(f"global_batch_size {global_batch_size} must be a multiple of "
-                             f"micro_batch_size {micro_batch_size} x dp_size {dp_size}")
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size {micro_batch_size} must be at least 1")
         if dataset is None or len(dataset) == 0:
             raise ValueError("the loader was given an empty dataset; check data.split and data.paths")
         self.dataset = dataset
         self.micro_batch_size = micro_batch_size
-        self.global_batch_size = global_batch_size
+        self.batch_at = global_batch_size if callable(global_batch_size) else lambda consumed: global_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.global_batch_size = self._batch(consumed_samples)
         self.consumed_samples = consumed_samples
         self.seed = worker_seed(seed, dp_rank)
         self._next_step_samples = consumed_samples  # where the producer continues
@@ -116,8 +120,15 @@ class DistributedBatchLoader:
         self._stop = threading.Event()
         self._thread = None
 
+    def _batch(self, consumed):
+        size = self.batch_at(consumed)
+        if size % (self.micro_batch_size * self.dp_size):
+            raise ValueError(f"global_batch_size {size} must be a multiple of "
+                             f"micro_batch_size {self.micro_batch_size} x dp_size {self.dp_size}")
+        return size
+
     def _indices(self, consumed):
-        per_rank = self.global_batch_size // self.dp_size
+        per_rank = self._batch(consumed) // self.dp_size
         start = consumed + self.dp_rank * per_rank
         return [list(range(s, s + self.micro_batch_size))
                 for s in range(start, start + per_rank, self.micro_batch_size)]
@@ -132,7 +143,7 @@ class DistributedBatchLoader:
         try:
             while not self._stop.is_set():
                 item = self._build(consumed)
-                consumed += self.global_batch_size
+                consumed += self._batch(consumed)
                 while not self._stop.is_set():
                     try:
                         self._queue.put(item, timeout=0.1)
@@ -154,6 +165,7 @@ class DistributedBatchLoader:
             batch = self._queue.get()
             if isinstance(batch, BaseException):
                 raise RuntimeError("data loader thread failed") from batch
+        self.global_batch_size = self._batch(self.consumed_samples)  # this step's
         self.consumed_samples += self.global_batch_size
         return batch
 
@@ -172,6 +184,8 @@ def sample_provenance(dataset, global_sample_index):
     """Where global sample `i` came from: one dict per document piece, in token order, with the
     dataset prefix, document id, token offset and count, and source file and line when known."""
     i = global_sample_index % len(dataset)
+    if isinstance(dataset, StagedDataset):
+        dataset, i = dataset.locate(i)
     if isinstance(dataset, BlendedDataset):
         k, i = dataset.locate(i)
         dataset = dataset.datasets[k]

@@ -19,8 +19,10 @@ from pathlib import Path
 
 import yaml
 
+from engine.batch_ramp import ramp_problem
 from engine.config_ranges import INT64_MAX, range_problem
 from data.split import parse_split
+from data.stages import stages_problem
 from engine.config_yaml import YAMLInputError, load_yaml
 from kernels.rope import rope_scaling_problem
 
@@ -114,6 +116,9 @@ class TrainConfig:
     eval_interval: int = 0  # steps between validation losses (and at the last step); 0 = no evaluation
     eval_iters: int = 10  # global batches of the validation split per evaluation (the same ones each time)
     eval_per_dataset: bool = False  # also each data.paths dataset's own validation loss (eval_loss_by_dataset)
+    batch_size_ramp: list[int] = field(default_factory=list)  # [start, increment, ramp_samples]: the global batch
+        # starts at start and grows by increment each ramp_samples / ((global_batch_size - start) / increment)
+        # samples (Megatron's --rampup-batch-size); the LR schedule then counts samples (engine/batch_ramp.py)
     eval_tasks: list = field(default_factory=list)  # multiple-choice task files (JSONL: context, choices, gold)
         # scored as lm-evaluation-harness does; logged as <task>/acc, <task>/acc_norm (engine/evaluation_tasks.py)
     eval_tasks_interval: int = 0  # steps between task evaluations (and at the last step); 0 = never
@@ -155,6 +160,11 @@ class DataConfig:
     reset_position_ids: bool = False  # RoPE positions restart at 0 after each end-of-document token
     eod_mask_loss: bool = False  # no loss where the input token is end-of-document
     eod_token_id: int = -1  # end-of-document id of the three switches above; -1 = data.tokenizer's own (data/eod.py)
+    stages: list[dict] = field(default_factory=list)  # data-mixture stages instead of data.paths:
+        # [{until_step: 900, paths: ["0.8", web, "0.2", code]}, {until_step: 1000, paths: [...]}]; each stage
+        # trains until its until_step, the last ≥ train.steps (engine/data_stages.py)
+    local_cache_dir: str = ""  # node-local directory: one rank per node copies the shards read there first,
+        # checksum-verified, and reuses an intact copy on restart (data/local_cache.py); "" = read in place
 
 
 @dataclass
@@ -283,6 +293,11 @@ def _coerce(value, typ, where: str):
         if not isinstance(value, list):
             raise ConfigError(f"{where}: expected a list of integers like [3, 3, 2, 2], got {_show(value)}")
         return [_coerce(v, int, f"{where}[{i}]") for i, v in enumerate(value)]
+    if typ == list[dict]:
+        if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+            raise ConfigError(f"{where}: expected a list of mappings like [{{until_step: 900, paths: [a]}}], "
+                              f"got {_show(value)}")
+        return [dict(v) for v in value]
     if typ is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping like {{rope_type: linear, factor: 2.0}}, "
@@ -466,6 +481,9 @@ def validate(cfg: Config, world_size: int) -> None:
             f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size × "
             f"data-parallel size = {t.micro_batch_size}×{dp} = {per_step}; use a multiple of {per_step}")
     micro_batches = t.global_batch_size // per_step
+    problem = ramp_problem(t, dp, p.pipeline if p.schedule == "interleaved" and p.pipeline > 1 else 1)
+    if problem:
+        raise ConfigError(problem)
     if t.micro_batch_size_after_switch:
         after = t.micro_batch_size_after_switch * dp
         if t.global_batch_size % after:
@@ -504,7 +522,10 @@ def validate(cfg: Config, world_size: int) -> None:
     if d.reset_position_ids and m.position_embedding != "rope":
         raise ConfigError("data.reset_position_ids needs model.position_embedding=rope (ALiBi has no positions; "
                           "use data.reset_attention_mask to keep documents apart)")
-    if not cfg.data.mock and not cfg.data.paths:
+    problem = stages_problem(d.stages, d.paths, d.mock, t.steps)
+    if problem:
+        raise ConfigError(problem)
+    if not cfg.data.mock and not cfg.data.paths and not d.stages:
         raise ConfigError("data.paths is empty: give dataset prefixes made by tools/preprocess_data.py, "
                           "or set data.mock=true for synthetic tokens")
     r = cfg.run

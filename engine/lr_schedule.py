@@ -8,11 +8,12 @@ import math
 from engine.config import OptimConfig
 
 
-def lr_at(step: int, total_steps: int, cfg: OptimConfig) -> float:
-    """Learning rate for optimizer step `step` (0-based) of `total_steps`."""
+def lr_at(step: float, total_steps: float, cfg: OptimConfig) -> float:
+    """Learning rate for optimizer step `step` (0-based) of `total_steps`. Under a batch-size ramp both are
+    fractional, counted in samples (engine/batch_ramp.lr_position); warm-up then never overshoots the peak."""
     peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio
     if step < cfg.warmup_steps:
-        return peak * (step + 1) / cfg.warmup_steps
+        return peak * min(step + 1, cfg.warmup_steps) / cfg.warmup_steps
     span = max(total_steps - cfg.warmup_steps, 1)
     progress = min((step - cfg.warmup_steps) / span, 1.0)
     if cfg.schedule == "constant":

@@ -13,7 +13,9 @@ class MockBatchLoader:
     def __init__(self, vocab_size: int, seq_length: int, micro_batch_size: int, global_batch_size: int,
                  dp_rank: int, dp_size: int, consumed_samples: int = 0, seed: int = 0, stride: int = 7):
         self.vocab_size, self.seq_length, self.seed, self.stride = vocab_size, seq_length, seed, stride
-        self.micro_batch_size, self.global_batch_size = micro_batch_size, global_batch_size
+        # a number, or a batch-size ramp: consumed samples -> the next step's global batch
+        self.batch_at = global_batch_size if callable(global_batch_size) else lambda consumed: global_batch_size
+        self.micro_batch_size, self.global_batch_size = micro_batch_size, self.batch_at(consumed_samples)
         self.dp_rank, self.dp_size, self.consumed_samples = dp_rank, dp_size, consumed_samples
 
     def sample(self, index: int) -> torch.Tensor:
@@ -22,6 +24,7 @@ class MockBatchLoader:
         return (start + self.stride * torch.arange(self.seq_length + 1)) % self.vocab_size
 
     def next_global_batch(self) -> list[torch.Tensor]:
+        self.global_batch_size = self.batch_at(self.consumed_samples)
         per_rank = self.global_batch_size // self.dp_size
         start = self.consumed_samples + self.dp_rank * per_rank
         samples = torch.stack([self.sample(start + i) for i in range(per_rank)])

@@ -62,7 +62,7 @@ class TrainingMonitor:
             self.nonfinite_streak = 0
             return []
         self.nonfinite_streak += 1
-        per_rank = self.cfg.train.global_batch_size // self.dp_size
+        per_rank = losses_by_rank.shape[1] * micro_batch_size  # this step's share (the batch may ramp)
         if bad:  # the micro-batches whose loss is not finite
             why = "non-finite loss"
         else:  # finite losses, non-finite gradients: the whole batch is suspect

@@ -28,6 +28,9 @@ from engine.data_parallel import build_data_parallel
 from engine.health import HealthMonitor
 from engine.hf_checkpoint import fill_model_from_hf
 from engine.light_snapshot import LightSnapshots
+from engine.batch_ramp import global_batch, lr_position, samples_after
+from engine.data_cache import localize_data
+from engine.data_stages import DataStages
 from engine.lr_schedule import lr_at
 from engine.metrics import H100_BF16_PEAK_FLOPS, MetricsLog, flops_per_token, peak_memory_gb
 from engine.mock_data import MockBatchLoader
@@ -61,7 +64,7 @@ def build_split_datasets(cfg: Config) -> dict | None:
         return None
     from data.loader import build_datasets
     t = cfg.train
-    num_samples = {"train": t.steps * t.global_batch_size}
+    num_samples = {"train": samples_after(t, t.steps)}
     if t.eval_interval > 0:
         num_samples["valid"] = t.eval_iters * t.global_batch_size
     try:
@@ -99,7 +102,8 @@ def build_loader(cfg: Config, topo: Topology, consumed_samples: int, datasets: d
     t = cfg.train
     if cfg.data.mock:  # held-out synthetic samples: the same rule from other starting points (another seed)
         seed = t.seed if split == "train" else t.seed + 1
-        return MockBatchLoader(cfg.model.vocab_size, cfg.model.seq_length, t.micro_batch_size, t.global_batch_size,
+        return MockBatchLoader(cfg.model.vocab_size, cfg.model.seq_length, t.micro_batch_size,
+                               global_batch(t) if split == "train" else t.global_batch_size,
                                topo.dp_rank, topo.dp_size, consumed_samples, seed=seed)
     from data.loader import DistributedBatchLoader
     datasets = datasets or build_split_datasets(cfg)
@@ -107,7 +111,8 @@ def build_loader(cfg: Config, topo: Topology, consumed_samples: int, datasets: d
         raise ConfigError(f"data.split={cfg.data.split!r} leaves no documents for the {split} split of data.paths; "
                           f"give it a share (e.g. \"98,2,0\")" + (" or set train.eval_interval=0"
                                                                   if split == "valid" else ""))
-    return DistributedBatchLoader(datasets[split], t.micro_batch_size, t.global_batch_size, topo.dp_rank,
+    return DistributedBatchLoader(datasets[split], t.micro_batch_size,
+                                  global_batch(t) if split == "train" else t.global_batch_size, topo.dp_rank,
                                   topo.dp_size, consumed_samples=consumed_samples, seed=t.seed,
                                   prefetch=2 if split == "train" else 0)
 
@@ -168,10 +173,14 @@ class Trainer:
         self.step = resumed["step"] if resumed else 0
         heartbeat.set_step(self.step)
         self.micro_batch_size = cfg.train.micro_batch_size
-        self.datasets = build_split_datasets(cfg)
+        cfg, self.local_cache = localize_data(cfg, env)  # data.local_cache_dir: read this node's copy of the shards
+        self.cfg = cfg
+        self.stages = DataStages(cfg) if cfg.data.stages else None  # data.stages: one blend per stage
+        self.datasets = self.stages.datasets(self.step) if self.stages else build_split_datasets(cfg)
         if cfg.train.eval_interval > 0:  # a missing validation split fails now, not at the first evaluation
             build_loader(cfg, self.topo, 0, self.datasets, split="valid")
-        self.validation_sets = build_dataset_validation_sets(cfg) if cfg.train.eval_per_dataset else {}
+        self.validation_sets = (self.stages.validation_sets(self.step) if self.stages else
+                                build_dataset_validation_sets(cfg) if cfg.train.eval_per_dataset else {})
         self.loader = build_loader(cfg, self.topo, resumed["consumed_samples"] if resumed else 0, self.datasets)
         self.pipe = PipelineComm.for_model(self.topo, cfg.model, cfg.train.micro_batch_size, p.sequence_parallel,
                                            self.dtype, env.device) if self.topo.pp_size > 1 else None
@@ -319,7 +328,7 @@ class Trainer:
             head_sums = self.monitor.head_gradient_sums(self.data_parallel.owned_gradients(), self.topo.tp_rank,
                                                         self.env.device)
             comm.all_reduce(head_sums, world_group())
-        lr = lr_at(self.step, self.cfg.train.steps, self.cfg.optim)
+        lr = lr_at(*lr_position(self.cfg.train, self.step, self.consumed_samples), self.cfg.optim)
         grad_norm, skipped = self.optimizer.step(lr)
         self.optimizer.zero_grad()
         # Every rank's micro-batch losses (one small all-reduce, as for the mean alone): NaNs traced by rank.
@@ -330,10 +339,10 @@ class Trainer:
         self.step += 1
         heartbeat.set_step(self.step)
         elapsed = time.perf_counter() - start
-        tokens = self.cfg.train.global_batch_size * self.cfg.model.seq_length
+        tokens = self.loader.global_batch_size * self.cfg.model.seq_length  # this step's (train.batch_size_ramp)
         record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": skipped,
                   "loss_scale": self.optimizer.scaler.scale, "tokens_per_s": tokens / elapsed,
-                  "consumed_samples": self.consumed_samples,
+                  "consumed_samples": self.consumed_samples, "global_batch_size": self.loader.global_batch_size,
                   "consumed_tokens": self.consumed_samples * self.cfg.model.seq_length,
                   "step_time_s": elapsed, "data_wait_s": data_wait, "peak_memory_gb": peak_memory_gb(self.env.device)}
         if self.env.device.type == "cuda":
@@ -435,6 +444,8 @@ class Trainer:
             gpu, stop = control.check(self.step) if control else (None, 0)
             while self.step < self.cfg.train.steps and not stop:
                 record = self.train_step()
+                if self.local_cache:  # once per start: how long this node took to copy (or verify) the shards
+                    record["local_cache"], self.local_cache = self.local_cache, {}
                 if self.loss_guard.rollback_due:
                     record["rollback"] = self.roll_back()
                     history.append(record)
@@ -445,6 +456,9 @@ class Trainer:
                     self.check_replicas()
                 evaluated = self._evaluation_due()
                 if evaluated:
+                    if self.stages:  # validation follows the stage that trained this step
+                        self.datasets, self.validation_sets = (self.stages.datasets(self.step),
+                                                               self.stages.validation_sets(self.step))
                     record["eval_loss"] = self.evaluate()
                     record["eval_ppl"] = math.exp(min(record["eval_loss"], 100.0))
                     if self.validation_sets:
@@ -458,7 +472,7 @@ class Trainer:
                     record["gpu"] = gpu
                 history.append(record)
                 if (self.step % self.cfg.train.log_interval == 0 or self.step == self.cfg.train.steps or stop
-                        or evaluated):
+                        or evaluated or "local_cache" in record):
                     metrics.write(record)
                 if stop:  # preemption or GPU health: save now, whatever the interval says
                     self.save_checkpoint()

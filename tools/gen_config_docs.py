@@ -84,6 +84,8 @@ def indent(line: str) -> int:
 def type_name(hint) -> str:
     if hint == list[int]:
         return "list of int"
+    if hint == list[dict]:
+        return "list of mapping"
     if hint is list:  # config._coerce turns every element into a string
         return "list of str"
     return hint.__name__
