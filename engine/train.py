@@ -36,6 +36,7 @@ from engine.metrics import H100_BF16_PEAK_FLOPS, MetricsLog, flops_per_token, pe
 from engine.mock_data import MockBatchLoader
 from engine.model import CausalLM, num_parameters
 from engine.monitor import NonFiniteTraining, TrainingMonitor
+from engine.profiling import StepProfiler
 from engine.rollback import LossGuard
 from engine.run_lock import hold_run_dir
 from engine.stop import StopControl, StopRun, exit_status, final_failure
@@ -188,6 +189,7 @@ class Trainer:
         self.eod_id = resolve_eod_id(cfg)
         self.last_save_time = time.monotonic()  # checkpoint.interval_minutes counts from the start or last save
         self.monitor = TrainingMonitor(cfg, Path(cfg.run.dir), env.rank, self.topo.dp_size, log.warning)
+        self.profiler = StepProfiler(cfg.run, env.rank, env.device, log.info)  # run.profile_steps
         self.tasks = InRunTasks(cfg, self.topo, self.chunks, self.dtype, env.device)  # train.eval_tasks
         self.diary = Diary(cfg, env.rank, env.device, self.dtype)  # train.diary_prompts, at each save
         self.light_snapshots = LightSnapshots(self.checkpointer)  # checkpoint.light_interval
@@ -312,12 +314,14 @@ class Trainer:
 
     def train_step(self) -> dict:
         start = time.perf_counter()
+        self.profiler.step_begins(self.step + 1)
         self.apply_recompute_switch()
         for chunk in self.chunks:
             chunk.train()
         window_start = self.consumed_samples
         data_start = time.perf_counter()  # the loader prefetches: this is the time training waited for data
-        micro_batches = [mb.to(self.env.device, non_blocking=True) for mb in self.loader.next_global_batch()]
+        with comm.named_range("data wait"):
+            micro_batches = [mb.to(self.env.device, non_blocking=True) for mb in self.loader.next_global_batch()]
         data_wait = time.perf_counter() - data_start
         self._check_token_ids(micro_batches)
         self.data_parallel.start_step(len(micro_batches))  # gradients are reduced on the last micro-batch
@@ -329,8 +333,9 @@ class Trainer:
                                                         self.env.device)
             comm.all_reduce(head_sums, world_group())
         lr = lr_at(*lr_position(self.cfg.train, self.step, self.consumed_samples), self.cfg.optim)
-        grad_norm, skipped = self.optimizer.step(lr)
-        self.optimizer.zero_grad()
+        with comm.named_range("optimizer"):
+            grad_norm, skipped = self.optimizer.step(lr)
+            self.optimizer.zero_grad()
         # Every rank's micro-batch losses (one small all-reduce, as for the mean alone): NaNs traced by rank.
         losses_by_rank = torch.zeros(self.topo.dp_size, len(micro_losses), device=micro_losses.device)
         losses_by_rank[self.topo.dp_rank] = micro_losses
@@ -350,6 +355,7 @@ class Trainer:
         self._monitor(record, losses_by_rank, window_start, micro_batches[0])
         if head_sums is not None:
             record["head_grad_variance_ratio"] = self.monitor.head_variance_ratios(self.step, head_sums)
+        self.profiler.step_ends(self.step)
         return record
 
     def _monitor(self, record: dict, losses_by_rank, window_start: int, first_micro_batch) -> None:
