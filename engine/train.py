@@ -63,6 +63,8 @@ def build_split_datasets(cfg: Config) -> dict | None:
     and, when evaluating, for train.eval_iters global batches of validation."""
     if cfg.data.mock:
         return None
+    if cfg.data.stages:  # every stage's blend end to end; validation of the first stage
+        return DataStages(cfg).datasets(0)
     from data.loader import build_datasets
     t = cfg.train
     num_samples = {"train": samples_after(t, t.steps)}

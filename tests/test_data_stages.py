@@ -7,6 +7,7 @@ from data.blend import blending_indices
 from data.indexed import IndexedDatasetBuilder
 from engine.config import ConfigError, load_config, validate
 from engine.data_stages import DataStages
+from engine.train import build_split_datasets
 from tests.test_batch_ramp import run
 from tests.test_train import TINY
 
@@ -46,7 +47,7 @@ def test_sample_order_is_each_stages_blend_read_once(corpora, ramp):
     stages = DataStages(config(corpora, *ramp))
     first = 24 if not ramp else 6  # samples of the first 3 steps: 3 × 8, or 2 + 2 + 2 while ramping
     end = 48 if not ramp else 6 + 2 + 4 + 4
-    assert stages.train.bounds == [first, end]
+    assert stages.train.bounds == [first, end] == build_split_datasets(config(corpora, *ramp))["train"].bounds
     got = [source(stages.train[i]) for i in range(end)]
     want = []
     for names, weights, size in ((("web", "code"), [0.75, 0.25], first), (("code", "math"), [0.25, 0.75],
