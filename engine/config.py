@@ -218,6 +218,10 @@ class RunConfig:
     wandb_tags: list = field(default_factory=list)  # W&B run tags, e.g. [llama, 1b]
     profile_steps: list[int] = field(default_factory=list)  # [a, b]: torch.profiler trace of steps a..b per rank
         # in run.dir/profile/rank_K/ (engine/profiling.py; tools/profile_summary.py); [] = off
+    timing_interval: int = 100  # steps between gathers of every rank's step time split (data wait, compute,
+        # communication wait, optimizer) into that step's record, naming stragglers (engine/stragglers.py); 0 = off
+    straggler_threshold: float = 1.2  # a rank busy (step less communication wait) longer than this × the median
+        # over ranks is logged with its host as a straggler
 
 
 @dataclass

@@ -57,6 +57,7 @@ RANGES = {
     ("data", "eod_token_id"): Interval(-1),  # -1 = the tokenizer's end-of-document token
     ("checkpoint", "keep"): AT_LEAST_ONE,
     ("run", "max_memory_fragmentation"): BELOW_ONE,
+    ("run", "straggler_threshold"): Interval(1),  # a ratio to the median: below 1 the median rank itself is slow
     ("run", "spike_window"): Interval(2),  # a standard deviation needs two losses
 }
 

@@ -40,6 +40,7 @@ from engine.profiling import StepProfiler
 from engine.rollback import LossGuard
 from engine.run_lock import hold_run_dir
 from engine.stop import StopControl, StopRun, exit_status, final_failure
+from engine.stragglers import StepTimer
 from engine.trackers import Trackers
 from parallel import comm, heartbeat
 from parallel.distributed import DistEnv, describe_failure, init_distributed, shutdown, world_group
@@ -192,6 +193,8 @@ class Trainer:
         self.last_save_time = time.monotonic()  # checkpoint.interval_minutes counts from the start or last save
         self.monitor = TrainingMonitor(cfg, Path(cfg.run.dir), env.rank, self.topo.dp_size, log.warning)
         self.profiler = StepProfiler(cfg.run, env.rank, env.device, log.info)  # run.profile_steps
+        self.step_timer = StepTimer(cfg.run, env.rank, env.world_size, env.device, env.nodes,
+                                    log.warning)  # run.timing_interval: stragglers
         self.tasks = InRunTasks(cfg, self.topo, self.chunks, self.dtype, env.device)  # train.eval_tasks
         self.diary = Diary(cfg, env.rank, env.device, self.dtype)  # train.diary_prompts, at each save
         self.light_snapshots = LightSnapshots(self.checkpointer)  # checkpoint.light_interval
@@ -317,6 +320,7 @@ class Trainer:
     def train_step(self) -> dict:
         start = time.perf_counter()
         self.profiler.step_begins(self.step + 1)
+        self.step_timer.step_begins(self.step + 1)
         self.apply_recompute_switch()
         for chunk in self.chunks:
             chunk.train()
@@ -335,7 +339,7 @@ class Trainer:
                                                         self.env.device)
             comm.all_reduce(head_sums, world_group())
         lr = lr_at(*lr_position(self.cfg.train, self.step, self.consumed_samples), self.cfg.optim)
-        with comm.named_range("optimizer"):
+        with self.step_timer.optimizer():
             grad_norm, skipped = self.optimizer.step(lr)
             self.optimizer.zero_grad()
         # Every rank's micro-batch losses (one small all-reduce, as for the mean alone): NaNs traced by rank.
@@ -357,6 +361,7 @@ class Trainer:
         self._monitor(record, losses_by_rank, window_start, micro_batches[0])
         if head_sums is not None:
             record["head_grad_variance_ratio"] = self.monitor.head_variance_ratios(self.step, head_sums)
+        record.update(self.step_timer.step_ends(self.step, elapsed, data_wait))
         self.profiler.step_ends(self.step)
         return record
 
@@ -480,7 +485,7 @@ class Trainer:
                     record["gpu"] = gpu
                 history.append(record)
                 if (self.step % self.cfg.train.log_interval == 0 or self.step == self.cfg.train.steps or stop
-                        or evaluated or "local_cache" in record):
+                        or evaluated or "local_cache" in record or "rank_times" in record):
                     metrics.write(record)
                 if stop:  # preemption or GPU health: save now, whatever the interval says
                     self.save_checkpoint()
