@@ -232,3 +232,47 @@ def test_sentencepiece_tokenizer(tmp_path, tok):
     path = run(tmp_path, model, [corpus], "--append-eod", "--tokenizer-type", "SentencePieceTokenizer")
     sp = spm.SentencePieceProcessor(model_file=model)
     assert IndexedDataset(path)[0].tolist() == sp.encode(TEXTS[0]) + [sp.piece_to_id("<|endoftext|>")]
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    """A GPT-2, a Llama-3-style (Split + ByteLevel, BOS template) and a Metaspace (Llama 2 / Mistral) tokenizer."""
+    from tools.bench_preprocess import FAMILIES, build_family
+    d = tmp_path_factory.mktemp("families")
+    return {f: (str(d / f"{f}.json"), build_family(f, TEXTS * 3, 600, str(d / f"{f}.json"))) for f in FAMILIES}
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama3", "metaspace"])
+def test_chunk_cache_is_exact_for_each_tokenizer_family(tmp_path, families, family, capsys):
+    """Random text built to stress the cuts (runs of mixed whitespace and line breaks, identifiers next to
+    punctuation, contractions, the Metaspace mark itself): cached ids equal the plain encoder's. Then the
+    tool's output equals a per-document encode, and its summary says the workers used the cache."""
+    from tokenizers import Tokenizer
+    path, eod_token = families[family]
+    reference = Tokenizer.from_file(path)
+    encoder = load_encoder(tokenizer_spec(None, path))
+    assert encoder.cached, encoder.cache_reason
+    encoder.verify_first = 0  # the comparison below is the check
+    rng = np.random.RandomState(1)
+    alphabet = (list("abcXYZ019_.,;:'\"()[]{}#-+=/\\<>|!?é日😀\u2581") + list(SAFE_SPACES) * 3
+                + ["'s", "'ll", "\n \n", " \n", "\t\n  ", "  ", "def", " x"])
+    texts = ["".join(rng.choice(alphabet, rng.randint(1, 60))) for _ in range(600)] + TEXTS
+    out = encoder.encode_batch(texts)
+    for t, ids in zip(texts, out):
+        assert ids.tolist() == reference.encode(t).ids, repr(t)
+    out = run(tmp_path, path, [write_jsonl(tmp_path / "a.jsonl", [{"text": t} for t in texts if t.strip()])],
+              "--append-eod", "--eod-token", eod_token)
+    eod = reference.token_to_id(eod_token)
+    ds = IndexedDataset(out)
+    assert [ds[i].tolist() for i in range(len(ds))] == [reference.encode(t).ids + [eod] for t in texts if t.strip()]
+    assert "; cache on (" in capsys.readouterr().out
+
+
+def test_summary_reports_a_cache_the_workers_turned_off(tmp_path, tok, monkeypatch, capsys):
+    """A cut rule that breaks exactness is caught by the self-check; the summary says so rather than `cache on`."""
+    from tools import _chunk_rules
+    monkeypatch.setattr(_chunk_rules.GPT2, "split", lambda text: [text[i:i + 2] for i in range(0, len(text), 2)])
+    path = run(tmp_path, tok["bpe"], [write_jsonl(tmp_path / "a.jsonl", [{"text": t} for t in TEXTS])])
+    assert len(IndexedDataset(path)) == len(TEXTS)
+    captured = capsys.readouterr()
+    assert "cache off: self-check failed" in captured.out and "turning the cache off" in captured.err

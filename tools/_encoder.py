@@ -1,4 +1,5 @@
-"""Tokenizers for preprocessing, with an exact cache for byte-level BPE.
+"""Tokenizers for preprocessing, with an exact chunk cache for byte-level BPE (GPT-2), regex-Split +
+ByteLevel (Llama 3, Qwen2) and Metaspace (Llama 2, Mistral) tokenizers.
 
 `load_encoder` gives an object with `encode_batch(texts) -> list[np.ndarray]`, `vocab_size` and
 `token_id(text)`, for a Hugging Face `tokenizer.json`, a SentencePiece `.model` or GPT-2 vocab/merges files.
@@ -11,14 +12,16 @@ followed by a space is a piece boundary and the pieces after it do not depend on
 Cutting the (normalized) text at those positions gives "chunks" (leading whitespace + a
 non-space run, like " self.x" or "\\n    return"); a document's ids are the concatenation of its
 chunks' ids, and each chunk's ids depend only on the chunk, so they can be cached. Text repeats
-heavily, so most chunks are cache hits. Misses are encoded many at a time in one string (again
-cut only at such boundaries) and split back by token offsets.
+heavily, so most chunks are cache hits. The other families cut at their own pre-tokenizers'
+boundaries (tools/_chunk_rules.py says where, and why). Misses are encoded many at a time as the words
+of a pre-tokenized input, which the tokenizer encodes each as a text of its own.
 
-The argument needs: that exact pre-tokenizer (no prefix space), a model without dropout, a
-post-processor that adds no tokens, whitespace on which Python's `re` and the tokenizer's regex
-agree (documents with other Unicode spaces go through the plain encoder), and no special-token text
-in the document (same). Anything else uses the plain `encode_batch`. The first documents of every
-process are also checked against the plain encoder, and any difference turns the cache off.
+The argument needs: a pre-tokenizer of those families, a model without dropout, a post-processor
+that only puts fixed tokens around a document (read off two probes and added back), whitespace on
+which Python's `re` and the tokenizer's regex agree (documents with other Unicode spaces go through the
+plain encoder), and no special-token text in the document (same). Anything else uses the plain
+`encode_batch`. The first documents of every process are also checked against the plain encoder, and
+any difference turns the cache off.
 """
 import json
 import os
@@ -28,23 +31,10 @@ import sys
 import numpy as np
 
 from data.eod import eod_id_from_tokenizer
+from tools._chunk_rules import OTHER_SPACES, SAFE_SPACES, cut_rule  # noqa: F401 (OTHER_SPACES: for tests)
 
-# Python's `\s` and Oniguruma's `\s` agree on these four; other characters that Python calls
-# whitespace (str.isspace) send the document to the plain encoder.
-SAFE_SPACES = " \t\n\r"
-OTHER_SPACES = ("\x0b\x0c\x1c\x1d\x1e\x1f\x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006"
-                "\u2007\u2008\u2009\u200a\u2028\u2029\u202f\u205f\u3000")
 _OTHER_SPACE_RE = re.compile("[" + re.escape(OTHER_SPACES) + "]")
-# More exact cuts, from the same regex: a whitespace run W before a non-space splits into the
-# pieces W[:-1] and W[-1] + what follows (`\s+(?!\S)` backs off one character); an ASCII letter or
-# digit followed by ASCII punctuation ends a piece. Cutting there keeps indentation and
-# identifiers' surroundings out of the chunks, so far fewer distinct chunks need encoding.
-_PUNCT = "!-/:-@\\[-`{-~"
-_CHUNK_RE = re.compile(
-    r"[ \t\n\r]+(?=[ \t\n\r][^ \t\n\r])|[ \t\n\r]+\Z"
-    r"|[ \t\n\r]?(?=[^ \t\n\r])(?:[^ \t\n\rA-Za-z0-9]++|[A-Za-z0-9]++(?![" + _PUNCT + r"]))*+[A-Za-z0-9]*+")
-# The tokenizer's cost grows faster than linearly with one string's length, so misses are joined
-# into strings of about this many characters and encoded as a batch.
+# Misses are encoded in pre-tokenized inputs of about this many characters, as a batch.
 _JOIN_CHARS = 16384
 
 HF_TYPES = ("HuggingFaceTokenizer", "HFTokenizer", "PretrainedFromHF")
@@ -78,7 +68,10 @@ class HFEncoder:
         self.tokenizer = Tokenizer.from_str(tokenizer_json)
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         config = json.loads(tokenizer_json)
-        self.cache_reason = self._cache_blocker(config) if use_cache else "disabled by the caller"
+        self.rule, self.cache_reason = (None, "disabled by the caller") if not use_cache else cut_rule(
+            config, self.tokenizer.get_vocab(with_added_tokens=False))
+        if self.rule is not None:
+            self.cache_reason = self._find_template()
         self.cached = self.cache_reason is None
         if self.cached:
             plain = dict(config, normalizer=None, added_tokens=[], post_processor=None)
@@ -94,18 +87,21 @@ class HFEncoder:
     def token_id(self, text):
         return self.tokenizer.token_to_id(text)
 
-    @staticmethod
-    def _cache_blocker(config):
-        """Why the chunk cache would not be provably exact for this tokenizer, or None."""
-        pre = config.get("pre_tokenizer") or {}
-        if pre.get("type") != "ByteLevel" or pre.get("add_prefix_space") or not pre.get("use_regex", True):
-            return f"pre-tokenizer is {pre.get('type')} (needs ByteLevel, no prefix space, GPT-2 regex)"
-        model = config.get("model") or {}
-        if model.get("dropout"):
-            return "BPE dropout makes encoding random"
-        post = config.get("post_processor")
-        if post is not None and post.get("type") != "ByteLevel":
-            return f"post-processor {post.get('type')} may add tokens"
+    def _find_template(self):
+        """The ids a post-processor puts before and after a document's own (Llama 3's BOS, say): read off
+        two probes; None, or why the cache cannot reproduce what it does."""
+        found = set()
+        for probe in ("a b", "x"):
+            full = self.tokenizer.encode(probe).ids
+            own = self.tokenizer.encode(probe, add_special_tokens=False).ids
+            starts = [k for k in range(len(full) - len(own) + 1) if full[k:k + len(own)] == own]
+            if not own or not starts:
+                return "post-processor changes a document's own tokens"
+            found.add((tuple(full[:starts[0]]), tuple(full[starts[0] + len(own):])))
+        if len(found) != 1:
+            return "post-processor adds tokens that depend on the text"
+        prefix, suffix = found.pop()
+        self._prefix, self._suffix = np.asarray(prefix, np.int64), np.asarray(suffix, np.int64)
         return None
 
     def _reset_cache(self):
@@ -118,45 +114,30 @@ class HFEncoder:
         return [np.asarray(e.ids, dtype=np.int64) for e in self.tokenizer.encode_batch(texts)]
 
     def _add_chunks(self, chunks):
-        """Encode uncached chunks and append them to the cache."""
-        spaces = [c for c in chunks if c[-1] in SAFE_SPACES]  # whitespace-only chunks
-        words = [c for c in chunks if c[-1] not in SAFE_SPACES]
-        for c, enc in zip(spaces, self._inner.encode_batch(spaces, add_special_tokens=False)):
+        """Encode uncached chunks, each as on its own, and append them to the cache."""
+        alone = [c for c in chunks if self.rule.alone(c)]
+        words = [c for c in chunks if not self.rule.alone(c)]
+        for c, enc in zip(alone, self._inner.encode_batch(alone, add_special_tokens=False)):
             self._append(c, enc.ids)
-        if not words:
-            return
-        # A separator "\n" before a chunk that starts with a non-space keeps it its own piece.
+        # Many chunks to one pre-tokenized input: the tokenizer encodes each word as a text of its own.
         groups, group, size = [], [], 0
         for c in words:
             group.append(c)
-            size += len(c) + 1
+            size += len(c)
             if size >= _JOIN_CHARS:
                 groups.append(group)
                 group, size = [], 0
         if group:
             groups.append(group)
-        texts = ["".join(c if c[0] in SAFE_SPACES else "\n" + c for c in g) for g in groups]
-        for g, enc in zip(groups, self._inner.encode_batch(texts, add_special_tokens=False)):
-            self._add_joined(g, enc)
-
-    def _add_joined(self, words, enc):
-        """Split the encoding of joined chunks back into per-chunk ids by token offsets."""
-        lengths = np.fromiter(map(len, words), np.int64, len(words))
-        seps = np.fromiter((c[0] not in SAFE_SPACES for c in words), np.int64, len(words))
-        ends = np.cumsum(lengths + seps)
-        starts = ends - lengths
-        ids = np.asarray(enc.ids, dtype=np.int32)
-        offs = np.asarray([o[0] for o in enc.offsets], dtype=np.int64)
-        owner = np.searchsorted(starts, offs, side="right") - 1
-        keep = (owner >= 0) & (offs < ends[np.maximum(owner, 0)])
-        ids, owner = ids[keep], owner[keep]
-        counts = np.bincount(owner, minlength=len(words))
-        base = self._flat.size
-        self._flat.extend(ids)
-        self._starts.extend(base + np.concatenate(([0], np.cumsum(counts)[:-1])))
-        self._lens.extend(counts)
-        first = len(self._index)
-        self._index.update(zip(words, range(first, first + len(words))))
+        for g, enc in zip(groups, self._inner.encode_batch(groups, is_pretokenized=True, add_special_tokens=False)):
+            owner = np.asarray(enc.word_ids, dtype=np.int64)
+            counts = np.bincount(owner, minlength=len(g))
+            base = self._flat.size
+            self._flat.extend(np.asarray(enc.ids, dtype=np.int32))
+            self._starts.extend(base + np.concatenate(([0], np.cumsum(counts)[:-1])))
+            self._lens.extend(counts)
+            first = len(self._index)
+            self._index.update(zip(g, range(first, first + len(g))))
 
     def _append(self, chunk, ids):
         self._index[chunk] = len(self._index)
@@ -173,11 +154,11 @@ class HFEncoder:
         plain, chunked = [], []
         for i, text in enumerate(texts):
             norm = self._normalize(text) if self._normalize else text
-            if (_OTHER_SPACE_RE.search(norm) or (self._added_re is not None and (
+            if (not norm or _OTHER_SPACE_RE.search(norm) or (self._added_re is not None and (
                     self._added_re.search(text) or self._added_re.search(norm)))):
                 plain.append(i)
             else:
-                chunked.append((i, _CHUNK_RE.findall(norm)))
+                chunked.append((i, self.rule.split(norm)))
         index = self._index
         new = {c for _, chunks in chunked for c in chunks if c not in index}
         if new:
@@ -189,6 +170,8 @@ class HFEncoder:
             # Positions of every token of every chunk, in order: start of chunk + rank within it.
             shift = np.repeat(starts[cid] - (np.cumsum(n) - n), n)
             out[i] = flat[shift + np.arange(shift.size)].astype(np.int64)
+            if self._prefix.size or self._suffix.size:
+                out[i] = np.concatenate((self._prefix, out[i], self._suffix))
         if plain:
             for i, ids in zip(plain, self._plain([texts[i] for i in plain])):
                 out[i] = ids

@@ -77,7 +77,7 @@ def _encode_task(records):
             docs = [np.append(d, eod) for d in docs]
         lengths = np.fromiter(map(len, docs), np.int64, len(docs))
         per_key.append((lengths, np.concatenate(docs) if docs else np.zeros(0, np.int64)))
-    return kept, rejects, per_key, nbytes
+    return kept, rejects, per_key, nbytes, encoder.cache_reason
 
 
 class _Progress:
@@ -140,8 +140,11 @@ def preprocess(args, files, prefix, spec, vocab_size, eod, ranges=None, rejects_
         batches = batched(iter_records(files, args.json_keys, max_record_bytes=args.max_record_bytes,
                                        ranges=ranges), args.batch_size)
         init_args = (spec, args.json_keys, not args.no_cache, eod)
-        for kept, rejects, per_key, nbytes in ordered_map(_encode_task, batches, args.workers, _init_worker,
-                                                          init_args):
+        for kept, rejects, per_key, nbytes, cache_off in ordered_map(_encode_task, batches, args.workers,
+                                                                     _init_worker, init_args):
+            # What the workers did, not what this process planned: a self-check may turn the cache off.
+            stats["batches"] += 1
+            stats["batches_cached" if cache_off is None else f"cache_off:{cache_off}"] += 1
             for file_index, line, reason, detail in rejects:
                 where = f"{files[file_index]}:{line}"
                 if args.strict:
@@ -393,6 +396,19 @@ def _run(args, files, spec, encoder, eod):
     return stats, rejects_path
 
 
+def _cache_use(stats, encoder):
+    """Whether the workers encoded through the chunk cache, from their own reports per batch."""
+    off = sorted(key.split(":", 1)[1] for key in stats if key.startswith("cache_off:") and stats[key])
+    cached, batches = stats["batches_cached"], stats["batches"]
+    if not batches:
+        return f"cache {'on' if encoder.cached else 'off: ' + str(encoder.cache_reason)} (no documents)"
+    if cached == batches:
+        return f"cache on ({encoder.rule.name if encoder.rule else 'chunk'} cuts) in all {batches:,} batches"
+    if not cached:
+        return f"cache off: {'; '.join(off)}"
+    return f"cache on in {cached:,} of {batches:,} batches, off in the others: {'; '.join(off)}"
+
+
 def _summary(args, stats, rejects_path, encoder, start):
     elapsed = time.time() - start
     skipped = {r: stats[r] for r in REJECT_REASONS if stats[r]}
@@ -400,8 +416,7 @@ def _summary(args, stats, rejects_path, encoder, start):
     print(f"preprocess: {stats['documents']:,} documents, {tokens:,} tokens, "
           f"{stats['bytes'] / 1e6:,.1f} MB in {elapsed:.1f} s "
           f"({stats['bytes'] / 1e6 / max(elapsed, 1e-9):,.1f} MB/s); "
-          f"skipped {sum(skipped.values())}" + (f" {skipped}" if skipped else "")
-          + f"; cache {'on' if encoder.cached else 'off: ' + str(encoder.cache_reason)}")
+          f"skipped {sum(skipped.values())}" + (f" {skipped}" if skipped else "") + "; " + _cache_use(stats, encoder))
     for key in args.json_keys:
         print(f"  wrote {describe_output(output_prefix(args.output_prefix, key))} and .prov.npz")
     if rejects_path:

@@ -1,0 +1,102 @@
+r"""Where a document may be cut for the exact chunk cache (tools/_encoder.py), per pre-tokenizer family.
+
+A cut is safe when it is a boundary of the tokenizer's own pre-tokenization on every text, and the pieces
+after it do not depend on the text before it: then a document's ids are the concatenation of its chunks'
+ids, each chunk encoded alone. The cuts are found with Python's `re` (fast), at places the tokenizer's
+rules make boundaries for a reason stated below; misses are encoded by the tokenizer itself, and the
+first documents of every process are checked against the plain encoder.
+
+- GPT-2 byte-level (`ByteLevel` with its built-in regex): see _encoder.py's docstring.
+- Regex `Split` + `ByteLevel(use_regex=False)` (Llama 3, Qwen2, GPT-4's cl100k): with the patterns in
+  SPLIT_PATTERNS every character is matched (no gaps) and the patterns only look ahead, so matching
+  resumes at a boundary as at a text's start. No alternative matches a non-whitespace character followed
+  by a space or tab, so a space or tab after one starts a piece. Inside a whitespace run, `\s*[\r\n]+`
+  (tried before the `\s+` alternatives) ends a piece at the run's LAST line break, and a punctuation piece
+  takes only line breaks: a space or tab after the last line break starts a piece. A run of spaces or tabs
+  before a non-whitespace character gives all but its last character to `\s+(?!\S)`: its last one starts
+  a piece.
+- `Metaspace` (Llama 2, Mistral; `split` true or false): spaces become "▁" and, with `split` false, the
+  whole text is one piece for the model. When no vocabulary entry holds "▁" after its first character, no
+  BPE merge (each merge yields a vocabulary entry) crosses the position before a "▁", and the merges on
+  either side never interact, so cutting before every space is exact. A chunk starting with a space gets
+  no second "▁" prepended, and a document's first chunk gets the one the document gets.
+
+Documents holding whitespace that Python's `re` and the tokenizer's regex engine may classify differently
+(OTHER_SPACES in _encoder.py) go to the plain encoder.
+"""
+import re
+
+# Python's `\s` and Oniguruma's `\s` agree on these four; other characters that Python calls
+# whitespace (str.isspace) send the document to the plain encoder.
+SAFE_SPACES = " \t\n\r"
+OTHER_SPACES = ("\x0b\x0c\x1c\x1d\x1e\x1f\x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006"
+                "\u2007\u2008\u2009\u200a\u2028\u2029\u202f\u205f\u3000")
+# GPT-2: more exact cuts, from the same regex: a whitespace run W before a non-space splits into the
+# pieces W[:-1] and W[-1] + what follows (`\s+(?!\S)` backs off one character); an ASCII letter or
+# digit followed by ASCII punctuation ends a piece. Cutting there keeps indentation and
+# identifiers' surroundings out of the chunks, so far fewer distinct chunks need encoding.
+_PUNCT = "!-/:-@\\[-`{-~"
+_GPT2_CHUNK_RE = re.compile(
+    r"[ \t\n\r]+(?=[ \t\n\r][^ \t\n\r])|[ \t\n\r]+\Z"
+    r"|[ \t\n\r]?(?=[^ \t\n\r])(?:[^ \t\n\rA-Za-z0-9]++|[A-Za-z0-9]++(?![" + _PUNCT + r"]))*+[A-Za-z0-9]*+")
+# The Split patterns of Llama 3 (= GPT-4's cl100k) and Qwen2 tokenizer.json files.
+SPLIT_PATTERNS = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+",
+)
+# Cuts for SPLIT_PATTERNS: before a space or tab that follows a non-whitespace character; after the last
+# line break of a whitespace run (a space or tab run followed by a line break stays in its chunk); before
+# the last space or tab of a run followed by a non-whitespace character (`\s+(?!\S)` leaves it to the next
+# piece); and where an ASCII letter or digit is followed by ASCII punctuation (no alternative holds one
+# after the other), which keeps identifiers out of the chunks of code.
+_SPLIT_CHUNK_RE = re.compile(
+    r"[ \t]+(?=[ \t][^ \t\n\r])"
+    r"|(?=[\s\S])[ \t]*+(?:[^ \t\n\rA-Za-z0-9]++|[\n\r]++|[ \t]++(?=[\n\r])|[A-Za-z0-9]++(?![" + _PUNCT + r"]))*+"
+    r"[A-Za-z0-9]*+")
+_SPACE_CHUNK_RE = re.compile(r" [^ ]*+|[^ ]++")  # a chunk before every space
+
+
+class CutRule:
+    """How documents of one pre-tokenizer family are cut into chunks; `alone(chunk)`: the chunk must be encoded
+    as a text of its own (a Metaspace chunk without a leading space gets the "▁" a text's start gets), the
+    others may be encoded as the words of a pre-tokenized batch."""
+
+    def __init__(self, name, split, alone=lambda chunk: False):
+        self.name, self.split, self.alone = name, split, alone
+
+
+GPT2 = CutRule("GPT-2 byte-level", _GPT2_CHUNK_RE.findall)
+SPLIT = CutRule("regex Split + ByteLevel", _SPLIT_CHUNK_RE.findall)
+METASPACE = CutRule("Metaspace", _SPACE_CHUNK_RE.findall, lambda c: c[0] != " ")
+
+
+def _byte_level(pre, use_regex):
+    return (pre.get("type") == "ByteLevel" and not pre.get("add_prefix_space")
+            and bool(pre.get("use_regex", True)) == use_regex)
+
+
+def cut_rule(config, vocab):
+    """(the CutRule for this tokenizer.json config, None) or (None, why the cache would not be exact)."""
+    pre = config.get("pre_tokenizer") or {}
+    model = config.get("model") or {}
+    if model.get("dropout"):
+        return None, "BPE dropout makes encoding random"
+    if _byte_level(pre, use_regex=True):
+        return GPT2, None
+    steps = pre.get("pretokenizers") if pre.get("type") == "Sequence" else None
+    if steps and len(steps) == 2 and steps[0].get("type") == "Split" and _byte_level(steps[1], use_regex=False):
+        split = steps[0]
+        pattern = (split.get("pattern") or {}).get("Regex")
+        if pattern in SPLIT_PATTERNS and split.get("behavior") == "Isolated" and not split.get("invert"):
+            return SPLIT, None
+        return None, "pre-tokenizer Split with a regex whose boundaries are not proven here"
+    if pre.get("type") == "Metaspace":
+        if config.get("normalizer") is not None:
+            return None, "Metaspace after a normalizer (it may prepend or replace across chunks)"
+        mark = pre.get("replacement", "\u2581")
+        if pre.get("replacement") != "\u2581" or any(mark in token[1:] for token in vocab):
+            return None, "Metaspace vocabulary holds '\u2581' inside tokens (merges may cross spaces)"
+        return METASPACE, None
+    return None, f"pre-tokenizer {pre.get('type')} (the cache knows GPT-2 ByteLevel, Llama-3-style Split, Metaspace)"
