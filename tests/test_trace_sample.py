@@ -37,6 +37,12 @@ def test_a_sample_is_traced_to_its_raw_line_and_text(tmp_path):
         if len(s["pieces"]) == 1:  # inside one document: the decoded sample is a slice of the raw text
             assert s["text"] in json.loads(raw[s["pieces"][0]["line"] - 1])["text"]
     assert any(len(s["pieces"]) == 1 for s in samples)
+    ramped = tmp_path / "ramped"
+    ramped.mkdir()
+    cfg.train.batch_size_ramp = [2, 2, 24]  # batches 2, 2, 2, 2, then 4: step 5 reads samples 8-11
+    save_config(cfg, ramped / "config.yaml")
+    done = run("tools/trace_sample.py", "--run-dir", ramped, "--step", "5", "--json")
+    assert [json.loads(line)["sample"] for line in done.stdout.splitlines()] == [8, 9, 10, 11]
     readable = run("tools/trace_sample.py", "--run-dir", tmp_path / "run", "--sample", "3").stdout
     assert readable.startswith("sample 3 (33 tokens)") and "line" in readable and "as trained:" in readable
     missing = run("tools/trace_sample.py", "--run-dir", tmp_path / "nowhere", "--sample", "1", check=False)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine.batch_ramp import samples_after  # noqa: E402
 from engine.config import ConfigError, load_config  # noqa: E402
 from engine.train import build_split_datasets  # noqa: E402
 from tools._corpus_io import iter_records, parse_record  # noqa: E402
@@ -96,10 +97,11 @@ def main(argv=None) -> int:
         raise SystemExit(f"trace_sample: {exc} (the run directory's config.yaml is written when a run starts)")
     if cfg.data.mock:
         raise SystemExit(f"trace_sample: {config} trains on synthetic tokens (data.mock=true): nothing to trace")
-    g = cfg.train.global_batch_size
     if args.step is not None and args.step < 1:
         raise SystemExit(f"trace_sample: --step {args.step} must be at least 1")
-    indices = args.sample if args.sample is not None else range((args.step - 1) * g, args.step * g)
+    # a step's samples, also while train.batch_size_ramp grows the batch
+    indices = args.sample if args.sample is not None else range(samples_after(cfg.train, args.step - 1),
+                                                                samples_after(cfg.train, args.step))
     try:
         dataset = build_split_datasets(cfg)["train"]
     except ConfigError as exc:
