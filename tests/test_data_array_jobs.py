@@ -132,3 +132,22 @@ def test_changed_input_reruns_its_task_and_merge_names_missing_ones(tmp_path, to
     with pytest.raises(SystemExit):
         curate_data.main(curate_args(paths, out, "--num-shards", "2", "--shard-index", "2"))
     assert "outside 0..1" in capsys.readouterr().err
+
+
+def test_local_driver_runs_the_tasks_as_processes_then_the_merge(tmp_path):
+    """launch/run_data_job.sh --local: the same tasks and merge as on SLURM, as processes here."""
+    import subprocess
+    import sys
+    driver = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch", "run_data_job.sh")
+    paths = planted_corpus(str(tmp_path), files=2)
+    single = curate_data.main(curate_args(paths, str(tmp_path / "one.jsonl"), "--no-dedup"))
+    env = dict(os.environ, TRILITH_PYTHON=sys.executable)
+    done = subprocess.run(["bash", driver, "--tasks", "3", "--local", "curate",
+                           *curate_args(paths, str(tmp_path / "three.jsonl"), "--no-dedup")],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert read(tmp_path / "three.jsonl") == read(tmp_path / "one.jsonl")
+    assert read(tmp_path / "three.rejects.jsonl") == read(single["rejects"])
+    bad = subprocess.run(["bash", driver, "--tasks", "0", "curate"],
+                         capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and "--tasks needs a positive number" in bad.stderr
