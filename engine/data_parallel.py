@@ -5,13 +5,15 @@ from __future__ import annotations
 import torch
 
 from engine.config import Config
+from engine.interfaces import DataParallel, Optimizer
 from engine.optimizer import MixedPrecisionAdamW
 from engine.zero_optimizer import ZeroAdamW
 from parallel.ddp import BucketedDDP
 from parallel.fsdp import ShardedDataParallel
 
 
-def build_data_parallel(cfg: Config, topo, tp, chunks: list, named_params: list, dtype: torch.dtype):
+def build_data_parallel(cfg: Config, topo, tp, chunks: list, named_params: list,
+                        dtype: torch.dtype) -> tuple[DataParallel, Optimizer]:
     """(gradient synchroniser, optimizer) for `parallel.zero_stage`: bucketed DDP + replicated AdamW for
     stage 0, sharded units + ZeroAdamW for stages 1-3."""
     p = cfg.parallel

@@ -7,7 +7,6 @@ batch, accumulates over its micro-batches, synchronises gradients and takes one 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import math
 import os
@@ -19,12 +18,13 @@ import torch
 
 from data.documents import document_ids, loss_mask, positions_within_documents
 from data.eod import eod_id_from_tokenizer
+from engine import replica_check
 from engine.checkpoint import Checkpointer
 from engine.checkpoint_io import CheckpointError
 from engine.config import Config, ConfigError, data_parallel_size, load_config, save_config, validate
+from engine.data_parallel import build_data_parallel
 from engine.diary import Diary
 from engine.evaluation_tasks import InRunTasks
-from engine.data_parallel import build_data_parallel
 from engine.health import HealthMonitor
 from engine.hf_checkpoint import fill_model_from_hf
 from engine.light_snapshot import LightSnapshots
@@ -37,11 +37,14 @@ from engine.mock_data import MockBatchLoader
 from engine.model import CausalLM, num_parameters
 from engine.monitor import NonFiniteTraining, TrainingMonitor
 from engine.profiling import StepProfiler
+from engine.recompute_switch import RecomputeSwitch
+from engine.replica_check import ReplicaMismatch
 from engine.rollback import LossGuard
 from engine.run_lock import hold_run_dir
 from engine.stop import StopControl, StopRun, exit_status, final_failure
 from engine.stragglers import StepTimer
 from engine.trackers import Trackers
+from engine.validation import evaluation_due, validation_loss
 from parallel import comm, heartbeat
 from parallel.distributed import DistEnv, describe_failure, init_distributed, shutdown, world_group
 from parallel.micro_batch import MicroBatch
@@ -50,7 +53,6 @@ from parallel.pipeline_schedules import (forward_backward_no_pipeline, forward_b
                                          forward_only_no_pipeline, forward_only_pipeline)
 from parallel.placement import describe_placement, placement_warnings
 from parallel.random import seed_all
-from parallel.replicas import differing
 from parallel.stage_layers import chunk_roles, stage_layer_ids
 from parallel.tensor import TensorParallel
 from parallel.topology import Layout, Topology
@@ -101,12 +103,14 @@ def build_dataset_validation_sets(cfg: Config) -> dict:
 
 
 def build_loader(cfg: Config, topo: Topology, consumed_samples: int, datasets: dict | None = None,
-                 split: str = "train"):
-    """This rank's loader of `split`, starting at global sample `consumed_samples`."""
+                 split: str = "train", micro_batch_size: int = 0):
+    """This rank's loader of `split`, starting at global sample `consumed_samples`, in micro-batches of
+    `micro_batch_size` (0: train.micro_batch_size; it changes at train.recompute_switch_step)."""
     t = cfg.train
+    micro = micro_batch_size or t.micro_batch_size
     if cfg.data.mock:  # held-out synthetic samples: the same rule from other starting points (another seed)
         seed = t.seed if split == "train" else t.seed + 1
-        return MockBatchLoader(cfg.model.vocab_size, cfg.model.seq_length, t.micro_batch_size,
+        return MockBatchLoader(cfg.model.vocab_size, cfg.model.seq_length, micro,
                                global_batch(t) if split == "train" else t.global_batch_size,
                                topo.dp_rank, topo.dp_size, consumed_samples, seed=seed)
     from data.loader import DistributedBatchLoader
@@ -115,7 +119,7 @@ def build_loader(cfg: Config, topo: Topology, consumed_samples: int, datasets: d
         raise ConfigError(f"data.split={cfg.data.split!r} leaves no documents for the {split} split of data.paths; "
                           f"give it a share (e.g. \"98,2,0\")" + (" or set train.eval_interval=0"
                                                                   if split == "valid" else ""))
-    return DistributedBatchLoader(datasets[split], t.micro_batch_size,
+    return DistributedBatchLoader(datasets[split], micro,
                                   global_batch(t) if split == "train" else t.global_batch_size, topo.dp_rank,
                                   topo.dp_size, consumed_samples=consumed_samples, seed=t.seed,
                                   prefetch=2 if split == "train" else 0)
@@ -147,10 +151,6 @@ def build_model_chunks(cfg: Config, topo: Topology, tp: TensorParallel) -> list[
     return chunks
 
 
-class ReplicaMismatch(RuntimeError):
-    """Parameters that ranks hold in copies differ between them; the message names them and the fix."""
-
-
 class Trainer:
     def __init__(self, cfg: Config, env: DistEnv):
         fill_model_from_hf(cfg)  # checkpoint.load names a Hugging Face directory: its architecture
@@ -176,6 +176,7 @@ class Trainer:
         resumed = self.checkpointer.resume()
         self.step = resumed["step"] if resumed else 0
         heartbeat.set_step(self.step)
+        self.recompute_switch = RecomputeSwitch.of(cfg.train)
         self.micro_batch_size = cfg.train.micro_batch_size
         cfg, self.local_cache = localize_data(cfg, env)  # data.local_cache_dir: read this node's copy of the shards
         self.cfg = cfg
@@ -204,40 +205,12 @@ class Trainer:
                                                cfg.model.hidden_size, cfg.model.seq_length)
         self.check_replicas()  # the seed (or the checkpoint just loaded) gave every copy the same values
 
-    def replica_sets(self) -> list:
-        """(what, group, [(name, tensor)]) for each kind of copy this rank holds: parameters kept whole on
-        every tensor-parallel rank (tp_dim None), and data-parallel copies: every parameter below ZeRO-3,
-        the shards across HSDP replicas at ZeRO-3 (where the TP check compares shard slices)."""
-        whole_on_tp = {id(p) for _, p in self.named_params if getattr(p, "tp_dim", None) is None}
-        if self.cfg.parallel.zero_stage == 3:
-            pieces = [(f"{r.name}[{r.param_start}:{r.param_end}]", unit.param_shard[r.shard_start:r.shard_end],
-                       r.param) for unit in self.data_parallel.units for r in unit.shard_ranges]
-            tp_named = [(n, t) for n, t, p in pieces if id(p) in whole_on_tp]
-            return [("tensor-parallel", self.topo.tp_group, tp_named),
-                    ("HSDP replica", self.data_parallel.replicate_group, [(n, t) for n, t, _ in pieces])]
-        tp_named = [(n, p) for n, p in self.named_params if id(p) in whole_on_tp]
-        return [("tensor-parallel", self.topo.tp_group, tp_named),
-                ("data-parallel", self.topo.dp_group, self.named_params)]
-
     def check_replicas(self) -> None:
         """Stop every rank if a replicated parameter's bits differ between the ranks that hold it."""
-        if self.env.world_size == 1:
-            return
-        found = []
-        for what, group, named in self.replica_sets():
-            names = differing(named, group)
-            if names:
-                found.append(f"{what} copies differ in {len(names)} parameter(s): {', '.join(names[:3])}"
-                             f"{' …' if len(names) > 3 else ''}")
-        count = torch.tensor([len(found)], device=self.env.device)
-        comm.all_reduce(count, world_group())  # all ranks stop together, not only those that saw it
-        if not int(count.item()):
-            return
-        where = "; ".join(found) or "copies differ on other ranks (their messages name the parameters)"
-        raise ReplicaMismatch(f"step {self.step}, rank {self.env.rank}: {where}. A rank computed a different "
-                              f"update (a non-deterministic kernel, a faulty GPU or host) or loaded a damaged "
-                              f"checkpoint shard; resume from an earlier checkpoint, and exclude the node if it "
-                              f"happens again")
+        if self.env.world_size > 1:
+            sets = replica_check.replica_sets(self.named_params, self.data_parallel, self.topo,
+                                              self.cfg.parallel.zero_stage)
+            replica_check.check_replicas(sets, self.step, self.env.rank, self.env.device)
 
     @property
     def consumed_samples(self) -> int:
@@ -275,47 +248,26 @@ class Trainer:
                               f"data.paths is damaged: regenerate it with tools/preprocess_data.py")
 
     def apply_recompute_switch(self) -> None:
-        """Recompute mode and micro batch for the coming step: train.recompute before
-        train.recompute_switch_step, the *_after_switch values from it on (idempotent, so resuming works)."""
-        t = self.cfg.train
-        switched = 0 < t.recompute_switch_step <= self.step + 1
+        """Recompute mode and micro batch for the coming step (train.recompute_switch_step)."""
+        mode, micro = self.recompute_switch.at(self.step + 1)
         for chunk in self.chunks:
-            chunk.set_recompute(t.recompute_after_switch if switched else t.recompute)
-        micro = t.micro_batch_size_after_switch if switched and t.micro_batch_size_after_switch else t.micro_batch_size
+            chunk.set_recompute(mode)
         if micro != self.micro_batch_size:
             # Same global batch and data order, fewer and larger micro-batches: the gradient is unchanged.
             self.micro_batch_size = micro
             self.loader.close()  # its prefetch thread would otherwise keep running, holding batches
-            self.loader = build_loader(self._loader_config(), self.topo, self.consumed_samples, self.datasets)
+            self.loader = build_loader(self.cfg, self.topo, self.consumed_samples, self.datasets,
+                                       micro_batch_size=micro)
             if self.pipe is not None:  # the stages exchange activations of the new micro-batch shape
-                self.pipe = PipelineComm.for_model(self.topo, self.cfg.model, micro, self.cfg.parallel.sequence_parallel,
-                                                   self.dtype, self.env.device)
-
-    def _loader_config(self) -> Config:
-        """The configuration with the micro batch in use now (it changes at train.recompute_switch_step)."""
-        return dataclasses.replace(self.cfg, train=dataclasses.replace(self.cfg.train,
-                                                                       micro_batch_size=self.micro_batch_size))
+                self.pipe = PipelineComm.for_model(self.topo, self.cfg.model, micro,
+                                                   self.cfg.parallel.sequence_parallel, self.dtype, self.env.device)
 
     def evaluate(self, datasets: dict | None = None) -> float:
-        """Mean loss over the first train.eval_iters global batches of the validation split (of `datasets`,
-        by default the run's): the same samples at every evaluation, dropout off, no gradients, any layout."""
-        loader = build_loader(self._loader_config(), self.topo, 0, datasets or self.datasets, split="valid")
-        for chunk in self.chunks:
-            chunk.eval()
-        total = 0.0
-        for _ in range(self.cfg.train.eval_iters):
-            micro_batches = [self.micro_batch(mb.to(self.env.device)) for mb in loader.next_global_batch()]
-            if self.pipe is None:
-                loss = forward_only_no_pipeline(self.chunks[0], micro_batches)
-            else:
-                loss = forward_only_pipeline(self.chunks, micro_batches, self.pipe)
-            comm.all_reduce(loss, self.topo.dp_group)
-            total += loss.item() / self.topo.dp_size
-        return total / self.cfg.train.eval_iters
-
-    def _evaluation_due(self) -> bool:
-        interval = self.cfg.train.eval_interval
-        return interval > 0 and (self.step % interval == 0 or self.step == self.cfg.train.steps)
+        """Validation loss on the run's validation split, or on that of `datasets` (engine/validation.py)."""
+        loader = build_loader(self.cfg, self.topo, 0, datasets or self.datasets, split="valid",
+                              micro_batch_size=self.micro_batch_size)
+        return validation_loss(self.chunks, self.pipe, loader, self.cfg.train.eval_iters, self.micro_batch, self.topo,
+                               self.env.device)
 
     def train_step(self) -> dict:
         start = time.perf_counter()
@@ -467,7 +419,7 @@ class Trainer:
                 interval = self.cfg.run.replica_check_interval
                 if interval and self.step % interval == 0:
                     self.check_replicas()
-                evaluated = self._evaluation_due()
+                evaluated = evaluation_due(self.step, self.cfg.train)
                 if evaluated:
                     if self.stages:  # validation follows the stage that trained this step
                         self.datasets, self.validation_sets = (self.stages.datasets(self.step),

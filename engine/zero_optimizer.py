@@ -69,7 +69,7 @@ class ZeroAdamW:
         self.sdp.write_shards(self.master)
         return norm, False
 
-    # -- checkpoint interface (ckpt_interface.md) --------------------------------------------------
+    # -- checkpoint interface (engine/interfaces.Optimizer) --------------------------------------------------
     def owned_state(self) -> dict:
         out = {}
         for unit, master, m, v in zip(self.sdp.units, self.master, self.exp_avg, self.exp_avg_sq):
