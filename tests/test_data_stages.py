@@ -9,7 +9,7 @@ from engine.config import ConfigError, load_config, validate
 from engine.data_stages import DataStages
 from engine.train import build_split_datasets
 from tests.test_batch_ramp import run
-from tests.test_train import TINY
+from tests.test_train import TINY, launch
 
 BASES = {"web": 0, "code": 100, "math": 200}  # each dataset's tokens lie in [base, base + 50)
 
@@ -105,3 +105,18 @@ def test_missing_stage_shard_names_the_stage(corpora, tmp_path):
     cfg = config(corpora, f"data.stages=[{{until_step: 6, paths: [{tmp_path / 'gone'}]}}]")
     with pytest.raises(ConfigError, match=r"data.stages\[0\].paths: .*gone"):
         DataStages(cfg)
+
+
+def test_two_data_parallel_ranks_resume_stages_and_ramp_exactly(corpora, tmp_path):
+    """DP=2 ranks, stages switching where the ramp reaches the full batch (step 4: batches 4, 4, 4, 4, then 8):
+    stopped there and resumed equals the straight run, which follows the single process."""
+    overrides = ["data.mock=false", "data.split=80,20,0", "train.steps=8", "train.batch_size_ramp=[4, 4, 16]",
+                 stages_override(corpora, first=4, steps=8)]
+    straight = launch(tmp_path / "straight", *overrides, nproc=2)
+    launch(tmp_path / "resumed", *overrides, "checkpoint.exit_after=4", nproc=2)
+    resumed = launch(tmp_path / "resumed", *overrides, nproc=2)
+    assert [r["global_batch_size"] for r in straight] == [4] * 4 + [8] * 4
+    assert [r["step"] for r in resumed] == list(range(1, 9))
+    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(resumed, straight)) <= 1e-5
+    single = run(tmp_path / "single", 8, overrides)
+    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(single, straight)) <= 1e-4
