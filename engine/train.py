@@ -41,6 +41,7 @@ from engine.recompute_switch import RecomputeSwitch
 from engine.replica_check import ReplicaMismatch
 from engine.rollback import LossGuard
 from engine.run_lock import hold_run_dir
+from engine.step_probes import StepProbes
 from engine.stop import StopControl, StopRun, exit_status, final_failure
 from engine.stragglers import StepTimer
 from engine.trackers import Trackers
@@ -49,8 +50,7 @@ from parallel import comm, heartbeat
 from parallel.distributed import DistEnv, describe_failure, init_distributed, shutdown, world_group
 from parallel.micro_batch import MicroBatch
 from parallel.p2p import PipelineComm
-from parallel.pipeline_schedules import (forward_backward_no_pipeline, forward_backward_pipeline,
-                                         forward_only_no_pipeline, forward_only_pipeline)
+from parallel.pipeline_schedules import forward_backward_no_pipeline, forward_backward_pipeline
 from parallel.placement import describe_placement, placement_warnings
 from parallel.random import seed_all
 from parallel.stage_layers import chunk_roles, stage_layer_ids
@@ -193,6 +193,8 @@ class Trainer:
         self.eod_id = resolve_eod_id(cfg)
         self.last_save_time = time.monotonic()  # checkpoint.interval_minutes counts from the start or last save
         self.monitor = TrainingMonitor(cfg, Path(cfg.run.dir), env.rank, self.topo.dp_size, log.warning)
+        self.probes = StepProbes(self.monitor, self.chunks, cfg.model.num_layers, self.topo.tp_rank, env.device,
+                                 self.micro_batch)
         self.profiler = StepProfiler(cfg.run, env.rank, env.device, log.info)  # run.profile_steps
         self.step_timer = StepTimer(cfg.run, env.rank, env.world_size, env.device, env.nodes,
                                     log.warning)  # run.timing_interval: stragglers
@@ -230,6 +232,8 @@ class Trainer:
     def forward_backward(self, micro_batches: list) -> torch.Tensor:
         """Gradients of the step's mean loss; returns each micro-batch's loss [m] (on every pipeline stage).
         `micro_batches`: token tensors [b, s + 1] of this rank's share of the global batch."""
+        for chunk in self.chunks:
+            chunk.train()
         micro_batches = [self.micro_batch(tokens) for tokens in micro_batches]
         if self.pipe is None:
             return forward_backward_no_pipeline(self.chunks[0], micro_batches, self.optimizer.scaler.scale)
@@ -270,85 +274,65 @@ class Trainer:
                                self.env.device)
 
     def train_step(self) -> dict:
+        """One optimizer step on the next global batch; returns the step's record for metrics.jsonl."""
         start = time.perf_counter()
         self.profiler.step_begins(self.step + 1)
         self.step_timer.step_begins(self.step + 1)
         self.apply_recompute_switch()
-        for chunk in self.chunks:
-            chunk.train()
         window_start = self.consumed_samples
-        data_start = time.perf_counter()  # the loader prefetches: this is the time training waited for data
-        with comm.named_range("data wait"):
-            micro_batches = [mb.to(self.env.device, non_blocking=True) for mb in self.loader.next_global_batch()]
-        data_wait = time.perf_counter() - data_start
-        self._check_token_ids(micro_batches)
+        micro_batches, data_wait = self.next_micro_batches()
         self.data_parallel.start_step(len(micro_batches))  # gradients are reduced on the last micro-batch
         micro_losses = self.forward_backward(micro_batches)
         self.data_parallel.finish_gradients()
-        head_sums = None
-        if self.monitor.probe_due(self.step + 1):  # before the optimizer consumes the gradients
-            head_sums = self.monitor.head_gradient_sums(self.data_parallel.owned_gradients(), self.topo.tp_rank,
-                                                        self.env.device)
-            comm.all_reduce(head_sums, world_group())
+        self.probes.gradients(self.step + 1, self.data_parallel)  # before the optimizer consumes them
         lr = lr_at(*lr_position(self.cfg.train, self.step, self.consumed_samples), self.cfg.optim)
         with self.step_timer.optimizer():
             grad_norm, skipped = self.optimizer.step(lr)
             self.optimizer.zero_grad()
-        # Every rank's micro-batch losses (one small all-reduce, as for the mean alone): NaNs traced by rank.
-        losses_by_rank = torch.zeros(self.topo.dp_size, len(micro_losses), device=micro_losses.device)
-        losses_by_rank[self.topo.dp_rank] = micro_losses
-        comm.all_reduce(losses_by_rank, self.topo.dp_group)
-        loss = losses_by_rank.mean().item()
+        losses_by_rank = self.losses_by_rank(micro_losses)
         self.step += 1
         heartbeat.set_step(self.step)
         elapsed = time.perf_counter() - start
+        record = self.step_record(losses_by_rank, lr, grad_norm, skipped, elapsed, data_wait)
+        record.update(self.probes.readings(self.step, record, losses_by_rank, window_start, self.micro_batch_size,
+                                           self.describe_sample, micro_batches[0], self.pipe))
+        record.update(self.loss_guard.observe(self.step, record["loss"], "nonfinite_samples" in record,
+                                              losses_by_rank, window_start, self.micro_batch_size,
+                                              self.describe_sample))
+        record.update(self.step_timer.step_ends(self.step, elapsed, data_wait))
+        self.profiler.step_ends(self.step)
+        return record
+
+    def next_micro_batches(self) -> tuple[list, float]:
+        """This rank's micro-batches of the next global batch, checked, and the seconds training waited for them
+        (the loader prefetches)."""
+        start = time.perf_counter()
+        with comm.named_range("data wait"):
+            micro_batches = [mb.to(self.env.device, non_blocking=True) for mb in self.loader.next_global_batch()]
+        waited = time.perf_counter() - start
+        self._check_token_ids(micro_batches)
+        return micro_batches, waited
+
+    def losses_by_rank(self, micro_losses: torch.Tensor) -> torch.Tensor:
+        """[dp, m]: every data-parallel rank's micro-batch losses, so that a non-finite loss is traced to its rank
+        and samples (one small all-reduce, as for the mean alone)."""
+        out = torch.zeros(self.topo.dp_size, len(micro_losses), device=micro_losses.device)
+        out[self.topo.dp_rank] = micro_losses
+        comm.all_reduce(out, self.topo.dp_group)
+        return out
+
+    def step_record(self, losses_by_rank: torch.Tensor, lr: float, grad_norm: float, skipped: bool, elapsed: float,
+                    data_wait: float) -> dict:
+        """The step's loss, optimizer and throughput readings."""
         tokens = self.loader.global_batch_size * self.cfg.model.seq_length  # this step's (train.batch_size_ramp)
-        record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": skipped,
-                  "loss_scale": self.optimizer.scaler.scale, "tokens_per_s": tokens / elapsed,
+        record = {"step": self.step, "loss": losses_by_rank.mean().item(), "lr": lr, "grad_norm": grad_norm,
+                  "skipped": skipped, "loss_scale": self.optimizer.scaler.scale, "tokens_per_s": tokens / elapsed,
                   "consumed_samples": self.consumed_samples, "global_batch_size": self.loader.global_batch_size,
                   "consumed_tokens": self.consumed_samples * self.cfg.model.seq_length,
                   "step_time_s": elapsed, "data_wait_s": data_wait, "peak_memory_gb": peak_memory_gb(self.env.device)}
         if self.env.device.type == "cuda":
             record["mfu"] = tokens * self.flops_per_token / elapsed / (H100_BF16_PEAK_FLOPS * self.env.world_size)
-        self._monitor(record, losses_by_rank, window_start, micro_batches[0])
-        if head_sums is not None:
-            record["head_grad_variance_ratio"] = self.monitor.head_variance_ratios(self.step, head_sums)
-        record.update(self.step_timer.step_ends(self.step, elapsed, data_wait))
-        self.profiler.step_ends(self.step)
         return record
-
-    def _monitor(self, record: dict, losses_by_rank, window_start: int, first_micro_batch) -> None:
-        """Add the training-health readings of engine/monitor.py to the step's record."""
-        if self.monitor.grad_norm_alarm(self.step, record["grad_norm"]):
-            record["grad_norm_alarm"] = True
-        bad = self.monitor.nonfinite(self.step, losses_by_rank, record["grad_norm"], window_start,
-                                     self.micro_batch_size, self.describe_sample)
-        if bad:
-            record["nonfinite_samples"] = bad
-        record.update(self.loss_guard.observe(self.step, record["loss"], bool(bad), losses_by_rank, window_start,
-                                              self.micro_batch_size, self.describe_sample))
-        record.update(self.monitor.memory(self.step, self.env.device))
-        if self.monitor.probe_due(self.step):
-            record["attention_entropy"] = self.monitor.attention_entropy(
-                self.step, self.attention_entropy_sums(first_micro_batch))
-
-    def attention_entropy_sums(self, tokens: torch.Tensor) -> torch.Tensor:
-        """[2, num_layers]: attention entropy sums and counts of a no-gradient forward of `tokens`, summed over
-        every rank (heads over TP, layers over PP, samples over DP)."""
-        for chunk in self.chunks:
-            chunk.eval()
-            chunk.capture_attention_entropy(True)
-        if self.pipe is None:
-            forward_only_no_pipeline(self.chunks[0], [self.micro_batch(tokens)])
-        else:
-            forward_only_pipeline(self.chunks, [self.micro_batch(tokens)], self.pipe)
-        sums = torch.zeros(2, self.cfg.model.num_layers, dtype=torch.float64, device=self.env.device)
-        for chunk in self.chunks:
-            for layer, (entropy, count) in chunk.attention_entropy_sums().items():
-                sums[0, layer], sums[1, layer] = entropy, count
-            chunk.capture_attention_entropy(False)
-        comm.all_reduce(sums, world_group())
-        return sums
 
     def describe_sample(self, index: int) -> dict:
         """Global training sample `index`: its tokens and, for real data, where each piece comes from."""
