@@ -120,3 +120,20 @@ def test_two_data_parallel_ranks_resume_stages_and_ramp_exactly(corpora, tmp_pat
     assert max(abs(a["loss"] - b["loss"]) for a, b in zip(resumed, straight)) <= 1e-5
     single = run(tmp_path / "single", 8, overrides)
     assert max(abs(a["loss"] - b["loss"]) for a, b in zip(single, straight)) <= 1e-4
+
+
+def test_training_evaluates_on_the_stage_it_trained(corpora, tmp_path):
+    from engine.metrics import MetricsLog
+    from engine.train import Trainer
+    from parallel.distributed import DistEnv
+    cfg = config(corpora, f"run.dir={tmp_path}", "train.eval_interval=3", "train.eval_per_dataset=true",
+                 "train.eval_iters=1")
+    trainer = Trainer(cfg, DistEnv())
+    metrics = MetricsLog(tmp_path, enabled=True, console=lambda line: None)
+    try:
+        records = trainer.train(metrics)
+    finally:
+        trainer.loader.close()
+        metrics.close()
+    evaluated = {r["step"]: r["eval_loss_by_dataset"] for r in records if "eval_loss" in r}
+    assert {step: list(losses) for step, losses in evaluated.items()} == {3: ["web", "code"], 6: ["code", "math"]}
