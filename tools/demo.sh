@@ -45,6 +45,15 @@ assert last["loss"] < first["loss"], "the demo's loss did not fall"
 evals = [r for r in rows if "eval_loss" in r]
 print("validation loss (held-out files): " + ", ".join(f"{r['eval_loss']:.3f} (step {r['step']})" for r in evals))
 assert evals and evals[-1]["eval_loss"] < evals[0]["eval_loss"], "the demo's validation loss did not fall"
+tasks = [r for r in rows if "python_syntax/acc" in r]
+print("task accuracy (launch/tasks/python_syntax.jsonl, 20 items): " + ", ".join(
+    f"acc {r['python_syntax/acc']:.2f} acc_norm {r['python_syntax/acc_norm']:.2f} (step {r['step']})" for r in tasks))
+assert tasks, "the demo logged no task accuracy"
+diary = [json.loads(l) for l in open("$OUT/run/diary.jsonl")]
+print("generation diary ($OUT/run/diary.jsonl), prompt 'def ':")
+for e in diary:
+    if e["prompt"] == "def ":
+        print(f"  step {e['step']:>4}: {(e['prompt'] + e['text'])[:70]!r}")
 import glob
 assert glob.glob("$OUT/run/tensorboard/events.out.tfevents.*"), "the demo wrote no TensorBoard events"
 PYEOF
@@ -56,5 +65,16 @@ echo "the run's first training sample, traced through cleaning back to the raw c
 step "7/7 export to Hugging Face and sample with transformers"
 "$PY" tools/ckpt_convert.py --to hf --load-dir $OUT/run/checkpoints --save-dir $OUT/hf
 "$PY" tools/hf_sample.py --model-dir $OUT/hf --prompt "def " --max-new-tokens 48
+echo "bits per byte of 10 corpus files (training text) for the checkpoint and for its Hugging Face export:"
+head -n 10 $OUT/clean.jsonl > $OUT/eval_docs.jsonl
+"$PY" tools/evaluate.py --model $OUT/run/checkpoints --data $OUT/eval_docs.jsonl --output $OUT/eval_checkpoint.json \
+  > /dev/null
+"$PY" tools/evaluate.py --model $OUT/hf --data $OUT/eval_docs.jsonl --output $OUT/eval_hf.json > /dev/null
+"$PY" - <<PYEOF
+import json
+for name in ("checkpoint", "hf"):
+    r = json.load(open(f"$OUT/eval_{name}.json"))["all"]
+    print(f"  {name}: loss {r['loss']:.4f}, bits/byte {r['bits_per_byte']:.4f} ({r['tokens']} tokens, {r['bytes']} bytes)")
+PYEOF
 echo "demo: run directory $OUT/run (config.yaml, metrics.jsonl, curves.png, tensorboard/, logs/, checkpoints/), Hugging Face model $OUT/hf"
 echo "      curves in TensorBoard: $PY -m tensorboard.main --logdir $OUT/run/tensorboard"

@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -104,7 +105,7 @@ def summarize(nats: float, tokens: int, n_bytes: int) -> dict:
             "tokens": tokens, "bytes": n_bytes, "nats": nats}
 
 
-def build(source: ModelSource, tensor: int, pipeline: int, rank: int, world: int, device, dtype):
+def build(source: ModelSource, tensor: int, pipeline: int, rank: int, world: int, device, dtype, batch: int):
     """(model chunks, Scorer) of this rank at the layout TP × PP × (world / TP·PP)."""
     from engine.config import Config, validate
     from engine.train import build_model_chunks
@@ -120,13 +121,13 @@ def build(source: ModelSource, tensor: int, pipeline: int, rank: int, world: int
     source.fill(chunks, topo.tp_size, topo.tp_rank)
     for chunk in chunks:
         chunk.to(device=device, dtype=dtype).eval()
-    pipe = PipelineComm.for_model(topo, cfg.model, 1, False, dtype, device) if pipeline > 1 else None
-    return Scorer(chunks, cfg.model.seq_length, device, pipe, topo.dp_group, topo.dp_rank, topo.dp_size)
+    pipe = PipelineComm.for_model(topo, cfg.model, batch, False, dtype, device) if pipeline > 1 else None
+    return Scorer(chunks, cfg.model.seq_length, device, pipe, topo.dp_group, topo.dp_rank, topo.dp_size, batch)
 
 
 def evaluate(model: str, data: list[str], tokenizer: str = "", tensor: int = 1, pipeline: int = 1, rank: int = 0,
              world: int = 1, device="cpu", dtype=torch.float32, text_key: str = "text", limit: int = 0,
-             progress: bool = False) -> dict:
+             batch: int = 8, progress: bool = False) -> dict:
     """{"model", "step", "datasets": {path: summary}, "all": summary}; the same on every rank."""
     source = ModelSource(model)
     try:
@@ -136,7 +137,7 @@ def evaluate(model: str, data: list[str], tokenizer: str = "", tensor: int = 1, 
                                   f"with one); pass --tokenizer with an end-of-document token")
         text = TextTokenizer(tokenizer or source.tokenizer, "--tokenizer") if (tokenizer or source.tokenizer) \
             else None
-        scorer = build(source, tensor, pipeline, rank, world, device, dtype)
+        scorer = build(source, tensor, pipeline, rank, world, device, dtype, batch)
     finally:
         source.close()
     out, total = {}, [0.0, 0, 0]
@@ -146,11 +147,10 @@ def evaluate(model: str, data: list[str], tokenizer: str = "", tensor: int = 1, 
             raise EvaluationError(f"--data {path} holds no documents")
         requests = [r for tokens, _ in docs for r in windows(tokens, eod, scorer.seq_length)]
         nats = 0.0
-        step = 64  # requests per progress update
-        from tqdm import tqdm
+        step = 8 * batch * scorer.dp_size  # windows per progress update
         with tqdm(total=len(requests), desc=Path(path).name, unit="window", disable=not progress) as bar:
             for start in range(0, len(requests), step):
-                nats += sum(scorer.nll_sums(requests[start:start + step]))
+                nats += scorer.total_nll(requests[start:start + step])
                 bar.update(len(requests[start:start + step]))
         tokens, n_bytes = sum(len(t) for t, _ in docs), sum(b for _, b in docs)
         out[path] = summarize(nats, tokens, n_bytes)
@@ -169,6 +169,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
     ap.add_argument("--limit", type=int, default=0, help="at most this many documents per dataset (0 = all)")
+    ap.add_argument("--batch", type=int, default=8, help="windows per forward (per data-parallel rank)")
     ap.add_argument("--output", default="", help="write the JSON result here too")
     args = ap.parse_args(argv)
     from parallel.distributed import init_distributed, shutdown
@@ -177,7 +178,7 @@ def main(argv=None) -> int:
     try:
         result = evaluate(args.model, args.data, args.tokenizer, args.tensor, args.pipeline, env.rank,
                           env.world_size, env.device, DTYPES[args.dtype], args.text_key, args.limit,
-                          progress=env.rank == 0)
+                          args.batch, progress=env.rank == 0)
         clean = True
     except (ValueError, CheckpointError) as exc:  # EvaluationError, ConfigError, a bad tokenizer file
         print(f"evaluate: {exc}", file=sys.stderr)
