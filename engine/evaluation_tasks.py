@@ -12,6 +12,7 @@ scores its `multiple_choice` tasks on a causal model:
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from engine.text_tokenizer import TextTokenizer
 from parallel.p2p import PipelineComm
 
 TARGET_DELIMITER = " "
+log = logging.getLogger("trilith")
 
 
 @dataclass
@@ -136,4 +138,6 @@ class InRunTasks:
                                           self.device) if t.pp_size > 1 else None
             self.scorer = Scorer(self.chunks, self.cfg.model.seq_length, self.device, pipe, t.dp_group, t.dp_rank,
                                  t.dp_size)
-        return self.suite.evaluate(self.scorer)
+        record = self.suite.evaluate(self.scorer)
+        log.info("tasks: " + ", ".join(f"{k} {v:.3f}" for k, v in record.items()))  # rank 0's log only
+        return record
