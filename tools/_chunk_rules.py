@@ -55,7 +55,9 @@ _SPLIT_CHUNK_RE = re.compile(
     r"[ \t]+(?=[ \t][^ \t\n\r])"
     r"|(?=[\s\S])[ \t]*+(?:[^ \t\n\rA-Za-z0-9]++|[\n\r]++|[ \t]++(?=[\n\r])|[A-Za-z0-9]++(?![" + _PUNCT + r"]))*+"
     r"[A-Za-z0-9]*+")
-_SPACE_CHUNK_RE = re.compile(r" [^ ]*+|[^ ]++")  # a chunk before every space
+# Metaspace: a run of spaces is one chunk but for its last space, which starts the next word's chunk (any
+# cut before a space is exact; these keep indentation out of the words' chunks).
+_SPACE_CHUNK_RE = re.compile(r" +(?= )| [^ ]*+|[^ ]++")
 
 
 class CutRule:

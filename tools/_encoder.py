@@ -31,7 +31,7 @@ import sys
 import numpy as np
 
 from data.eod import eod_id_from_tokenizer
-from tools._chunk_rules import OTHER_SPACES, SAFE_SPACES, cut_rule  # noqa: F401 (OTHER_SPACES: for tests)
+from tools._chunk_rules import OTHER_SPACES, SAFE_SPACES, cut_rule  # noqa: F401 (the spaces: re-exported)
 
 _OTHER_SPACE_RE = re.compile("[" + re.escape(OTHER_SPACES) + "]")
 # Misses are encoded in pre-tokenized inputs of about this many characters, as a batch.
