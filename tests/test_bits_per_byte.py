@@ -1,6 +1,9 @@
 """tools/evaluate.py: loss, perplexity and bits per byte, the same at every layout and for the HF export."""
 import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,7 +15,7 @@ from engine.metrics import MetricsLog
 from engine.text_tokenizer import TextTokenizer
 from engine.train import Trainer
 from parallel.distributed import DistEnv
-from tests.distributed import WorkerPool
+from tests.distributed import WorkerPool, free_port
 from tests.eval_fixtures import CORPUS, VOCAB, make_tokenizer, one_thread  # noqa: F401 (autouse fixture)
 from tools import ckpt_convert
 from tools import evaluate as evaluate_tool
@@ -133,3 +136,16 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     assert evaluate_tool.main(["--model", ckpt, "--data", write_jsonl(tmp_path / "ok.jsonl", DOCS[:2]),
                                "--output", str(out)]) == 0
     assert json.loads(out.read_text())["step"] == 1
+
+
+def test_command_line_under_torchrun_at_pp2_equals_one_process(tmp_path):
+    ckpt = train_and_save(tmp_path, 1)
+    data = write_jsonl(tmp_path / "docs.jsonl", DOCS)
+    torchrun = Path(sys.executable).parent / "torchrun"
+    run = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_port()),
+                          "tools/evaluate.py", "--model", ckpt, "--data", data, "--pipeline", "2", "--output",
+                          str(tmp_path / "pp2.json")], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads((tmp_path / "pp2.json").read_text())["all"]
+    want = evaluate_tool.evaluate(ckpt, [data])["all"]
+    assert abs(got["bits_per_byte"] - want["bits_per_byte"]) <= 1e-5 and got["tokens"] == want["tokens"]
