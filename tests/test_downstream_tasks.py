@@ -21,7 +21,7 @@ from engine.train import Trainer
 from parallel.distributed import DistEnv
 from tests.distributed import WorkerPool
 from tests.eval_fixtures import VOCAB, make_tokenizer, one_thread, write_task  # noqa: F401 (autouse fixture)
-from tools import ckpt_convert
+from tools import ckpt_convert, tasks_from_lm_eval
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = "launch/configs/tiny.yaml"
@@ -163,3 +163,15 @@ def test_scores_equal_lm_evaluation_harness_on_the_hf_export(tmp_path):
     mine = accuracy(items, ours)
     assert (result["acc,none"], result["acc_norm,none"]) == (mine["acc"], mine["acc_norm"])
     assert mine == {k.split("/")[1]: v for k, v in trainer.tasks.evaluate().items()}
+    # lm-eval's logged items convert back to the task file they came from
+    samples_file = next((tmp_path / "out").rglob("samples_tiny_mc_*.jsonl"))
+    assert tasks_from_lm_eval.main([str(samples_file), str(tmp_path / "converted.jsonl")]) == 0
+    assert load_task(tmp_path / "converted.jsonl") == items
+
+
+def test_converter_refuses_what_it_cannot_represent(tmp_path, capsys):
+    row = {"doc_id": 0, "target": "0", "arguments": {"gen_args_0": {"arg_0": "x", "arg_1": "a"},
+                                                      "gen_args_1": {"arg_0": "x", "arg_1": "b"}}}
+    (tmp_path / "s.jsonl").write_text(json.dumps(row) + "\n")
+    assert tasks_from_lm_eval.main([str(tmp_path / "s.jsonl"), str(tmp_path / "o.jsonl")]) == 1
+    assert "line 1: a continuation does not start with the target_delimiter" in capsys.readouterr().err
