@@ -13,6 +13,7 @@ used the chunk cache (the tool's own summary) are printed.
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -76,7 +77,8 @@ def read_texts(path, limit=None):
 
 
 def bench(corpus, tokenizer_path, eod_token, workers, tmp):
-    """(documents, tokens, plain seconds, Trilith seconds, identical, Trilith's cache report)."""
+    """(documents, tokens, plain seconds, Trilith seconds, identical, Trilith's cache report, plain CPU seconds,
+    Trilith CPU seconds: on a shared machine the CPU times say more than the wall times)."""
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(tokenizer_path)
     eod = tok.token_to_id(eod_token) if eod_token else None
@@ -85,19 +87,21 @@ def bench(corpus, tokenizer_path, eod_token, workers, tmp):
            "--output-prefix", prefix, "--tokenizer-model", tokenizer_path, "--workers", str(workers), "--quiet"]
     if eod is not None:
         cmd += ["--append-eod", "--eod-token", eod_token]
-    start = time.time()
+    start, cpu = time.time(), resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run(cmd, check=True, capture_output=True, text=True)
     trilith = time.time() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    trilith_cpu = after.ru_utime + after.ru_stime - cpu.ru_utime - cpu.ru_stime
     cache = done.stdout.split("; ")[-1].splitlines()[0]
     ds = IndexedDataset(prefix + "_text_document")
-    start = time.time()
+    start, cpu = time.time(), time.process_time()
     plain = [tok.encode(text).ids + ([eod] if eod is not None else []) for text in read_texts(corpus)]
-    baseline = time.time() - start
+    baseline, baseline_cpu = time.time() - start, time.process_time() - cpu
     identical = len(plain) == len(ds) and all(np.array_equal(ds[i], ids) for i, ids in enumerate(plain))
     for path in os.listdir(tmp):
         if path.startswith("bench"):
             os.remove(os.path.join(tmp, path))
-    return len(plain), sum(map(len, plain)), baseline, trilith, identical, cache
+    return len(plain), sum(map(len, plain)), baseline, trilith, identical, cache, baseline_cpu, trilith_cpu
 
 
 def main(argv=None):
@@ -120,10 +124,13 @@ def main(argv=None):
             runs.append((family, path, build_family(family, read_texts(args.input, args.train_docs),
                                                     args.vocab_size, path)))
         for name, path, eod in runs:
-            docs, tokens, baseline, trilith, identical, cache = bench(args.input, path, eod, args.workers, tmp)
-            print(f"{name}: {docs:,} documents, {tokens:,} tokens; plain per-document encode {baseline:.2f} s; "
-                  f"trilith preprocess ({args.workers} workers, whole process) {trilith:.2f} s; "
-                  f"speed-up {baseline / trilith:.2f}x; outputs identical: {identical}; {cache}", flush=True)
+            docs, tokens, baseline, trilith, identical, cache, baseline_cpu, trilith_cpu = bench(
+                args.input, path, eod, args.workers, tmp)
+            print(f"{name}: {docs:,} documents, {tokens:,} tokens; plain per-document encode {baseline:.2f} s "
+                  f"({baseline_cpu:.2f} s CPU); trilith preprocess ({args.workers} workers, whole process) "
+                  f"{trilith:.2f} s ({trilith_cpu:.2f} s CPU); speed-up {baseline / trilith:.2f}x "
+                  f"(CPU {baseline_cpu / max(trilith_cpu, 1e-9):.2f}x); outputs identical: {identical}; {cache}",
+                  flush=True)
             if not identical:
                 failed.append(name)
     if failed:
