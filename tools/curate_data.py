@@ -14,6 +14,10 @@ complete. Deduplication needs the whole corpus: the documents that pass the othe
 pending file beside the output, their MinHash signatures in another (512 bytes each), and about 60 bytes
 each in memory; once all are read, duplicates are found by sorting (tools/_dedup.py) and the pending file
 is written out without them.
+
+On a cluster: N array tasks (`--num-shards N`, the task's index from `--shard-index` or
+$SLURM_ARRAY_TASK_ID), then `--num-shards N --merge-shards`, which finds the duplicates across all tasks
+and writes what one process writes, byte for byte; launch/run_data_job.sh submits both (tools/_shards.py).
 """
 import argparse
 import collections

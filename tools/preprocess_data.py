@@ -18,6 +18,10 @@ reason and written to a rejects file (`--strict` stops at the first one). Output
 complete, with a provenance map (`.prov.npz`) from document index to source file and line: the raw
 file and line named by a record's `source_file`/`source_line` (as tools/curate_data.py writes them),
 else the input file's own.
+
+On a cluster: N array tasks (`--num-shards N`, the task's index from `--shard-index` or
+$SLURM_ARRAY_TASK_ID), then `--num-shards N --merge-shards`: the single-process dataset, byte for byte;
+launch/run_data_job.sh submits both (tools/_shards.py).
 """
 import argparse
 import collections
