@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from engine.checkpoint_io import (TMP_PREFIX, CheckpointError, apply_retention, commit, remove_stale_tmp,
-                                  set_latest, step_dir_name, write_json, write_safetensors)
+                                  set_latest, step_dir_name, step_dirs, write_json, write_safetensors)
 from engine.checkpoint_manifest import FORMAT, MANIFEST, METADATA, VERSION, load_json, merge_entries, rank_file, \
     tensor_entry
 from engine.config import to_dict
@@ -50,6 +50,10 @@ class LightSnapshots:
         if checkpointer.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             remove_stale_tmp(self.root)
+            found = step_dirs(self.root)
+            if found:
+                log.info(f"checkpoint: {len(found)} light snapshot(s) in {self.root} (newest {found[0].name}) are "
+                         f"weights only and never resumed from; resuming uses full checkpoints only")
 
     def due(self, step: int) -> bool:
         interval = self.ck.ck.light_interval

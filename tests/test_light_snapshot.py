@@ -58,12 +58,14 @@ def test_light_snapshot_equals_the_full_checkpoint_of_its_step_in_bf16(tmp_path,
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["prompt"] == "def "
 
 
-def test_training_never_resumes_from_a_light_snapshot(tmp_path):
+def test_training_never_resumes_from_a_light_snapshot(tmp_path, caplog):
     run(tmp_path, "light", "train.steps=2", "checkpoint.light_interval=1")
     assert (tmp_path / "light" / "light_checkpoints" / "step_00000002").is_dir()
-    again = Trainer(load_config(TINY, ["model.num_layers=2", f"model.vocab_size={VOCAB}", "train.steps=2",
-                                       f"run.dir={tmp_path / 'light'}"]), DistEnv())
+    with caplog.at_level("INFO", logger="trilith"):
+        again = Trainer(load_config(TINY, ["model.num_layers=2", f"model.vocab_size={VOCAB}", "train.steps=2",
+                                           f"run.dir={tmp_path / 'light'}"]), DistEnv())
     assert again.step == 0  # its light snapshots are not checkpoints to resume from
+    assert "light snapshot(s) in" in caplog.text and "resuming uses full checkpoints only" in caplog.text
     snapshot = tmp_path / "light" / "light_checkpoints" / "step_00000002"
     with pytest.raises(CheckpointError, match="is a light snapshot .* training resumes from full checkpoints only"):
         Trainer(load_config(TINY, ["model.num_layers=2", f"model.vocab_size={VOCAB}", f"checkpoint.load={snapshot}",
