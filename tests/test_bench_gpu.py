@@ -2,9 +2,8 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
 
 
 def test_bench_gpu_tiny_prints_its_table(tmp_path):

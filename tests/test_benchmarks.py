@@ -2,17 +2,8 @@
 
 Speed itself is never asserted (docs/benchmarks.md); these prove the scripts work on CPU."""
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def tool(*args: str) -> str:
-    out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    return out.stdout
+from tests.helpers import tool
 
 
 def test_bench_train_prints_ratio():

@@ -7,18 +7,15 @@ import torch
 from safetensors import safe_open
 
 from engine.checkpoint_io import CheckpointError, read_latest, step_dirs
-from engine.config import load_config
 from engine.train import Trainer
-from parallel.distributed import DistEnv
 from tests.distributed import WorkerPool
-from tests.test_train import launch
+from tests.helpers import launch, tiny_trainer
 
-TINY = "launch/configs/tiny.yaml"
 torch.set_num_threads(1)
 
 
-def trainer(run_dir, *overrides, env=None) -> Trainer:
-    return Trainer(load_config(TINY, [f"run.dir={run_dir}", *overrides]), env or DistEnv())
+def trainer(run_dir, *overrides, rank: int = 0, world: int = 1) -> Trainer:
+    return tiny_trainer(f"run.dir={run_dir}", *overrides, rank=rank, world=world)
 
 
 def train(t: Trainer, steps: int) -> list[float]:
@@ -102,13 +99,9 @@ LAUNCH_LOAD_AT = {"tp2-dp1": (2, ["parallel.tensor=2"])}  # other world sizes: n
 STEPS_BEFORE_SAVE = 3
 
 
-def _env(rank, world):
-    return DistEnv(rank, world, 0, torch.device("cpu"), "gloo")
-
-
 def _save_and_continue(rank, world, run_dir):
     torch.set_num_threads(1)
-    t = trainer(run_dir, *SAVE_AT, env=_env(rank, world))
+    t = trainer(run_dir, *SAVE_AT, rank=rank, world=world)
     train(t, STEPS_BEFORE_SAVE)
     t.save_checkpoint()
     return train(t, 1)[0]
@@ -116,7 +109,7 @@ def _save_and_continue(rank, world, run_dir):
 
 def _load_and_step(rank, world, run_dir, source, overrides):
     torch.set_num_threads(1)
-    t = trainer(run_dir, f"checkpoint.load={source}", *overrides, env=_env(rank, world))
+    t = trainer(run_dir, f"checkpoint.load={source}", *overrides, rank=rank, world=world)
     assert t.step == STEPS_BEFORE_SAVE
     return train(t, 1)[0]
 

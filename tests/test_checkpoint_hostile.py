@@ -15,10 +15,9 @@ import engine.checkpoint
 from engine.checkpoint_io import CheckpointError, copy_verified, read_latest, step_dirs
 from engine.checkpoint_manifest import SafetensorsRanges
 from engine.train import main as train_main
-from parallel.distributed import DistEnv
 from tests.distributed import WorkerPool
-from tests.test_checkpoint import TINY, flip_byte, saved_run, train, trainer
-from tests.test_train import ROOT
+from tests.helpers import ROOT, TINY
+from tests.test_checkpoint import flip_byte, saved_run, train, trainer
 from tools.ckpt_convert import main as convert
 
 RANK_FILE = "tp00-pp00-dp000.safetensors"
@@ -188,7 +187,7 @@ def test_write_failure_of_a_real_process_is_one_line_naming_the_file(tmp_path):
 
 
 def _full_disk_on_rank_1(rank, world, run_dir):
-    t = trainer(run_dir, env=DistEnv(rank, world, 0, torch.device("cpu"), "gloo"))
+    t = trainer(run_dir, rank=rank, world=world)
     train(t, 1)
     if rank == 1:
         engine.checkpoint.write_safetensors = full_disk_at(call=1)

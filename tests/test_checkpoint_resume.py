@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine.checkpoint_io import read_latest
-from tests.test_train import ROOT, launch
+from tests.helpers import ROOT, launch, tiny_trainer
 
 # One entry per layout: (id, processes, overrides). A layout is one more line here.
 LAYOUTS = [
@@ -77,9 +77,6 @@ KILLED_SAVE = textwrap.dedent("""
 
 
 def test_process_killed_during_save_leaves_previous_checkpoint_loadable(tmp_path):
-    from engine.config import load_config
-    from engine.train import Trainer
-    from parallel.distributed import DistEnv
     proc = subprocess.Popen([sys.executable, "-c", KILLED_SAVE, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
                             text=True, env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     try:
@@ -90,7 +87,7 @@ def test_process_killed_during_save_leaves_previous_checkpoint_loadable(tmp_path
     root = tmp_path / "checkpoints"
     assert (root / ".tmp-step_00000003").is_dir() and not (root / "step_00000003").exists()
     assert read_latest(root).name == "step_00000002"
-    trainer = Trainer(load_config("launch/configs/tiny.yaml", [f"run.dir={tmp_path}"]), DistEnv())
+    trainer = tiny_trainer(f"run.dir={tmp_path}")
     assert trainer.step == 2 and trainer.consumed_samples == 16
     assert not (root / ".tmp-step_00000003").exists()
     assert json.loads((root / "step_00000002" / "metadata.json").read_text())["step"] == 2

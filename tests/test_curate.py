@@ -4,20 +4,17 @@ import collections
 import json
 import os
 import random
-import sys
 
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from data.indexed import IndexedDataset  # noqa: E402
-from data.loader import build_datasets, sample_provenance  # noqa: E402
-from tools import curate_data, preprocess_data, stdlib_corpus, train_tokenizer  # noqa: E402
-from tools._contamination import gram_hashes, word_hashes  # noqa: E402
-from tools._dedup import DuplicateFinder, components, lsh_bands  # noqa: E402
-from tools._pii import scrub  # noqa: E402
+from data.indexed import IndexedDataset
+from data.loader import build_datasets, sample_provenance
+from tests.helpers import write_jsonl
+from tools import curate_data, preprocess_data, stdlib_corpus, train_tokenizer
+from tools._contamination import gram_hashes, word_hashes
+from tools._dedup import DuplicateFinder, components, lsh_bands
+from tools._pii import scrub
 
 ENGLISH = ("The committee published its annual report on the state of public libraries, noting that "
            "visitor numbers rose again this year and that several cities plan to open new reading rooms.")
@@ -38,20 +35,13 @@ def random_doc(seed, words=120):
     return " ".join(rng.choice(VOCAB) for _ in range(words)) + "."
 
 
-def write_jsonl(path, records):
-    with open(path, "w", encoding="utf-8") as f:
-        for r in records:
-            f.write((r if isinstance(r, str) else json.dumps(r, ensure_ascii=False)) + "\n")
-    return str(path)
-
-
 def read_jsonl(path):
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f]
 
 
 def curate(tmp_path, records, *flags, name="raw"):
-    raw = write_jsonl(tmp_path / f"{name}.jsonl", records)
+    raw = write_jsonl(tmp_path / f"{name}.jsonl", records, ensure_ascii=False)
     out = str(tmp_path / f"{name}_clean.jsonl")
     summary = curate_data.main(["--input", raw, "--output", out, "--quiet", *flags])
     return raw, read_jsonl(out), read_jsonl(summary["rejects"]), summary
@@ -263,7 +253,8 @@ def test_documents_holding_evaluation_text_are_dropped(tmp_path, capsys):
     question = ("Which river flows through the city that hosted the first modern Olympic Games in the "
                 "year eighteen ninety six")
     evaluation = write_jsonl(tmp_path / "eval.jsonl", [{"question": question, "answer": "none"},
-                                                       {"question": "Name the violin maker", "answer": "Amati"}])
+                                                       {"question": "Name the violin maker", "answer": "Amati"}],
+                             ensure_ascii=False)
     records = [{"text": ENGLISH},
                {"text": random_doc(1, 60) + " " + question.upper() + " " + random_doc(2, 60)},  # quoted
                {"text": random_doc(3, 80)},
@@ -320,7 +311,7 @@ def test_workers_parquet_and_chained_passes_keep_the_raw_origin(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
     records = [{"text": random_doc(i), "id": i} for i in range(20)] + [{"text": random_doc(3), "id": 99}]
-    raw = write_jsonl(tmp_path / "raw.jsonl", records)
+    raw = write_jsonl(tmp_path / "raw.jsonl", records, ensure_ascii=False)
     one, two = str(tmp_path / "w1.jsonl"), str(tmp_path / "w2.jsonl")
     curate_data.main(["--input", raw, "--output", one, "--quiet"])
     curate_data.main(["--input", raw, "--output", two, "--quiet", "--workers", "2", "--batch-size", "3"])

@@ -4,17 +4,13 @@ finished task is not redone."""
 import json
 import os
 import random
-import sys
 
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from tools import curate_data, preprocess_data, train_tokenizer  # noqa: E402
-from tools._corpus_io import iter_records, shard_ranges  # noqa: E402
+from tools import curate_data, preprocess_data, train_tokenizer
+from tools._corpus_io import iter_records, shard_ranges
 
 VOCAB = ("river stone garden window paper market letter winter music orange silver forest bridge doctor "
          "teacher island engine candle mirror pocket ticket violin harbor meadow lantern village").split()

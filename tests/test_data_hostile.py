@@ -6,17 +6,13 @@ import os
 import re
 import signal
 import struct
-import sys
 
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from data.indexed import IndexedDataset, IndexedDatasetBuilder  # noqa: E402
-from tools import curate_data, preprocess_data, train_tokenizer  # noqa: E402
-from tools._parallel import WorkerDied, ordered_map  # noqa: E402
+from data.indexed import IndexedDataset, IndexedDatasetBuilder
+from tools import curate_data, preprocess_data, train_tokenizer
+from tools._parallel import WorkerDied, ordered_map
 
 WORDS = "river stone garden window paper market letter winter music orange silver forest".split()
 

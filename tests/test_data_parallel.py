@@ -1,10 +1,6 @@
 """Bucketed DDP and ZeRO-1/2/3 (FSDP) equal the single-process run (gloo, CPU, fp32: ≤ 1e-5 per step)."""
-import json
 import os
-import subprocess
-import sys
 import tempfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,8 +11,8 @@ from parallel import comm
 from parallel.distributed import DistEnv
 from parallel.tensor import padded_vocab_size
 from tests.distributed import worker_pools
+from tests.helpers import launch
 
-ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
 CURVE = {"model": dict(hidden_size=32, num_layers=2, num_attention_heads=4, num_kv_heads=1, ffn_hidden_size=64,
                        vocab_size=61, seq_length=16),
@@ -89,7 +85,8 @@ def assert_matches_reference(results, reference, tp_size=1):
             expected = tp_local(ref_params[name].detach(), tp_dim, tp_size, tp_rank).reshape(-1)
             covered = torch.zeros(expected.numel(), dtype=torch.bool)
             for start, end, values in parts:
-                assert (values - expected[start:end]).abs().max() <= TOL, name
+                torch.testing.assert_close(values, expected[start:end], rtol=0, atol=TOL, check_dtype=False,
+                                           msg=lambda m: f"{name}: {m}")
                 covered[start:end] = True
             assert covered.all(), f"{name}: some elements are owned by no rank"
 
@@ -397,14 +394,9 @@ def test_data_parallel_config_errors():
 
 
 def test_launcher_runs_zero3(tmp_path):
-    def launch(run_dir, nproc, *overrides):
-        cmd = ["bash", "launch/run_pretrain.sh", "--nproc", str(nproc), "--config", "launch/configs/tiny.yaml",
-               f"run.dir={run_dir}", "train.steps=5", *overrides]
-        env = {"TRILITH_PYTHON": sys.executable, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    def losses(run_dir, nproc, *overrides):
+        return [r["loss"] for r in launch(run_dir, "train.steps=5", *overrides, nproc=nproc, timeout=300)]
 
-    single = launch(tmp_path / "single", 1)
-    sharded = launch(tmp_path / "zero3", 2, "parallel.zero_stage=3")
+    single = losses(tmp_path / "single", 1)
+    sharded = losses(tmp_path / "zero3", 2, "parallel.zero_stage=3")
     assert sharded == pytest.approx(single, abs=1e-4)

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import ROOT
 from tests.slurm_cluster import SlurmCluster, SlurmUnavailable
 from tests.test_data_array_jobs import planted_corpus, read, same_provenance, tokenizer  # noqa: F401 (a fixture)
 from tools import curate_data, preprocess_data
 
-ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 ENV = {"TRILITH_PYTHON": sys.executable, "PATH": f"{BIN}:/usr/bin:/bin:/usr/sbin", "OMP_NUM_THREADS": "1"}
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import ROOT
 from tools import gen_config_docs
 
-ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 CODE_PATH = re.compile(r"`((?:engine|parallel|kernels|data|tools|launch|tests)/[\w/.]*)(?::(\w+)(?:\.(\w+))?)?`")

@@ -11,9 +11,8 @@ from data.documents import document_ids, loss_mask, positions_within_documents
 from data.eod import eod_id_from_tokenizer
 from engine.config import ConfigError, ModelConfig, load_config, validate
 from engine.model import CausalLM
-from engine.train import Trainer
-from parallel.distributed import DistEnv
 from parallel.micro_batch import MicroBatch
+from tests.helpers import tiny_trainer
 
 EOD = 1
 CFG = ModelConfig(hidden_size=64, num_layers=2, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=96,
@@ -57,7 +56,7 @@ def test_packed_sample_equals_its_documents_run_alone(backend, position):
     alone = torch.cat([model(doc[None, :-1] if i == len(docs) - 1 else doc[None]) for i, doc in enumerate(docs)],
                       dim=1)
     assert packed.shape == alone.shape
-    assert (packed - alone).abs().max() <= 1e-5
+    torch.testing.assert_close(packed, alone, rtol=0, atol=1e-5, check_dtype=False)
     plain = model(inputs)  # without the switches the later documents see the earlier ones
     assert (plain[:, 6:] - alone[:, 6:]).abs().max() > 1e-3
 
@@ -80,14 +79,12 @@ def test_loss_and_gradients_equal_the_documents_trained_alone():
         total, count = total + losses.sum(), count + losses.numel()
     (total / count).backward()
     assert count == int(mb.loss_mask.sum())
-    worst = max((packed[n] - p.grad).abs().max().item() for n, p in model.named_parameters())
-    assert worst <= 1e-5
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(packed[n], p.grad, rtol=0, atol=1e-5, check_dtype=False, msg=lambda m: f"{n}: {m}")
 
 
 def _trainer(*overrides):
-    cfg = load_config("launch/configs/tiny.yaml", ["model.num_layers=2", "model.vocab_size=40", *overrides])
-    validate(cfg, 1)
-    return Trainer(cfg, DistEnv())
+    return tiny_trainer("model.num_layers=2", "model.vocab_size=40", *overrides, validated=True)
 
 
 def test_trainer_builds_the_extras_the_config_asks_for():

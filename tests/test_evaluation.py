@@ -10,17 +10,13 @@ from engine.config import ConfigError, load_config, validate
 from engine.metrics import MetricsLog
 from engine.mock_data import MockBatchLoader
 from engine.train import Trainer
-from parallel.distributed import DistEnv
-
-TINY = "launch/configs/tiny.yaml"
+from tests.helpers import TINY, tiny_trainer
 COMMON = ["model.num_layers=2", "model.hidden_dropout=0.1", "model.attention_dropout=0.1", "train.steps=4",
           "train.eval_iters=3"]
 
 
 def make(*overrides) -> Trainer:
-    cfg = load_config(TINY, [*COMMON, *overrides])
-    validate(cfg, 1)
-    return Trainer(cfg, DistEnv())
+    return tiny_trainer(*COMMON, *overrides, validated=True)
 
 
 def test_validation_loss_is_the_mean_over_fixed_held_out_batches():

@@ -10,16 +10,12 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from engine.config import load_config
-from engine.train import Trainer
-from parallel.distributed import DistEnv
 from tests._tokenizer_families import TEXTS, build_family
+from tests.helpers import ROOT, tiny_trainer
 from tools import train_tokenizer
 from tools._hf_tokenizer import export_tokenizer
 from tools.ckpt_convert import main as convert
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = "launch/configs/tiny.yaml"
 TRANSFORMERS4 = "transformers==4.57.1"
 PROBES = TEXTS + ["  two  leading spaces", " one", "x\n  y\t z", "Ünïcødé 日本 😀"]
 torch.set_num_threads(1)
@@ -64,9 +60,8 @@ def test_import_train_export_keeps_the_tokenizer_and_its_roles(tmp_path):
     assert convert(["--load-dir", str(src), "--save-dir", str(tmp_path / "tri"), "--from", "hf", "--tensor", "2"]) == 0
     for eod, expected in ((-1, eot), (end, end)):
         run = tmp_path / f"run{eod}"
-        t = Trainer(load_config(TINY, [f"run.dir={run}", f"checkpoint.load={tmp_path / 'tri'}", "model.vocab_size=320",
-                                       f"data.tokenizer={src / 'tokenizer.json'}", f"data.eod_token_id={eod}"]),
-                    DistEnv())
+        t = tiny_trainer(f"run.dir={run}", f"checkpoint.load={tmp_path / 'tri'}", "model.vocab_size=320",
+                         f"data.tokenizer={src / 'tokenizer.json'}", f"data.eod_token_id={eod}")
         t.train_step()
         t.save_checkpoint()
         out = tmp_path / f"out{eod}"

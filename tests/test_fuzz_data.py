@@ -6,7 +6,6 @@ import io
 import json
 import os
 import shutil
-import sys
 import tempfile
 
 import numpy as np
@@ -14,13 +13,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from data.indexed import IndexedDataset, IndexedDatasetBuilder  # noqa: E402
-from data.split import documents_to_sequences  # noqa: E402
-from tools._corpus_io import REJECT_REASONS, CorpusError, iter_records  # noqa: E402
-from tools.curate_data import Dropped, Kept, Stages  # noqa: E402
+from data.indexed import IndexedDataset, IndexedDatasetBuilder
+from data.split import documents_to_sequences
+from tools._corpus_io import REJECT_REASONS, CorpusError, iter_records
+from tools.curate_data import Dropped, Kept, Stages
 
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -78,7 +78,7 @@ def test_reference_equals_explicit_loops():
             keys = [j for j in range(i + 1) if i - j < window and ids[bi, j] == ids[bi, i]]
             scores = torch.einsum("hd,hnd->hn", q[bi, :, i], k[bi, :, keys]) / d ** 0.5
             want = torch.einsum("hn,hnd->hd", torch.softmax(scores, -1), v[bi, :, keys])
-            assert (out[bi, :, i] - want).abs().max() <= 1e-6
+            torch.testing.assert_close(out[bi, :, i], want, rtol=0, atol=1e-6, check_dtype=False)
 
 
 def test_document_offsets_are_computed_once_per_segment_ids_tensor():
@@ -96,7 +96,7 @@ def test_gqa_equals_repeated_heads():
     q, k, v = rand(2, 8, 6, 8, seed=1), rand(2, 2, 6, 8, seed=2), rand(2, 2, 6, 8, seed=3)
     gqa = attention.causal_attention(q, k, v, backend="sdpa")
     mha = attention.causal_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), backend="sdpa")
-    assert (gqa - mha).abs().max() <= 1e-6
+    torch.testing.assert_close(gqa, mha, rtol=0, atol=1e-6, check_dtype=False)
 
 
 @needs_flash
@@ -348,8 +348,8 @@ def test_adamw_implementations_agree_with_the_plain_loop():
             p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * step + i))
         loop.step()
     want = torch.cat([p.detach().reshape(-1) for p in params])
-    assert (plain - want).abs().max() <= 1e-6
-    assert (_adamw_run("fused") - want).abs().max() <= 1e-6
+    torch.testing.assert_close(plain, want, rtol=0, atol=1e-6, check_dtype=False)
+    torch.testing.assert_close(_adamw_run("fused"), want, rtol=0, atol=1e-6, check_dtype=False)
 
 
 def test_adamw_selection():
@@ -370,4 +370,4 @@ def test_apex_fused_adam_matches_torch_on_cuda():
             p.grad = torch.randn(64, generator=torch.Generator().manual_seed(step)).cuda()
             opt.step()
         return p.detach().cpu()
-    assert (run("apex") - run("fused")).abs().max() <= 1e-6
+    torch.testing.assert_close(run("apex"), run("fused"), rtol=0, atol=1e-6, check_dtype=False)

@@ -3,7 +3,6 @@ one brought back by --max-restarts), a hung rank, a preempted launcher.
 
 Every multi-rank run must follow the single-process loss curve (≤ 1e-4 per step): same data, same model.
 """
-import json
 import os
 import re
 import signal
@@ -15,9 +14,8 @@ from pathlib import Path
 import pytest
 
 from tests.distributed import free_port
+from tests.helpers import ROOT, TINY, read_metrics
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = "launch/configs/tiny.yaml"
 STEPS = 6
 BIN = Path(sys.executable).parent
 ENV = {"TRILITH_PYTHON": sys.executable, "PATH": f"{BIN}:/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
@@ -28,7 +26,7 @@ def script(*args: str, run_dir: Path) -> list[str]:
 
 
 def losses(run_dir: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in read_metrics(run_dir)]
 
 
 def finish(proc: subprocess.Popen, timeout: float = 240) -> str:
@@ -147,14 +145,13 @@ def test_max_restarts_brings_a_killed_rank_back_on_the_uninterrupted_curve(tmp_p
                      r"checkpoint", out), out[-4000:]
     resumed = re.search(r"resumed from \S+ at step (\d+)", out)
     assert resumed and int(resumed.group(1)) >= 2, out[-4000:]
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(tmp_path / "run")
     second = records[int(resumed.group(1)) - steps:]  # metrics.jsonl is appended to: the restarted attempt last
     assert [r["step"] for r in second] == list(range(int(resumed.group(1)) + 1, steps + 1))
     reference = subprocess.run(script(run_dir=tmp_path / "single")[:-1] + [f"train.steps={steps}"], cwd=ROOT,
                                env=ENV, capture_output=True, text=True, timeout=300)
     assert reference.returncode == 0, reference.stderr[-3000:]
-    want = {json.loads(line)["step"]: json.loads(line)["loss"]
-            for line in (tmp_path / "single" / "metrics.jsonl").read_text().splitlines()}
+    want = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "single")}
     assert max(abs(r["loss"] - want[r["step"]]) for r in second) <= 1e-4
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = "launch/configs/tiny.yaml"
+from tests.helpers import ROOT, TINY
+
 BIN = Path(sys.executable).parent
 ENV = {"TRILITH_PYTHON": sys.executable, "PATH": f"{BIN}:/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
 

@@ -3,7 +3,6 @@ both slurmds run on this machine, but SLURM allocates, places and signals the jo
 
 Skips, with the reason printed, only when Debian's SLURM packages cannot be installed here.
 """
-import json
 import os
 import re
 import signal
@@ -15,10 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import ROOT, TINY, read_metrics
 from tests.slurm_cluster import SlurmCluster, SlurmUnavailable
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = "launch/configs/tiny.yaml"
 BIN = Path(sys.executable).parent
 ENV = {"TRILITH_PYTHON": sys.executable, "PATH": f"{BIN}:/usr/bin:/bin:/usr/sbin", "OMP_NUM_THREADS": "1"}
 # Four ranks, two per node, on this machine's cores: override the script's GPU-node #SBATCH defaults
@@ -40,8 +38,7 @@ def cluster(tmp_path_factory):
 def steps_per_attempt(run_dir: Path) -> list[list[dict]]:
     """metrics.jsonl is appended by every attempt; an attempt starts where the step number drops."""
     attempts: list[list[dict]] = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
+    for record in read_metrics(run_dir):
         if not attempts or record["step"] <= attempts[-1][-1]["step"]:
             attempts.append([])
         attempts[-1].append(record)
@@ -132,7 +129,7 @@ def test_max_restarts_reruns_a_failed_step_in_the_same_allocation(cluster, tmp_p
     job = cluster.sbatch([*FOUR_RANKS, f"--output={out}", "launch/run_pretrain.sh", "--max-restarts", "1",
                           "--config", TINY, f"run.dir={run_dir}", f"train.steps={steps}", "checkpoint.interval=2"],
                          cwd=ROOT, env=ENV)
-    metrics = wait_for_steps(cluster, job, run_dir, out, 3)
+    wait_for_steps(cluster, job, run_dir, out, 3)
     os.kill(_rank_process(job, 3), signal.SIGKILL)
     state, code = cluster.wait(job, timeout=240)
     text = out.read_text()
@@ -140,7 +137,7 @@ def test_max_restarts_reruns_a_failed_step_in_the_same_allocation(cluster, tmp_p
     assert re.search(r"the run failed \(exit \d+\); restart 1 of 1, resuming from the latest checkpoint", text), \
         text[-3000:]
     resumed = int(re.search(r"resumed from \S+ at step (\d+)", text).group(1))
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    records = read_metrics(run_dir)
     second = records[resumed - steps:]  # metrics.jsonl is appended to: the restarted attempt last
     assert [r["step"] for r in second] == list(range(resumed + 1, steps + 1))
     ref = reference_losses(tmp_path / "single", steps)

@@ -17,8 +17,7 @@ from engine.train import Trainer
 from parallel.distributed import DistEnv
 from parallel.placement import compact_ranges
 from tests.distributed import worker_pools
-
-TINY = "launch/configs/tiny.yaml"
+from tests.helpers import TINY, tiny_trainer
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +27,7 @@ def pool():
 
 
 def make(rank, world, *overrides) -> Trainer:
-    cfg = load_config(TINY, ["model.num_layers=2", *overrides])
-    validate(cfg, world)
-    return Trainer(cfg, DistEnv(rank, world))
+    return tiny_trainer("model.num_layers=2", *overrides, rank=rank, world=world, validated=True)
 
 
 def poison(trainer: Trainer, sample: torch.Tensor) -> None:

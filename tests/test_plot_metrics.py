@@ -1,11 +1,9 @@
 """tools/plot_metrics.py: the summary table (with the largest loss difference between runs), the figure, and
 clear errors for bad input."""
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import run_tool
 
 
 def write_run(directory: Path, losses, evals=None, extra=None) -> Path:
@@ -23,8 +21,7 @@ def write_run(directory: Path, losses, evals=None, extra=None) -> Path:
 
 
 def tool(*args):
-    return subprocess.run([sys.executable, "tools/plot_metrics.py", *map(str, args)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    return run_tool("tools/plot_metrics.py", *args, timeout=120)
 
 
 def test_table_compares_runs_and_the_figure_is_written(tmp_path):
@@ -61,7 +58,6 @@ def test_bad_input_is_named(tmp_path):
 
 
 def test_per_dataset_readings_are_one_series_each():
-    sys.path.insert(0, str(ROOT))
     from tools.plot_metrics import series
     records = [{"step": 2, "eval_loss_by_dataset": {"web": 4.0, "code": 5.0}}, {"step": 3, "loss": 1.0},
                {"step": 4, "eval_loss_by_dataset": {"web": 3.5, "code": 4.5}}]

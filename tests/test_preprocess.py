@@ -3,18 +3,15 @@ import json
 import os
 import re
 import struct
-import sys
 
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from data.indexed import IndexedDataset  # noqa: E402
-from data.provenance import Provenance  # noqa: E402
-from tools import preprocess_data, train_tokenizer  # noqa: E402
-from tools._encoder import OTHER_SPACES, SAFE_SPACES, load_encoder, tokenizer_spec  # noqa: E402
+from data.indexed import IndexedDataset
+from data.provenance import Provenance
+from tests.helpers import write_jsonl
+from tools import preprocess_data, train_tokenizer
+from tools._encoder import OTHER_SPACES, SAFE_SPACES, load_encoder, tokenizer_spec
 
 TEXTS = [
     "def f(x):\n    return x + 1\n",
@@ -27,13 +24,6 @@ TEXTS = [
     "self.assertEqual(foo_bar[0], {'k': [1, 2]}) # comment\n" * 3,
     "ﬁne ①② NFKC-sensitive ＡＢＣ",
 ]
-
-
-def write_jsonl(path, records):
-    with open(path, "w", encoding="utf-8") as f:
-        for r in records:
-            f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
-    return str(path)
 
 
 @pytest.fixture(scope="module")

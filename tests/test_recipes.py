@@ -11,8 +11,8 @@ import pytest
 
 from data.indexed import IndexedDatasetBuilder
 from engine.config import data_parallel_size, load_config, validate
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 ENV = {"TRILITH_PYTHON": sys.executable, "PATH": f"{BIN}:/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
 

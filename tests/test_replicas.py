@@ -4,12 +4,10 @@ import pytest
 import torch
 
 from engine.config import ConfigError, load_config, validate
-from engine.train import ReplicaMismatch, Trainer
-from parallel.distributed import DistEnv
+from engine.train import ReplicaMismatch
 from parallel.replicas import fingerprint
 from tests.distributed import worker_pools
-
-TINY = "launch/configs/tiny.yaml"
+from tests.helpers import TINY, tiny_trainer
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +33,8 @@ def test_fingerprint_sees_any_bit_and_swaps(dtype):
 def perturbed_check(rank, world, overrides, victim, pick):
     """Build a trainer (its start-up check must pass), change one parameter on rank `victim`, check again;
     returns what each rank raised."""
-    cfg = load_config(TINY, ["model.num_layers=2", "run.dir=/tmp/trilith-test-replicas", *overrides])
-    validate(cfg, world)
-    trainer = Trainer(cfg, DistEnv(rank, world))
+    trainer = tiny_trainer("model.num_layers=2", "run.dir=/tmp/trilith-test-replicas", *overrides, rank=rank,
+                           world=world, validated=True)
     trainer.train_step()  # copies stay equal through an optimizer step
     trainer.check_replicas()
     picked = None

@@ -32,16 +32,19 @@ def test_scaled_rope_matches_transformers_forward_and_backward(name, head_dim, t
     seq = 300  # past every original context above: the scaled frequencies matter
     ref_cos, ref_sin = LlamaRotaryEmbedding(config)(torch.zeros(1, dtype=torch.float32), torch.arange(seq)[None])
     cos, sin = rope_cos_sin(seq, head_dim, theta, scaling=scaling)
-    assert (cos - ref_cos[0]).abs().max().item() <= TOL and (sin - ref_sin[0]).abs().max().item() <= TOL
+    torch.testing.assert_close(cos, ref_cos[0], rtol=0, atol=TOL, check_dtype=False)
+    torch.testing.assert_close(sin, ref_sin[0], rtol=0, atol=TOL, check_dtype=False)
     q = torch.randn(2, 4, seq, head_dim, generator=torch.Generator().manual_seed(0), requires_grad=True)
     k = torch.randn(2, 4, seq, head_dim, generator=torch.Generator().manual_seed(1), requires_grad=True)
     ref_q, ref_k = apply_rotary_pos_emb(q, k, ref_cos, ref_sin)
     ours_q, ours_k = apply_rope_fused(q, cos, sin), apply_rope_fused(k, cos, sin)
-    assert (ours_q - ref_q).abs().max().item() <= TOL and (ours_k - ref_k).abs().max().item() <= TOL
+    torch.testing.assert_close(ours_q, ref_q, rtol=0, atol=TOL, check_dtype=False)
+    torch.testing.assert_close(ours_k, ref_k, rtol=0, atol=TOL, check_dtype=False)
     upstream = torch.randn_like(q)
     ref_grad = torch.autograd.grad((ref_q * upstream).sum() + ref_k.sum(), (q, k))
     grad = torch.autograd.grad((ours_q * upstream).sum() + ours_k.sum(), (q, k))
-    assert all((a - b).abs().max().item() <= TOL for a, b in zip(grad, ref_grad))
+    for a, b in zip(grad, ref_grad):
+        torch.testing.assert_close(a, b, rtol=0, atol=TOL, check_dtype=False)
 
 
 def test_scaling_changes_the_angles():

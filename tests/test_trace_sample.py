@@ -1,17 +1,15 @@
 """tools/trace_sample.py: a training sample of a real (tiny) run traced to its raw record and line."""
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 from engine.config import load_config, save_config
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import run_tool
 
 
 def run(*args, check=True):
-    return subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          check=check)
+    done = run_tool(*args)
+    if check:
+        done.check_returncode()
+    return done
 
 
 def test_a_sample_is_traced_to_its_raw_line_and_text(tmp_path):

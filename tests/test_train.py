@@ -1,23 +1,8 @@
 """Single-process and local multi-process training runs through launch/run_pretrain.sh."""
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = "launch/configs/tiny.yaml"
-
-
-def launch(run_dir: Path, *overrides: str, nproc: int = 1) -> list[dict]:
-    cmd = ["bash", "launch/run_pretrain.sh", "--nproc", str(nproc), "--config", TINY, f"run.dir={run_dir}",
-           *overrides]
-    env = {"TRILITH_PYTHON": sys.executable, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+from tests.helpers import TINY, launch, launch_process, tool
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +35,7 @@ def test_two_processes_follow_the_single_process_curve(single, tmp_path, layout)
 
 
 def test_config_error_exits_2_with_message(tmp_path):
-    cmd = ["bash", "launch/run_pretrain.sh", "--config", TINY, f"run.dir={tmp_path}", "parallel.tensor=3"]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                          env={"TRILITH_PYTHON": sys.executable, "PATH": "/usr/bin:/bin"})
+    done = launch_process(tmp_path, "parallel.tensor=3")
     assert done.returncode == 2
     assert "num_attention_heads=4 is not divisible by parallel.tensor=3" in done.stderr
 
@@ -64,9 +47,7 @@ def test_config_error_exits_2_with_message(tmp_path):
      "checkpoint error: checkpoint.load=/nonexistent/checkpoints is neither a checkpoint directory"),
 ])
 def test_bad_inputs_end_with_one_clear_line_not_a_traceback(tmp_path, overrides, status, message):
-    cmd = ["bash", "launch/run_pretrain.sh", "--config", TINY, f"run.dir={tmp_path}", *overrides]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                          env={"TRILITH_PYTHON": sys.executable, "PATH": "/usr/bin:/bin"})
+    done = launch_process(tmp_path, *overrides)
     assert done.returncode == status and message in done.stderr, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
 
@@ -79,15 +60,12 @@ def test_bf16_run_trains(tmp_path):
 def test_training_on_preprocessed_shards(tmp_path):
     """The real data path end to end: corpus → tokenizer → zstd-compressed shards → training at DP=2, with
     the losses of the same run on the plain .bin/.idx made from them."""
-    py = sys.executable
-    run = lambda *a: subprocess.run([py, *a], cwd=ROOT, capture_output=True, text=True, timeout=300,  # noqa: E731
-                                    check=True)
-    run("tools/stdlib_corpus.py", "--output", str(tmp_path / "c.jsonl"), "--limit", "40")
-    run("tools/train_tokenizer.py", "--input", str(tmp_path / "c.jsonl"), "--output-dir", str(tmp_path / "tok"),
-        "--vocab-size", "512")
-    run("tools/preprocess_data.py", "--input", str(tmp_path / "c.jsonl"), "--output-prefix", str(tmp_path / "d"),
-        "--tokenizer-model", str(tmp_path / "tok" / "tokenizer.json"), "--append-eod", "--workers", "1",
-        "--compression", "zstd")
+    tool("tools/stdlib_corpus.py", "--output", str(tmp_path / "c.jsonl"), "--limit", "40")
+    tool("tools/train_tokenizer.py", "--input", str(tmp_path / "c.jsonl"), "--output-dir", str(tmp_path / "tok"),
+         "--vocab-size", "512")
+    tool("tools/preprocess_data.py", "--input", str(tmp_path / "c.jsonl"), "--output-prefix", str(tmp_path / "d"),
+         "--tokenizer-model", str(tmp_path / "tok" / "tokenizer.json"), "--append-eod", "--workers", "1",
+         "--compression", "zstd")
     assert (tmp_path / "d_text_document.arrow").is_file() and not (tmp_path / "d_text_document.bin").exists()
     data = ["data.mock=false", f"data.paths=[{tmp_path / 'd_text_document'}]", "model.vocab_size=512",
             f"data.tokenizer={tmp_path / 'tok' / 'tokenizer.json'}"]
@@ -96,8 +74,8 @@ def test_training_on_preprocessed_shards(tmp_path):
                "data.reset_attention_mask=true", "data.reset_position_ids=true", "data.eod_mask_loss=true"]
     records = launch(tmp_path / "run", *data, *options, nproc=2)
     assert len(records) == 6 and records[-1]["loss"] < records[0]["loss"]
-    run("tools/preprocess_data.py", "merge", "--inputs", str(tmp_path / "d_text_document"), "--output-prefix",
-        str(tmp_path / "plain_text_document"))
+    tool("tools/preprocess_data.py", "merge", "--inputs", str(tmp_path / "d_text_document"), "--output-prefix",
+         str(tmp_path / "plain_text_document"))
     plain = launch(tmp_path / "plain_run", *data, f"data.paths=[{tmp_path / 'plain_text_document'}]", *options,
                    nproc=2)
     assert [(r["loss"], r.get("eval_loss")) for r in plain] == [(r["loss"], r.get("eval_loss")) for r in records]
@@ -105,17 +83,13 @@ def test_training_on_preprocessed_shards(tmp_path):
     assert [r["step"] for r in records if "eval_loss" in r] == [3, 6]
     assert records[5]["eval_loss"] < records[2]["eval_loss"]
 
-    no_valid = subprocess.run(["bash", "launch/run_pretrain.sh", "--config", TINY, f"run.dir={tmp_path / 'nv'}",
-                               *data, "data.split=100,0,0", "train.eval_interval=3"], cwd=ROOT, capture_output=True,
-                              text=True, env={"TRILITH_PYTHON": sys.executable, "PATH": "/usr/bin:/bin"})
+    no_valid = launch_process(tmp_path / "nv", *data, "data.split=100,0,0", "train.eval_interval=3")
     assert no_valid.returncode == 2
     assert "leaves no documents for the valid split" in no_valid.stderr and "train.eval_interval=0" in no_valid.stderr
     assert "step      1" not in no_valid.stdout  # refused before training, not at the first evaluation
 
-    too_small = subprocess.run(["bash", "launch/run_pretrain.sh", "--config", TINY, f"run.dir={tmp_path / 'bad'}",
-                                "data.mock=false", f"data.paths=[{tmp_path / 'd_text_document'}]",
-                                "model.vocab_size=100"], cwd=ROOT, capture_output=True, text=True,
-                               env={"TRILITH_PYTHON": sys.executable, "PATH": "/usr/bin:/bin"})
+    too_small = launch_process(tmp_path / "bad", "data.mock=false", f"data.paths=[{tmp_path / 'd_text_document'}]",
+                               "model.vocab_size=100")
     assert too_small.returncode == 2
     assert "but model.vocab_size=100; set model.vocab_size to at least" in too_small.stderr
 
