@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import Config, ConfigError, data_parallel_size, load_config, validate
+from engine.memory_estimate import device_memory, report
 from engine.stop import final_failure
 from engine.train import Trainer, configure_logging, log, setup_run_dir
 from parallel import comm
@@ -104,6 +105,7 @@ def preflight(cfg: Config, env: DistEnv, steps: int = STEPS) -> bool:
     validate(small, env.world_size)
     run_dir = setup_run_dir(small, env.rank)
     configure_logging(run_dir, env.rank)
+    log.info(f"the real run's {report(cfg, env.world_size, device_memory(env.device))}")
     m = small.model
     log.info(f"pre-flight: {env.world_size} ranks, TP {small.parallel.tensor} × PP {small.parallel.pipeline}, "
              f"model {m.num_layers}×{m.hidden_size} (heads {m.num_attention_heads}/{m.num_kv_heads}), seq "

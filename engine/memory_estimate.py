@@ -1,0 +1,327 @@
+"""Memory per rank before the run: parameters, gradients, optimizer state, activations and communication buffers.
+
+    estimate(cfg, world_size) -> [StageMemory per pipeline stage]   (every rank of a stage holds the same)
+
+Parameters, gradients and optimizer state are counted tensor by tensor as the engine allocates them: the model
+chunks' parameters at the TP size (vocabulary padded to a multiple of TP, KV projections kept whole when there
+are fewer KV heads than TP ranks), and for ZeRO the sharding units of parallel/fsdp (one flat buffer per block,
+padded to a multiple of the shard group, HSDP's group when set). Stage 0 keeps every gradient in the compute
+dtype and fp32 masters (below fp32) plus the two Adam moments; stage ≥ 1 keeps a fp32 master and moments of
+its shard; stage 1 keeps full gradients, stages 2-3 their reduced shards (fp32 for the norm segment under
+bf16/fp16); stage 3 keeps only the parameter shard.
+
+Activations are the bytes autograd saves for backward, per micro-batch, summed from the tensors each kernel
+saves (T = micro batch × sequence tokens, Ts = T / TP under sequence parallelism, e = compute-dtype bytes):
+each RMSNorm its fp32 input (4h·Ts), its 1/rms (4·Ts) and normalised input (e·h·Ts), the next linears their
+(gathered) input (e·h·T, a copy per linear under SP); attention q, k, v and its output (e·T·(2q + 2kv) of
+this rank's heads) and the log-sum-exp (4·T per head, not under selective recomputation); SwiGLU gate, up
+and product (3e·T·f/TP); under full recomputation only each block's input (e·h·Ts). The loss keeps fp32
+log-probabilities when one unsplit chunk holds every token, else the logits (e·T·V/TP), and nothing of size V
+when fused with the output layer. Times the micro-batches a schedule holds at once: one without a pipeline, all under GPipe,
+min(PP - stage, m) under 1F1B, and the interleaved schedule's warm-up (of one chunk each).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.config import Config, data_parallel_size
+from parallel.ddp import reduces_in_fp32
+from parallel.stage_layers import chunk_roles, stage_layer_ids
+from parallel.tensor import padded_vocab_size
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+FP32 = 4
+INDEX = 8  # int64 token ids and labels
+
+
+@dataclass
+class StageMemory:
+    """Bytes on one rank of pipeline stage `stage`; `in_flight` micro-batch activations of `per_micro_batch`."""
+
+    stage: int
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    comm_buffers: int
+    per_micro_batch: int
+    in_flight: float
+    notes: list = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer + self.activations + self.comm_buffers
+
+
+# -- parameters ----------------------------------------------------------------------------------------
+def layer_parameters(cfg: Config) -> list[tuple[str, int]]:
+    """(name, local numel) of one transformer block at parallel.tensor, in the order the block holds them."""
+    m, t = cfg.model, cfg.parallel.tensor
+    h, d, f = m.hidden_size, m.head_dim, m.ffn_hidden_size
+    q = m.num_attention_heads * d // t
+    kv = m.kv_heads * d // t if m.kv_heads >= t else m.kv_heads * d  # fewer KV heads than TP: kept whole
+    out = [("input_layernorm.weight", h), ("self_attn.q_proj.weight", q * h)]
+    out += [("self_attn.q_proj.bias", q)] if m.attention_bias else []
+    for name in ("k_proj", "v_proj"):
+        out += [(f"self_attn.{name}.weight", kv * h)] + ([(f"self_attn.{name}.bias", kv)] if m.attention_bias else [])
+    out += [("self_attn.o_proj.weight", h * q), ("post_attention_layernorm.weight", h)]
+    out += [(f"mlp.{name}.weight", f // t * h) for name in ("gate_proj", "up_proj", "down_proj")]
+    return out
+
+
+def chunk_units(cfg: Config, layer_count: int, pre: bool, post: bool) -> list[list[tuple[str, int]]]:
+    """The parameters of one model chunk grouped as parallel/fsdp's sharding units (embedding [+ final norm when
+    the tied output layer is on the same chunk], each block, final norm + output layer)."""
+    m, t = cfg.model, cfg.parallel.tensor
+    vocab_rows = padded_vocab_size(m.vocab_size, t) // t
+    embedding = ("model.embed_tokens.weight", vocab_rows * m.hidden_size)
+    norm = ("model.norm.weight", m.hidden_size)
+    tied_here = post and pre and m.tie_embeddings
+    units = [[embedding, norm] if tied_here else [embedding]] if pre else []
+    units += [[(f"model.layers.{name}", n) for name, n in layer_parameters(cfg)] for _ in range(layer_count)]
+    if post and not tied_here:
+        units.append([norm, ("lm_head.weight", vocab_rows * m.hidden_size)])
+    return units
+
+
+def stage_chunks(cfg: Config, stage: int) -> list[tuple[int, bool, bool]]:
+    """(layers, pre_process, post_process) of each model chunk of pipeline stage `stage`."""
+    p = cfg.parallel
+    if p.pipeline == 1:
+        return [(cfg.model.num_layers, True, True)]
+    ids = stage_layer_ids(cfg.model.num_layers, p.pipeline, p.virtual_stages, p.stage_layers)[stage]
+    return [(len(ids[j]), *chunk_roles(stage, p.pipeline, p.virtual_stages, j)) for j in range(p.virtual_stages)]
+
+
+def state_bytes(cfg: Config, units: list, shard_size: int, shard_rank: int) -> tuple[int, int, int, int]:
+    """(parameters, gradients, optimizer state, largest unit's full bytes) of the rank `shard_rank` of its shard
+    group (ranks differ only in the fp32 gradients of the norm segment their shard holds)."""
+    e, stage = DTYPE_BYTES[cfg.train.precision], cfg.parallel.zero_stage
+    params = [n for unit in units for _, n in unit]
+    if stage == 0:
+        n = sum(params)
+        return n * e, n * e, n * (8 if e == FP32 else 12), 0
+    split = e != FP32
+    weights = grads = optim = largest = 0
+    for unit in units:
+        numel = sum(n for _, n in unit)
+        fp32_numel = sum(n for name, n in unit if split and reduces_in_fp32(name, cfg.parallel.fp32_reduce))
+        shard = -(-max(numel, 1) // shard_size)
+        largest = max(largest, shard * shard_size * e)
+        fp32_start = numel - fp32_numel
+        mine = max(0, min(numel, (shard_rank + 1) * shard) - max(fp32_start, shard_rank * shard))
+        weights += shard * (e if stage == 3 else e * shard_size)
+        grads += (shard * shard_size * e + fp32_numel * FP32 if stage == 1 else shard * e) + mine * FP32
+        optim += 3 * FP32 * shard
+    return weights, grads, optim, largest
+
+
+# -- activations ---------------------------------------------------------------------------------------
+def norm_activation(cfg: Config, tokens: int, readers: int) -> int:
+    """An RMSNorm and the `readers` linears after it: fp32 input, 1/rms, normalised input (sequence shard
+    under SP), and the linears' input. Under SP each linear keeps its own copy of the gathered sequence
+    (parallel.comm.all_gather returns it non-contiguous, so each linear's flattening copies it)."""
+    h, e, t = cfg.model.hidden_size, DTYPE_BYTES[cfg.train.precision], cfg.parallel.tensor
+    sp = cfg.parallel.sequence_parallel and t > 1
+    local = tokens // t if sp else tokens
+    return (FP32 + e) * h * local + FP32 * local + e * h * tokens * (readers if sp else 1)
+
+
+def layer_activation(cfg: Config, tokens: int, recompute: str) -> int:
+    m, p = cfg.model, cfg.parallel
+    e, t = DTYPE_BYTES[cfg.train.precision], p.tensor
+    local = tokens // t if p.sequence_parallel else tokens
+    if recompute == "full":  # the block's input only
+        return e * m.hidden_size * local
+    heads = m.num_attention_heads // t
+    kv = (m.kv_heads // t if m.kv_heads >= t else 1) * m.head_dim
+    saved = (norm_activation(cfg, tokens, 3) + norm_activation(cfg, tokens, 2)  # q/k/v, then gate/up
+             + e * tokens * (2 * heads * m.head_dim + 2 * kv + 3 * m.ffn_hidden_size // t))
+    if recompute == "none":
+        saved += FP32 * tokens * heads  # the attention's log-sum-exp
+    if m.hidden_dropout > 0:
+        saved += 2 * m.hidden_size * local  # two dropout masks (bytes)
+    return saved
+
+
+def loss_activation(cfg: Config, tokens: int) -> int:
+    m, t = cfg.model, cfg.parallel.tensor
+    e, vocab = DTYPE_BYTES[cfg.train.precision], padded_vocab_size(m.vocab_size, t) // t
+    per_token = INDEX + FP32  # labels, log-sum-exp
+    if m.fused_lm_head_loss:
+        return per_token * tokens
+    one_chunk = t == 1 and not cfg.train.compile and (m.loss_chunk_tokens == 0 or tokens <= m.loss_chunk_tokens)
+    if one_chunk:  # torch's log-softmax keeps fp32 log-probabilities
+        return (FP32 * vocab + INDEX) * tokens
+    return (e * vocab + per_token + 1) * tokens
+
+
+def chunk_activation(cfg: Config, layers: int, pre: bool, post: bool, micro_batch: int, recompute: str) -> int:
+    """Bytes saved for backward by one forward of one micro-batch through a model chunk."""
+    tokens = micro_batch * cfg.model.seq_length
+    saved = layers * layer_activation(cfg, tokens, recompute)
+    if pre:
+        saved += INDEX * tokens * (1 if cfg.parallel.tensor == 1 else 2)  # token ids (and their local copy)
+    if post:
+        saved += norm_activation(cfg, tokens, 1) + loss_activation(cfg, tokens)
+    return saved
+
+
+def in_flight(cfg: Config, stage: int, micro_batches: int) -> float:
+    """Micro-batches (of a whole stage) whose activations the schedule holds at once on pipeline stage `stage`."""
+    p = cfg.parallel
+    if p.pipeline == 1:
+        return 1
+    if p.schedule == "gpipe":
+        return micro_batches
+    if p.schedule == "1f1b":
+        return min(p.pipeline - stage, micro_batches)
+    total, v = micro_batches * p.virtual_stages, p.virtual_stages
+    warmup = total if micro_batches == p.pipeline else min((p.pipeline - stage - 1) * 2 + (v - 1) * p.pipeline,
+                                                          total)
+    return min(warmup + 1, total) / v  # chunk forwards, one chunk's activations each
+
+
+# -- the estimate --------------------------------------------------------------------------------------
+def estimate(cfg: Config, world_size: int, shard_rank: int | None = None) -> list[StageMemory]:
+    """One StageMemory per pipeline stage (the configuration must be valid for `world_size`): of the rank
+    `shard_rank` of the ZeRO shard group, by default the fullest."""
+    p, t, m = cfg.parallel, cfg.train, cfg.model
+    e = DTYPE_BYTES[t.precision]
+    dp = data_parallel_size(cfg, world_size)
+    shard_size = p.hsdp_group_size or dp
+    micro = max(t.micro_batch_size, t.micro_batch_size_after_switch)
+    micro_batches = t.global_batch_size // (t.micro_batch_size * dp)
+    recompute = t.recompute
+    out = []
+    for stage in range(p.pipeline):
+        chunks = stage_chunks(cfg, stage)
+        units = [u for layers, pre, post in chunks for u in chunk_units(cfg, layers, pre, post)]
+        ranks = [0] if p.zero_stage == 0 else range(shard_size) if shard_rank is None else [shard_rank]
+        weights, grads, optim, largest = max((state_bytes(cfg, units, shard_size, r) for r in ranks),
+                                             key=lambda state: state[1])
+        per_mb = sum(chunk_activation(cfg, layers, pre, post, t.micro_batch_size, recompute)
+                     for layers, pre, post in chunks)
+        if m.position_embedding == "rope":  # cos/sin tables, one per chunk, shared by every micro-batch
+            per_mb_constant = 2 * m.seq_length * m.head_dim * e * len(chunks)
+        else:
+            per_mb_constant = 0
+        flight = in_flight(cfg, stage, micro_batches)
+        activations = int(per_mb * flight) + per_mb_constant
+        if t.recompute_switch_step > 0:  # the larger of the two phases
+            after = dataclasses.replace(cfg, train=dataclasses.replace(
+                t, recompute=t.recompute_after_switch, micro_batch_size=micro))
+            activations = max(activations, estimate_activations(after, stage, dp))
+        comm = comm_bytes(cfg, units, largest, e, dp)
+        out.append(StageMemory(stage, weights, grads, optim, activations, comm, per_mb, flight))
+    return out
+
+
+def estimate_activations(cfg: Config, stage: int, dp: int) -> int:
+    t = cfg.train
+    chunks = stage_chunks(cfg, stage)
+    per_mb = sum(chunk_activation(cfg, layers, pre, post, t.micro_batch_size, t.recompute)
+                 for layers, pre, post in chunks)
+    return int(per_mb * in_flight(cfg, stage, t.global_batch_size // (t.micro_batch_size * dp)))
+
+
+def comm_bytes(cfg: Config, units: list, largest_unit: int, e: int, dp: int) -> int:
+    """Transient buffers of the collectives, at their peak: stage 0's gradient buckets in flight (all of them,
+    at the end of backward), stage ≥ 2's full gradients of up to three units in reduction, stage 3's two
+    gathered units (the one in use and the prefetched one), and the pipeline's activation messages."""
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    stage_params = sum(n for unit in units for _, n in unit)
+    if p.zero_stage == 0:
+        total = stage_params * e if dp > 1 else 0
+    else:
+        total = (3 * largest_unit if p.zero_stage >= 2 else 0) + (2 * largest_unit if p.zero_stage == 3 else 0)
+    if p.pipeline > 1:
+        local = m.seq_length // p.tensor if p.sequence_parallel else m.seq_length
+        total += 4 * t.micro_batch_size * local * m.hidden_size * e  # send/receive of activations and gradients
+    return total
+
+
+# -- report --------------------------------------------------------------------------------------------
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def device_memory(device) -> int:
+    """Bytes of memory on `device` (a torch.device) to judge the fit by; 0 on CPU (not judged)."""
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
+
+
+def parse_bytes(text: str) -> int:
+    """'80GB', '80GiB', '141 GB', '8e10' -> bytes (GB and GiB both mean 2**30, as GPU memory is quoted)."""
+    units = {"": 1, "b": 1, "kb": 2**10, "kib": 2**10, "mb": 2**20, "mib": 2**20, "gb": 2**30, "gib": 2**30,
+             "tb": 2**40, "tib": 2**40}
+    s = text.strip().lower().replace(" ", "")
+    number = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        value = math.nan
+    if unit not in units or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"device memory {text!r} is not a size like 80GB, 141GiB or 8.5e10")
+    return int(value * units[unit])
+
+
+def levers(cfg: Config) -> list[tuple[str, Config]]:
+    """Single changes that keep the layout and the global batch, each as (override, configuration)."""
+    p, t, m = cfg.parallel, cfg.train, cfg.model
+    options = []
+    if p.zero_stage < 3:
+        options.append((f"parallel.zero_stage={p.zero_stage + 1}", "parallel", {"zero_stage": p.zero_stage + 1}))
+    if t.recompute != "full":
+        options.append(("train.recompute=full", "train", {"recompute": "full"}))
+    if p.tensor > 1 and not p.sequence_parallel:
+        options.append(("parallel.sequence_parallel=true", "parallel", {"sequence_parallel": True}))
+    if t.micro_batch_size > 1 and t.micro_batch_size % 2 == 0:
+        options.append((f"train.micro_batch_size={t.micro_batch_size // 2}", "train",
+                        {"micro_batch_size": t.micro_batch_size // 2}))
+    if not m.fused_lm_head_loss:
+        options.append(("model.fused_lm_head_loss=true", "model", {"fused_lm_head_loss": True}))
+    return [(text, dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **change)}))
+            for text, section, change in options]
+
+
+def biggest_lever(cfg: Config, world_size: int) -> tuple[str, int] | None:
+    """(override, bytes it saves on the fullest rank) of the single change that saves most, None if none saves."""
+    worst = max(s.total for s in estimate(cfg, world_size))
+    best = None
+    for text, changed in levers(cfg):
+        saved = worst - max(s.total for s in estimate(changed, world_size))
+        if saved > 0 and (best is None or saved > best[1]):
+            best = (text, saved)
+    return best
+
+
+def report(cfg: Config, world_size: int, device_memory: int = 0) -> str:
+    """The estimate as text: one line per pipeline stage, the fit against `device_memory` (0 = not judged) and,
+    when it does not fit, the biggest lever."""
+    p = cfg.parallel
+    dp = data_parallel_size(cfg, world_size)
+    stages = estimate(cfg, world_size)
+    lines = [f"memory estimate per rank (TP {p.tensor} × PP {p.pipeline} × DP {dp}, ZeRO {p.zero_stage}"
+             f"{f', HSDP {p.hsdp_group_size}' if p.hsdp_group_size else ''}, {cfg.train.precision}, recompute "
+             f"{cfg.train.recompute}{', SP' if p.sequence_parallel else ''}):"]
+    for s in stages:
+        lines.append(f"  stage {s.stage}: parameters {gib(s.parameters)}, gradients {gib(s.gradients)}, optimizer "
+                     f"{gib(s.optimizer)}, activations {gib(s.activations)} ({s.in_flight:g} × "
+                     f"{gib(s.per_micro_batch)} per micro-batch), comm buffers {gib(s.comm_buffers)}: total "
+                     f"{gib(s.total)}")
+    worst = max(stages, key=lambda s: s.total)
+    if device_memory:
+        fits = worst.total <= device_memory
+        lines.append(f"  {'fits' if fits else 'DOES NOT FIT'}: largest rank total {gib(worst.total)} (stage "
+                     f"{worst.stage}) of {gib(device_memory)} device memory")
+        if not fits:
+            lever = biggest_lever(cfg, world_size)
+            lines.append(f"  biggest lever: {lever[0]} saves {gib(lever[1])} on that rank" if lever else
+                         "  no single setting helps: add ranks (parallel.tensor or parallel.pipeline)")
+    return "\n".join(lines)

@@ -1,0 +1,191 @@
+"""The memory estimate (engine/memory_estimate.py, tools/estimate_memory.py) against what the engine allocates:
+parameters, gradients and optimizer state byte for byte, at ZeRO 0-3, HSDP, TP, PP and bf16; activations
+within 10% of the bytes autograd saves for backward (torch.autograd.graph.saved_tensors_hooks), for each
+recomputation mode, with and without sequence parallelism, on first, middle and last pipeline chunks."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine.config import load_config, validate
+from engine.memory_estimate import chunk_activation, estimate, in_flight, parse_bytes, report
+from engine.model import CausalLM
+from engine.train import Trainer
+from parallel import comm
+from parallel.distributed import DistEnv
+from parallel.tensor import TensorParallel
+from tests.distributed import worker_pools
+
+TINY = "launch/configs/tiny.yaml"
+BASE = ["model.num_layers=4", "run.dir=/tmp/trilith-memory-unused"]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with worker_pools(2) as made:
+        yield made[2]
+
+
+def config(world, *overrides):
+    cfg = load_config(TINY, [*BASE, *overrides])
+    validate(cfg, world)
+    return cfg
+
+
+def storages(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
+    seen = {}
+    for t in tensors:
+        if t is not None:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def allocated(rank, world, *overrides) -> tuple:
+    """(stage, measured (parameters, gradients, optimizer), estimated) of this rank after one training step,
+    the gradients as they stand when the optimizer takes them."""
+    cfg = config(world, *overrides)
+    trainer = Trainer(cfg, DistEnv(rank, world))
+    dp, opt = trainer.data_parallel, trainer.optimizer
+    units = getattr(dp, "units", None)
+    opt.zero_grad = lambda: None  # keep the gradients as the optimizer took them
+    trainer.train_step()  # the optimizer state exists from the first step on
+    if units is None:  # stage 0: the parameters, their .grad, fp32 masters (below fp32) and the moments
+        params = [p for _, p in trainer.named_params]
+        weights, grads = storages(params), storages(p.grad for p in params)
+        state = [t for s in opt.inner.state.values() for k, t in s.items() if k != "step"]
+        optim = storages(state + [m for m, p in zip(opt.master, opt.params) if m is not p])
+    else:
+        stage = cfg.parallel.zero_stage
+        weights = storages(u.param_shard if stage == 3 else u.flat for u in units)
+        grads = sum(storages([u.full_grad, u.full_grad32, u.grad_shard, u.grad32]) for u in units)
+        optim = storages(opt.held_tensors())
+    shard_rank = comm.group_rank(dp.shard_group) if units is not None else 0
+    want = estimate(cfg, world, shard_rank)[trainer.topo.pp_rank]
+    return (trainer.topo.pp_rank, (weights, grads, optim), (want.parameters, want.gradients, want.optimizer))
+
+
+def check_exact(results):
+    for stage, got, want in results:
+        assert got == want, (stage, got, want)
+
+
+@pytest.mark.parametrize("overrides", [[], ["train.precision=bf16"], ["model.tie_embeddings=true",
+                                                                      "model.attention_bias=true"]])
+def test_parameters_gradients_and_optimizer_state_are_exact_on_one_rank(overrides):
+    check_exact([allocated(0, 1, *overrides)])
+
+
+@pytest.mark.parametrize("overrides", [
+    ["parallel.zero_stage=1", "train.precision=bf16"],
+    ["parallel.zero_stage=2", "train.precision=bf16", "parallel.fp32_reduce=[mlp.down_proj]"],
+    ["parallel.zero_stage=3", "train.precision=bf16", "model.tie_embeddings=true"],
+    ["parallel.zero_stage=3", "parallel.hsdp_group_size=1"],
+    ["parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.zero_stage=2", "model.vocab_size=255"],
+    ["parallel.tensor=2", "model.num_kv_heads=1", "train.precision=bf16"],
+    ["parallel.pipeline=2", "model.tie_embeddings=true", "parallel.zero_stage=1", "train.precision=bf16"],
+    ["parallel.pipeline=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2", "model.num_layers=5"],
+])
+def test_parameters_gradients_and_optimizer_state_are_exact_on_every_layout(pool, overrides):
+    check_exact(pool.run(allocated, *overrides))
+
+
+def saved_bytes(chunk: CausalLM, inputs, labels) -> int:
+    """Bytes of the distinct storages autograd saves in one forward of `chunk`, less parameters and the RoPE
+    tables (cached once per chunk, shared by every micro-batch: the estimate counts them apart)."""
+    chunk._rope(chunk.cfg.seq_length, inputs.device, next(chunk.parameters()).dtype)
+    shared = {t.untyped_storage().data_ptr() for t in [*chunk.parameters(), *next(iter(chunk._rope_cache.values()))]}
+    seen = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in shared:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        chunk(inputs, labels if chunk.post_process else None)
+    return sum(seen.values())
+
+
+def chunk_saved(cfg, tp: TensorParallel, layer_ids, pre: bool, post: bool) -> tuple[int, int]:
+    """(saved bytes measured, estimated) of one micro-batch through a chunk of `layer_ids`."""
+    torch.manual_seed(0)
+    chunk = CausalLM(cfg.model, tp, layer_ids=layer_ids, pre_process=pre, post_process=post)
+    chunk.init_weights(cfg.train.seed)
+    chunk.to(dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.train.precision])
+    chunk.set_recompute(cfg.train.recompute)
+    b, s, h = cfg.train.micro_batch_size, cfg.model.seq_length, cfg.model.hidden_size
+    tokens = torch.randint(0, cfg.model.vocab_size, (b, s + 1))
+    local = s // tp.size if tp.sequence_parallel else s
+    inputs = tokens[:, :-1] if pre else torch.randn(b, local, h, dtype=next(chunk.parameters()).dtype,
+                                                    requires_grad=True)
+    got = saved_bytes(chunk, inputs, tokens[:, 1:])
+    return got, chunk_activation(cfg, len(layer_ids), pre, post, b, cfg.train.recompute)
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("part", ["whole", "first", "middle", "last"])
+def test_activations_are_within_10_percent_of_the_bytes_saved_for_backward(recompute, precision, part):
+    cfg = config(1, f"train.recompute={recompute}", f"train.precision={precision}", "model.seq_length=64",
+                 "model.vocab_size=1000")
+    roles = {"whole": (range(4), True, True), "first": (range(2), True, False), "middle": (range(1, 3), False, False),
+             "last": (range(2, 4), False, True)}[part]
+    got, want = chunk_saved(cfg, TensorParallel(), *roles)
+    assert abs(want / got - 1) <= 0.10, (got, want)
+
+
+def tp_saved(rank, world, *overrides):
+    cfg = config(world, "parallel.tensor=2", "model.seq_length=64", "model.vocab_size=1000", *overrides)
+    trainer = Trainer(cfg, DistEnv(rank, world))
+    return chunk_saved(cfg, trainer.tp, range(4), True, True)
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("sp", ["true", "false"])
+def test_activations_under_tensor_and_sequence_parallelism(pool, recompute, sp):
+    for got, want in pool.run(tp_saved, f"train.recompute={recompute}", f"parallel.sequence_parallel={sp}"):
+        assert abs(want / got - 1) <= 0.10, (got, want)
+
+
+def test_schedules_hold_the_micro_batches_their_warm_up_runs_ahead():
+    cfg = config(8, "parallel.pipeline=4", "train.global_batch_size=16", "train.micro_batch_size=2")
+    assert [in_flight(cfg, s, 8) for s in range(4)] == [4, 3, 2, 1]  # 1F1B: PP - stage
+    cfg.parallel.schedule = "gpipe"
+    assert in_flight(cfg, 3, 8) == 8
+    cfg.parallel.schedule, cfg.parallel.virtual_stages = "interleaved", 2
+    assert in_flight(cfg, 0, 8) == (3 * 2 + 4 + 1) / 2 and in_flight(cfg, 3, 8) == (4 + 1) / 2
+
+
+def test_the_report_names_the_biggest_lever_when_it_does_not_fit():
+    cfg = config(8, "parallel.tensor=2", "model.hidden_size=1024", "model.ffn_hidden_size=4096",
+                 "model.vocab_size=32000", "model.seq_length=2048", "train.micro_batch_size=4",
+                 "train.global_batch_size=64", "model.num_attention_heads=16", "model.num_kv_heads=16")
+    text = report(cfg, 8, parse_bytes("1GB"))
+    assert "DOES NOT FIT" in text and "biggest lever: train.recompute=full saves" in text, text
+    assert "fits: largest rank total" in report(cfg, 8, parse_bytes("80GB"))
+
+
+def test_device_memory_sizes_parse_or_name_the_form():
+    assert parse_bytes("80GB") == parse_bytes("80 GiB") == 80 * 2**30 and parse_bytes("8e10") == 80_000_000_000
+    with pytest.raises(ValueError, match="not a size like 80GB"):
+        parse_bytes("eighty")
+
+
+def test_the_tool_prints_the_estimate_and_refuses_bad_input_in_one_line():
+    run = [sys.executable, "tools/estimate_memory.py", "--config", TINY]
+    done = subprocess.run(run + ["--world-size", "2", "--device-memory", "80GB", "parallel.zero_stage=1"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0 and "stage 0: parameters" in done.stdout and "fits" in done.stdout, done.stderr
+    for args, message in ((["--device-memory", "lots"], "not a size like 80GB"),
+                          (["parallel.tensor=3"], "parallel.tensor"), (["model.hidden_sise=1"], "hidden_size")):
+        done = subprocess.run(run + args, capture_output=True, text=True)
+        assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_the_pre_flight_prints_the_real_runs_estimate(tmp_path, capsys):
+    from engine.preflight import main
+    assert main(["--config", TINY, "--steps", "2", f"run.dir={tmp_path}", "model.num_layers=4"]) in (0, 1)
+    out = capsys.readouterr().out
+    assert "the real run's memory estimate per rank (TP 1 × PP 1 × DP 1" in out and "stage 0: parameters" in out
