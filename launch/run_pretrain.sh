@@ -64,123 +64,19 @@ for v in "$NPROC" "$NNODES" "$NODE_RANK" "$MAX_RESTARTS"; do
   [[ "$v" =~ ^[0-9]+$ ]] || { echo "run_pretrain.sh: --nproc/--nnodes/--node-rank/--max-restarts must be integers, got '$v'" >&2; exit 2; }
 done
 
-# A failed run is started again (all ranks; they resume from the latest checkpoint) while restarts are
-# left. Not after success, a signal to this launcher, or a code the ranks left in the stop file: an early
-# stop (3 preempted, 4 GPU health) or a failure a restart would repeat (2 configuration, 1 an unloadable
-# checkpoint or non-finite training; see engine/stop.py).
-INTERRUPTED=0
-restart_allowed() {  # restart_allowed STATUS ATTEMPT
-  [[ "$1" -ne 0 && ! -s "$TRILITH_STOP_FILE" && "$INTERRUPTED" -eq 0 && "$2" -lt "$MAX_RESTARTS" ]]
-}
-announce_restart() {  # announce_restart STATUS ATTEMPT
-  echo "run_pretrain.sh: the run failed (exit $1); restart $(( $2 + 1 )) of $MAX_RESTARTS, resuming from the latest checkpoint" >&2
-}
-# The ranks' stop file (engine/stop.py): a code on the first line, after a GPU-health stop a second line
-# `unhealthy NODE[,NODE...]`. Whatever can write it must not reach bash arithmetic or sbatch --wrap: only
-# digits are a code (anything else is a failure, 1) and only SLURM node-name characters are names.
-STOP_CODE="" UNHEALTHY=""
-read_stop_file() {
-  local code nodes shown
-  STOP_CODE="" UNHEALTHY=""
-  [[ -s "$TRILITH_STOP_FILE" ]] || return 0
-  code="$(head -n 1 "$TRILITH_STOP_FILE")"
-  nodes="$(sed -n 's/^unhealthy //p' "$TRILITH_STOP_FILE" | head -n 1)"
-  if [[ "$code" =~ ^[0-9]{1,3}$ ]] && (( 10#$code <= 255 )); then
-    STOP_CODE=$(( 10#$code ))
-  else
-    printf -v shown '%q' "${code:0:60}"
-    echo "run_pretrain.sh: the ranks' stop file holds no exit code (first line $shown); the run failed" >&2
-    STOP_CODE=1
-  fi
-  if [[ "$nodes" =~ ^[A-Za-z0-9._-]+(,[A-Za-z0-9._-]+)*$ ]]; then
-    UNHEALTHY="$nodes"
-  elif [[ -n "$nodes" ]]; then
-    printf -v shown '%q' "${nodes:0:60}"
-    echo "run_pretrain.sh: ignoring the stop file's unhealthy nodes $shown (not SLURM node names)" >&2
-  fi
-}
-# Before any rank starts: the configuration, for the world size, and (training, on the node of rank 0,
-# which takes the lock) that no live run holds run.dir. A failure is launch/check.py's one line and status
-# 2, not a line per rank and torchrun's report of a failed child.
-check_launch() {  # check_launch WORLD_SIZE
-  local lock=()
-  [[ "$MODULE" == engine.train && "$NODE_RANK" -eq 0 ]] && lock=(--lock)
-  "$PY" "$ROOT/launch/check.py" --world-size "$1" "${lock[@]}" "${ARGS[@]}" || exit "$?"
-}
+# The stop file, the pre-start check and the restart loop (--max-restarts) that both launching paths share.
+source "$ROOT/launch/lib/attempts.sh"
 
 cd "$ROOT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
-# sbatch: this is the batch shell, not a rank. Start one rank per task with srun; requeue on preemption.
+# sbatch: this shell is the batch script, not a rank. It starts one rank per task with srun, restarts and
+# requeues (launch/lib/batch_shell.sh), and exits there.
 if [[ -n "${SLURM_JOB_ID:-}" && -z "${SLURM_STEP_ID:-}" && -z "${RANK:-}" && "$NPROC" -eq 1 ]]; then
-  # Each start of the job (a requeue appends to the same output: --open-mode=append) says where and when.
-  echo "run_pretrain.sh: job $SLURM_JOB_ID starting (SLURM restart count ${SLURM_RESTART_COUNT:-0})" \
-    "on $(hostname) at $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-  check_launch "${SLURM_NTASKS:-1}"
-  # Ranks report an early stop here (rank 0 runs on this, the first, node) and exit 0 so that
-  # --kill-on-bad-exit does not cut the others short, and a final failure's code; see engine/stop.py.
-  TRILITH_STOP_FILE="$(mktemp "${TMPDIR:-/tmp}/trilith-stop.XXXXXX")"
-  export TRILITH_STOP_FILE
-  trap 'rm -f "$TRILITH_STOP_FILE"' EXIT
-  trap 'INTERRUPTED=1' TERM USR1 INT
-  # The rendezvous port: one free on this node (rank 0's) now, chosen again for every attempt (the last
-  # one's may still be held for a moment). Ports derived from the job id would collide between jobs
-  # 20,000 ids apart sharing a first node; the kernel knows which ports are taken.
-  USER_PORT="${MASTER_PORT:-}"
-  attempt=0
-  while :; do
-    : > "$TRILITH_STOP_FILE"
-    MASTER_PORT="${USER_PORT:-$("$PY" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')}"
-    export MASTER_PORT
-    set +e
-    srun --kill-on-bad-exit=1 --export=ALL bash "$ROOT/launch/run_pretrain.sh" "${MODE[@]}" "${ARGS[@]}"
-    status=$?
-    set -e
-    read_stop_file
-    status="${STOP_CODE:-$status}"
-    restart_allowed "$status" "$attempt" || break
-    announce_restart "$status" "$attempt"
-    attempt=$(( attempt + 1 ))
-  done
-  if [[ "$status" -eq 3 && "${TRILITH_REQUEUE:-1}" == 1 ]]; then
-    echo "run_pretrain.sh: preempted (exit 3); requeueing job $SLURM_JOB_ID to resume from run.dir" >&2
-    scontrol requeue "$SLURM_JOB_ID"
-  fi
-  # A GPU-health stop: the same GPU would fail again, so the job goes back to the queue without the nodes
-  # the ranks named (added to any it already excluded) and resumes from run.dir on others. SLURM does not
-  # change a running job's excluded nodes: a one-task job that starts once this one has ended holds it in
-  # the queue, sets them and releases it.
-  if [[ "$status" -eq 4 && -n "$UNHEALTHY" && "${TRILITH_EXCLUDE_UNHEALTHY:-1}" == 1 ]]; then
-    job_info="$(scontrol show job "$SLURM_JOB_ID")"
-    job_field() {  # job_field NAME: the value scontrol shows for the job, empty for (null)
-      sed -n "s/.*[[:space:]]$1=\([^ ]*\).*/\1/p" <<<"$job_info" | head -n 1 | sed 's/^(null)$//'
-    }
-    excluded="$(job_field ExcNodeList)"
-    excluded="${excluded:+$excluded,}$UNHEALTHY"
-    job_out="$(job_field StdOut)"
-    # The helper is charged and queued like the job itself (same partition and account).
-    where=()
-    for field in Partition Account; do
-      value="$(job_field "$field")"
-      [[ -n "$value" ]] && where+=("--${field,,}=$value")
-    done
-    # Every value is quoted for the helper's shell (sbatch --wrap runs a script of the text).
-    printf -v requeue 'scontrol requeuehold %q && scontrol update JobId=%q ExcNodeList=%q && scontrol release %q' \
-      "$SLURM_JOB_ID" "$SLURM_JOB_ID" "$excluded" "$SLURM_JOB_ID"
-    printf -v note 'echo %q >> %q' "run_pretrain.sh: job $SLURM_JOB_ID requeued without node(s) $excluded" "$job_out"
-    if sbatch --quiet "${where[@]}" --job-name="trilith-exclude-$SLURM_JOB_ID" --dependency="afterany:$SLURM_JOB_ID" \
-        --ntasks=1 --cpus-per-task=1 --time=10 --output=/dev/null --wrap "$requeue && $note"
-    then
-      echo "run_pretrain.sh: GPU health stop (exit 4) on $UNHEALTHY; job $SLURM_JOB_ID goes back to the queue" \
-        "without node(s) $excluded once it has ended, to resume from run.dir elsewhere" >&2
-    else
-      echo "run_pretrain.sh: GPU health stop (exit 4) on $UNHEALTHY; could not submit the requeue; do it by hand:" \
-        "$requeue" >&2
-    fi
-  fi
-  exit "$status"
+  source "$ROOT/launch/lib/batch_shell.sh"
 fi
 
+# Below: one rank (an srun or MPI task, or the single process), or this machine's ranks under torchrun.
 # srun task: the rendezvous host is the first node of the job (Python parses the list without scontrol).
 if [[ -n "${SLURM_PROCID:-}" && -z "${MASTER_ADDR:-}" && -z "${RANK:-}" ]] && command -v scontrol >/dev/null; then
   MASTER_ADDR="$(scontrol show hostnames "${SLURM_STEP_NODELIST:-$SLURM_JOB_NODELIST}" | head -n 1)"
@@ -193,53 +89,8 @@ elif [[ "$LOCAL_RANKS" =~ ^[1-9][0-9]*$ ]]; then
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / LOCAL_RANKS > 0 ? $(nproc) / LOCAL_RANKS : 1 ))}"
 fi
 
+# --nproc / --nnodes: start this node's ranks under torchrun (launch/lib/local_ranks.sh), which exits there.
 if [[ "$NPROC" -gt 1 || "$NNODES" -gt 1 ]]; then
-  # Share the cores between ranks instead of every rank spawning one thread per core.
-  CORES=$(nproc)
-  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( CORES / NPROC > 0 ? CORES / NPROC : 1 ))}"
-  if [[ "$NNODES" -eq 1 ]]; then
-    RDZV=(--standalone)
-  else
-    [[ -n "$MASTER" ]] || { echo "run_pretrain.sh: --nnodes $NNODES needs --master-addr (node 0's address)" >&2; exit 2; }
-    RDZV=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --master-addr "$MASTER" --master-port "${PORT:-29500}")
-  fi
-  # torchrun reports any non-zero rank exit as its own failure (1), so the ranks exit 0 from an early stop
-  # and rank 0 leaves the code (3 preempted, 4 GPU health) here; see engine/stop.py. With --nnodes > 1
-  # only node 0's launcher holds rank 0 and returns the code; the other nodes return 0.
-  check_launch "$(( NPROC * NNODES ))"
-  TRILITH_STOP_FILE="$(mktemp "${TMPDIR:-/tmp}/trilith-stop.XXXXXX")"
-  export TRILITH_STOP_FILE
-  trap 'rm -f "$TRILITH_STOP_FILE"' EXIT
-  # Signals for the job go to the ranks (torchrun's children) themselves: SIGTERM/SIGUSR1 stop them after
-  # a checkpoint (torchrun would kill them 30 s later and fail); SIGINT interrupts them as it would one
-  # process (a Ctrl-C reaches torchrun too, which then does the same). Before the ranks exist, torchrun is
-  # just ended. A signalled run is not restarted.
-  TORCHRUN=""
-  signal_ranks() {
-    local ranks
-    INTERRUPTED=1
-    [[ -n "$TORCHRUN" ]] || return 0
-    ranks="$(cat /proc/"$TORCHRUN"/task/*/children 2>/dev/null || true)"
-    if [[ -n "$ranks" ]]; then kill -s "$1" $ranks 2>/dev/null || true
-    else kill -s TERM "$TORCHRUN" 2>/dev/null || true; fi
-  }
-  trap 'signal_ranks TERM' TERM
-  trap 'signal_ranks USR1' USR1
-  trap 'signal_ranks INT' INT
-  attempt=0
-  while :; do
-    : > "$TRILITH_STOP_FILE"
-    "$PY" -m torch.distributed.run "${RDZV[@]}" --nproc-per-node "$NPROC" -m "$MODULE" "${ARGS[@]}" &
-    TORCHRUN=$!
-    # A trapped signal interrupts `wait` while torchrun still runs: wait again until it has exited.
-    while kill -0 "$TORCHRUN" 2>/dev/null; do wait "$TORCHRUN" || true; done
-    status=0
-    wait "$TORCHRUN" || status=$?
-    read_stop_file
-    status="${STOP_CODE:-$status}"
-    restart_allowed "$status" "$attempt" || exit "$status"
-    announce_restart "$status" "$attempt"
-    attempt=$(( attempt + 1 ))
-  done
+  source "$ROOT/launch/lib/local_ranks.sh"
 fi
 exec "$PY" -m "$MODULE" "${ARGS[@]}"

@@ -1,0 +1,45 @@
+# Sourced by launch/run_pretrain.sh for --nproc N (and --nnodes M): this node's ranks under torchrun, again
+# after a failure (--max-restarts). torchrun reports any non-zero rank exit as its own failure (1), so the
+# ranks exit 0 from an early stop and rank 0 leaves the code (3 preempted, 4 GPU health) in the stop file;
+# with --nnodes > 1 only node 0's launcher holds rank 0 and returns the code, the other nodes return 0.
+
+# Share the cores between ranks instead of every rank spawning one thread per core.
+CORES=$(nproc)
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( CORES / NPROC > 0 ? CORES / NPROC : 1 ))}"
+if [[ "$NNODES" -eq 1 ]]; then
+  RDZV=(--standalone)
+else
+  [[ -n "$MASTER" ]] || { echo "run_pretrain.sh: --nnodes $NNODES needs --master-addr (node 0's address)" >&2; exit 2; }
+  RDZV=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --master-addr "$MASTER" --master-port "${PORT:-29500}")
+fi
+
+# Signals for the job go to the ranks (torchrun's children) themselves: SIGTERM/SIGUSR1 stop them after a
+# checkpoint (torchrun would kill them 30 s later and fail); SIGINT interrupts them as it would one process
+# (a Ctrl-C reaches torchrun too, which then does the same). Before the ranks exist, torchrun is just ended.
+# A signalled run is not restarted.
+TORCHRUN=""
+signal_ranks() {
+  local ranks
+  INTERRUPTED=1
+  [[ -n "$TORCHRUN" ]] || return 0
+  ranks="$(cat /proc/"$TORCHRUN"/task/*/children 2>/dev/null || true)"
+  if [[ -n "$ranks" ]]; then kill -s "$1" $ranks 2>/dev/null || true
+  else kill -s TERM "$TORCHRUN" 2>/dev/null || true; fi
+}
+
+start_torchrun() {
+  "$PY" -m torch.distributed.run "${RDZV[@]}" --nproc-per-node "$NPROC" -m "$MODULE" "${ARGS[@]}" &
+  TORCHRUN=$!
+  # A trapped signal interrupts `wait` while torchrun still runs: wait again until it has exited.
+  while kill -0 "$TORCHRUN" 2>/dev/null; do wait "$TORCHRUN" || true; done
+  STATUS=0
+  wait "$TORCHRUN" || STATUS=$?
+}
+
+check_launch "$(( NPROC * NNODES ))"
+make_stop_file
+trap 'signal_ranks TERM' TERM
+trap 'signal_ranks USR1' USR1
+trap 'signal_ranks INT' INT
+run_attempts start_torchrun
+exit "$STATUS"
