@@ -4,19 +4,14 @@ them back per rank."""
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from engine.config import ConfigError, load_config, validate
-from engine.train import Trainer
-from parallel.distributed import DistEnv
 from tests.distributed import worker_pools
+from tests.helpers import ROOT, TINY, tiny_trainer
 from tools.profile_summary import main as summary_main
 from tools.profile_summary import phase_times, self_times
-
-TINY = "launch/configs/tiny.yaml"
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -26,9 +21,8 @@ def pool():
 
 
 def profiled_run(rank, world, run_dir, *overrides):
-    cfg = load_config(TINY, ["model.num_layers=2", f"run.dir={run_dir}", "run.profile_steps=[2, 3]", *overrides])
-    validate(cfg, world)
-    trainer = Trainer(cfg, DistEnv(rank, world))
+    trainer = tiny_trainer("model.num_layers=2", f"run.dir={run_dir}", "run.profile_steps=[2, 3]", *overrides,
+                           rank=rank, world=world, validated=True)
     for _ in range(4):
         trainer.train_step()
     trainer.loader.close()

@@ -1,7 +1,6 @@
 """Stragglers (engine/stragglers.py): on 4 data-parallel ranks, one slowed by a sleep in its forward/backward is
 named, with its host, in the timed step's record and log line; the other ranks show the same time as
 communication wait; metrics.jsonl holds the per-rank table at that step whatever train.log_interval says."""
-import json
 import time
 
 import pytest
@@ -9,11 +8,10 @@ import pytest
 from engine.config import ConfigError, load_config, validate
 from engine.metrics import MetricsLog
 from engine.stragglers import COLUMNS, StepTimer
-from engine.train import Trainer
-from parallel.distributed import DistEnv, node_name
+from parallel.distributed import node_name
 from tests.distributed import worker_pools
+from tests.helpers import TINY, read_metrics, tiny_trainer
 
-TINY = "launch/configs/tiny.yaml"
 SLOW_RANK, DELAY = 2, 0.4
 
 
@@ -24,10 +22,8 @@ def pool():
 
 
 def slowed_run(rank, world, run_dir):
-    cfg = load_config(TINY, ["model.num_layers=2", f"run.dir={run_dir}", "train.steps=3", "train.log_interval=10",
-                             "run.timing_interval=2", "run.health_interval=0"])
-    validate(cfg, world)
-    trainer = Trainer(cfg, DistEnv(rank, world))
+    trainer = tiny_trainer("model.num_layers=2", f"run.dir={run_dir}", "train.steps=3", "train.log_interval=10",
+                           "run.timing_interval=2", "run.health_interval=0", rank=rank, world=world, validated=True)
     if rank == SLOW_RANK:  # a slow GPU or a busy host: this rank's compute takes longer
         forward_backward = trainer.forward_backward
 
@@ -65,7 +61,7 @@ def test_a_slowed_rank_is_named_with_its_host(pool, tmp_path):
         "run.straggler_threshold=1.2" in warnings[0]
     assert all(r[1]["stragglers"] == timed["stragglers"] for r, _ in results)  # every rank agrees
     assert all(w == [] for _, w in results[1:])  # rank 0 alone logs
-    written = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    written = read_metrics(tmp_path)
     assert [r["step"] for r in written] == [2, 3] and written[0]["rank_times"] == table
 
 

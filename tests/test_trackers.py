@@ -13,13 +13,8 @@ from engine.config import load_config
 from engine.train import Trainer
 from engine.train import main as train_main
 from engine.trackers import Trackers, scalars
-
-TINY = "launch/configs/tiny.yaml"
+from tests.helpers import TINY, read_metrics
 SHORT = ["model.num_layers=2", "train.steps=6", "train.log_interval=1", "run.health_interval=0"]
-
-
-def records(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def crash_after(monkeypatch, last_step: int) -> None:
@@ -49,7 +44,7 @@ def test_tensorboard_holds_every_metric_at_every_step_once_across_a_resume(tmp_p
         with pytest.raises(RuntimeError, match="node lost"):
             train_main(args)
     assert train_main(args) == 0
-    written = records(run_dir)
+    written = read_metrics(run_dir)
     assert [r["step"] for r in written] == [1, 2, 3, 4, 5, 4, 5, 6]
     final = {r["step"]: r for r in written}  # the resumed run's records of steps 4 and 5
     events = EventAccumulator(str(tb), size_guidance={"scalars": 0})
@@ -105,7 +100,7 @@ def test_wandb_offline_writes_every_key_and_a_resume_continues_the_same_run(tmp_
     assert len(runs) == 2 and len(list((run_dir / "wandb").glob("offline-run-*"))) == 2  # one id, two sittings
     rows = [row for r in runs for row in wandb_history(r / f"run-{run_id}.wandb")]
     assert [row["_step"] for row in rows] == [1, 2, 3, 4, 4, 5, 6]
-    for row, record in zip(rows, records(run_dir)):
+    for row, record in zip(rows, read_metrics(run_dir)):
         assert {k: v for k, v in row.items() if not k.startswith("_")} == pytest.approx(scalars(record))
 
 
@@ -130,6 +125,6 @@ def test_a_tracker_failing_mid_run_is_one_warning_and_the_run_finishes(tmp_path,
     assert train_main(["--config", TINY, f"run.dir={tmp_path / 'run'}", f"run.tensorboard_dir={tmp_path / 'tb'}",
                        *SHORT]) == 0
     assert calls == [1, 2, 3]  # dropped after the failure
-    assert [r["step"] for r in records(tmp_path / "run")] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3, 4, 5, 6]
     log = (tmp_path / "run" / "logs" / "train.log").read_text()
     assert log.count("TensorBoard failed") == 1 and "OSError: disk full" in log
