@@ -172,3 +172,9 @@ def test_a_window_that_goes_bad_again_stops_the_run_with_status_1(tmp_path, monk
 def test_rollback_settings_that_cannot_work_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate(load_config(TINY, ["checkpoint.interval=2", *overrides]), 1)
+
+
+def test_the_pre_flight_of_a_run_that_rolls_back_is_valid():
+    from engine.preflight import shrink
+    cfg = load_config(TINY, ROLLBACK)
+    validate(shrink(cfg, 1, 10), 1)
