@@ -82,6 +82,8 @@ def test_parameters_gradients_and_optimizer_state_are_exact_on_one_rank(override
     ["parallel.zero_stage=2", "train.precision=bf16", "parallel.fp32_reduce=[mlp.down_proj]"],
     ["parallel.zero_stage=3", "train.precision=bf16", "model.tie_embeddings=true"],
     ["parallel.zero_stage=3", "parallel.hsdp_group_size=1"],
+    ["parallel.zero_stage=2", "model.hidden_size=63", "model.num_attention_heads=3", "model.num_kv_heads=3",
+     "model.ffn_hidden_size=129", "model.vocab_size=255", "model.position_embedding=alibi"],  # odd: units padded
     ["parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.zero_stage=2", "model.vocab_size=255"],
     ["parallel.tensor=2", "model.num_kv_heads=1", "train.precision=bf16"],
     ["parallel.pipeline=2", "model.tie_embeddings=true", "parallel.zero_stage=1", "train.precision=bf16"],
