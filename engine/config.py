@@ -539,6 +539,9 @@ def validate(cfg: Config, world_size: int) -> None:
     if r.profile_steps and (len(r.profile_steps) != 2 or not 1 <= r.profile_steps[0] <= r.profile_steps[1]):
         raise ConfigError(f"run.profile_steps={r.profile_steps} must be [first, last] steps to profile, "
                           f"1 ≤ first ≤ last (e.g. [10, 12]), or [] for none")
+    if r.profile_steps and r.profile_steps[1] > t.steps:
+        raise ConfigError(f"run.profile_steps={r.profile_steps} ends after the run's last step, train.steps="
+                          f"{t.steps}: no trace would be written; profile steps within the run")
     if r.rollback_after > r.spike_window:
         raise ConfigError(f"run.rollback_after={r.rollback_after} bad steps can never fall within run.spike_window="
                           f"{r.spike_window} steps; lower it or widen the window (0 = never roll back)")

@@ -62,6 +62,11 @@ def test_a_bad_step_range_is_one_line_naming_the_key(steps):
         validate(load_config(TINY, [f"run.profile_steps={steps}"]), 1)
 
 
+def test_steps_past_the_end_of_the_run_are_one_line():
+    with pytest.raises(ConfigError, match=r"run.profile_steps=\[19, 21\] ends after the run's last step, train.steps=20"):
+        validate(load_config(TINY, ["run.profile_steps=[19, 21]"]), 1)
+
+
 def test_a_run_dir_without_traces_is_one_line(tmp_path, capsys):
     assert summary_main([str(tmp_path)]) == 1
     err = capsys.readouterr().err
