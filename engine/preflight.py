@@ -58,6 +58,7 @@ def shrink(cfg: Config, world_size: int, steps: int) -> Config:
     t.steps, t.log_interval = steps, max(1, steps // 10)
     small.optim.warmup_steps = min(small.optim.warmup_steps, steps // 10)
     small.checkpoint.interval = 0
+    small.run.profile_steps = []  # the real run's steps to profile; the pre-flight may stop before them
     small.run.rollback_after = 0  # it needs checkpoints, and the pre-flight saves none
     small.run.dir = str(Path(cfg.run.dir) / "preflight")
     return small
