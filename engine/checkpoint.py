@@ -280,9 +280,9 @@ class Checkpointer:
         for path in candidates:
             if is_hf_directory(path):
                 return self.load_hf(path)
-            refuse_light(path)  # weights only: run.dir/light_checkpoints is never searched either
-            problems = self.problems(path)
+            problems = self.problems(path)  # first: a damaged metadata.json is named by its size, not parsed
             if not problems:
+                refuse_light(path)  # weights only: run.dir/light_checkpoints is never searched either
                 return self.load(path)
             message = f"checkpoint {path} is unusable: {'; '.join(problems)}"
             if not self.ck.fallback:
