@@ -47,7 +47,7 @@ from engine.stragglers import StepTimer
 from engine.trackers import Trackers
 from engine.validation import evaluation_due, validation_loss
 from parallel import comm, heartbeat
-from parallel.distributed import DistEnv, describe_failure, init_distributed, shutdown, world_group
+from parallel.distributed import DistEnv, describe_failure, exit_now, init_distributed, shutdown, world_group
 from parallel.micro_batch import MicroBatch
 from parallel.p2p import PipelineComm
 from parallel.pipeline_schedules import forward_backward_no_pipeline, forward_backward_pipeline
@@ -529,4 +529,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import logging
 import os
 import re
 import signal
@@ -250,6 +251,17 @@ def shutdown(clean: bool) -> None:
         comm.all_reduce(torch.zeros(1, device=f"cuda:{torch.cuda.current_device()}" if
                                     dist.get_backend() == "nccl" else "cpu"), world_group())
     dist.destroy_process_group()
+
+
+def exit_now(status: int) -> None:
+    """End a rank's process with `status` after flushing its output, skipping the interpreter's teardown: every
+    file is closed by now, and torch's C++ destructors at teardown can abort a rank whose gloo transport threads
+    are still winding down ("terminate called without an active exception", status -6), turning a finished run
+    into a failure."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def describe_failure(exc: BaseException, env: DistEnv, step: int) -> str:

@@ -194,4 +194,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from parallel.distributed import exit_now
+    exit_now(main())
