@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.batch_ramp import samples_after  # noqa: E402
 from engine.config import ConfigError, load_config  # noqa: E402
 from engine.train import build_split_datasets  # noqa: E402
-from tools._corpus_io import iter_records, parse_record  # noqa: E402
+from tools._corpus_io import CorpusError, iter_records, parse_record  # noqa: E402
 
 PREVIEW_CHARS = 200
 NAME_FIELDS = ("path", "url", "id", "title")  # a raw record's own name for itself, when it has one
@@ -110,7 +110,10 @@ def main(argv=None) -> int:
     for index in indices:
         if index < 0:
             raise SystemExit(f"trace_sample: sample {index} is negative")
-        info = describe(dataset, index, decode)
+        try:
+            info = describe(dataset, index, decode)
+        except CorpusError as exc:  # the raw file behind the sample is damaged: named, not a traceback
+            raise SystemExit(f"trace_sample: {exc}")
         if args.json:
             print(json.dumps(info, default=lambda v: v.item() if hasattr(v, "item") else str(v)))
         else:
