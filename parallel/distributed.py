@@ -258,6 +258,9 @@ def exit_now(status: int) -> None:
     file is closed by now, and torch's C++ destructors at teardown can abort a rank whose gloo transport threads
     are still winding down ("terminate called without an active exception", status -6), turning a finished run
     into a failure."""
+    mpi = sys.modules.get("mpi4py.MPI")  # loaded when an MPI launcher started this rank (discover())
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()  # mpirun counts a rank that exits without it as failed (its atexit hook is skipped)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
