@@ -179,11 +179,18 @@ class Checkpointer:
             self._error = exc
 
     def _write(self, step, file, tensors, file_meta, entries, meta) -> None:
-        """Every rank writes its file; rank 0 commits. Failures (a full disk, say) are agreed by all ranks
-        and raised on each as one CheckpointError, with the temporary directory removed and the previous
-        checkpoint untouched."""
+        self.write_agreed(self.root, step, file, tensors, file_meta, entries,
+                          lambda name, tmp, gathered: self._commit(step, name, tmp, gathered, meta),
+                          failure=f"saving step {step}", fix="Free space (or lower checkpoint.keep) and rerun")
+
+    def write_agreed(self, root: Path, step: int, file: str, tensors: dict, file_meta: dict, entries: dict, commit,
+                     failure: str, fix: str) -> Path:
+        """Every rank writes its file into `root/.tmp-step_N`; rank 0 then runs `commit(name, tmp, gathered)`.
+        Failures (a full disk, say) are agreed by all ranks and raised on each as one CheckpointError, with the
+        temporary directory removed and the previous checkpoint untouched. Full checkpoints and light snapshots
+        (engine/light_snapshot.py) are both written this way."""
         name = step_dir_name(step)
-        tmp = self.root / (TMP_PREFIX + name)
+        tmp = root / (TMP_PREFIX + name)
         try:
             tmp.mkdir(parents=True, exist_ok=True)
             sha, size = write_safetensors(tmp / file, tensors, file_meta)
@@ -194,15 +201,16 @@ class Checkpointer:
         failed = [error for _, _, error in gathered if error]
         if not failed and self.rank == 0:
             try:
-                self._commit(step, name, tmp, gathered, meta)
+                commit(name, tmp, gathered)
             except (OSError, CheckpointError) as exc:
                 failed = [f"rank 0: {exc}"]
         failed = self._gather(failed)[0]
         if failed:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(f"saving step {step} to {self.root / name} failed: {'; '.join(failed)}; earlier "
-                                  f"checkpoints are untouched. Free space (or lower checkpoint.keep) and rerun")
+            raise CheckpointError(f"{failure} to {root / name} failed: {'; '.join(failed)}; earlier checkpoints are "
+                                  f"untouched. {fix}")
+        return root / name
 
     def _commit(self, step, name, tmp, gathered, meta) -> None:
         files = {k: v for _, f, _ in gathered for k, v in f.items()}

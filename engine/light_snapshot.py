@@ -11,13 +11,12 @@ any checkpoint; training never resumes from one (`refuse_light`).
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 
 import torch
 
-from engine.checkpoint_io import (TMP_PREFIX, CheckpointError, apply_retention, commit, remove_stale_tmp,
-                                  set_latest, step_dir_name, step_dirs, write_json, write_safetensors)
+from engine.checkpoint_io import (CheckpointError, apply_retention, commit, remove_stale_tmp, set_latest,
+                                  step_dirs, write_json)
 from engine.checkpoint_manifest import FORMAT, MANIFEST, METADATA, VERSION, load_json, merge_entries, rank_file, \
     tensor_entry
 from engine.config import to_dict
@@ -75,28 +74,10 @@ class LightSnapshots:
             entries[name]["pieces"].append({"file": file, "tp_rank": t.tp_rank if p.tp_dim is not None else 0,
                                             "start": start, "end": end})
             tensors[f"master/{name}"] = state["master"].detach().to("cpu", torch.bfloat16)
-        name = step_dir_name(step)
-        tmp = self.root / (TMP_PREFIX + name)
-        try:
-            tmp.mkdir(parents=True, exist_ok=True)
-            sha, size = write_safetensors(tmp / file, tensors, {"format": "pt"})
-            mine = (entries, {file: {"sha256": sha, "bytes": size}}, None)
-        except (OSError, CheckpointError) as exc:
-            mine = (None, None, f"rank {ck.rank}: {exc}")
-        gathered = ck._gather(mine)
-        failed = [error for _, _, error in gathered if error]
-        if not failed and ck.rank == 0:
-            try:
-                self._commit(step, name, tmp, gathered, consumed_samples)
-            except (OSError, CheckpointError) as exc:
-                failed = [f"rank 0: {exc}"]
-        failed = ck._gather(failed)[0]
-        if failed:
-            if ck.rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(f"saving the light snapshot of step {step} to {self.root / name} failed: "
-                                  f"{'; '.join(failed)}. Free space or set checkpoint.light_interval=0")
-        return self.root / name
+        return ck.write_agreed(self.root, step, file, tensors, {"format": "pt"}, entries,
+                               lambda name, tmp, gathered: self._commit(step, name, tmp, gathered, consumed_samples),
+                               failure=f"saving the light snapshot of step {step}",
+                               fix="Free space or set checkpoint.light_interval=0")
 
     def _commit(self, step: int, name: str, tmp: Path, gathered: list, consumed_samples: int) -> None:
         files = {k: v for _, f, _ in gathered for k, v in f.items()}
