@@ -37,7 +37,7 @@ TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TO
 
 
 class GGUFExportError(ValueError):
-    pass
+    """A model or tokenizer that llama.cpp's llama architecture cannot represent; the message names what."""
 
 
 def permute_rotary(w: torch.Tensor, heads: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ from data.eod import CONFIG_FILES, ROLES, special_tokens, tokenizer_file
 
 
 class TokenizerExportError(ValueError):
-    pass
+    """A tokenizer that cannot be exported as given; the message names the file and the fix."""
 
 
 def _token_text(file: Path, token_id: int) -> str | None:
