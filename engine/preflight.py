@@ -28,7 +28,7 @@ from engine.memory_estimate import device_memory, report
 from engine.stop import final_failure
 from engine.train import Trainer, configure_logging, log, setup_run_dir
 from parallel import comm
-from parallel.distributed import DistEnv, init_distributed, shutdown, world_group
+from parallel.distributed import DistEnv, exit_now, init_distributed, shutdown, world_group
 
 STEPS = 100
 VANISHING_RATIO = 1e-3  # gradient norm below this fraction of the first step's
@@ -158,4 +158,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())
