@@ -1,13 +1,25 @@
 """Point-to-point transport between neighbouring pipeline stages.
 
 Activations travel to the next stage, their gradients back to the previous one. Every exchange is one
-`torch.distributed.batch_isend_irecv` of the sends and receives a schedule tick needs, waited on as a
-whole, so a stage's send and its neighbour's matching receive are always in the same batch on both
-sides (the condition NCCL needs to never deadlock). Shapes are fixed by the configuration —
-[micro_batch, seq_length (/tp under sequence parallelism), hidden] in the compute dtype — so receive
-buffers are allocated without any per-step shape exchange; a send of any other shape is refused.
+`torch.distributed.batch_isend_irecv` of the sends and receives a schedule tick needs, so a stage's send and
+its neighbour's matching receive are always in the same batch on both sides (the condition NCCL needs to
+never deadlock). Shapes are fixed by the configuration — [micro_batch, seq_length (/tp under sequence
+parallelism), hidden] in the compute dtype — so receive buffers are allocated without any per-step shape
+exchange; a send of any other shape is refused.
 
-Every send and receive is recorded in `comm.RECORD` (ops "send" and "recv", group "pp").
+An exchange waits for its receives only: its sends stay in flight while the stage computes (as
+torch.distributed.pipelining does), holding the sent tensors, and are waited for at the next exchange or at
+`finish`, which a schedule calls before the step's loss broadcast. A sent activation's own storage may be
+released meanwhile (`_Steps.release` swaps the tensor's data): the send holds a detached alias of the old
+storage, whose values nothing modifies.
+
+On gloo, which moves each operation on its own threads with no ordering between them, `prefetch_forward`
+posts the next activation's receive alone, before the backward that precedes it in 1F1B, so that its
+transfer overlaps that backward; the next exchange then sends the gradient and waits for that receive. On
+NCCL it does nothing: an operation posted alone runs in order on the communicator's stream, and the batch
+rule above stays the one guarantee.
+
+Every send and receive is recorded in `comm.RECORD` (ops "send" and "recv", group "pp") when posted.
 """
 from __future__ import annotations
 
@@ -22,19 +34,27 @@ from parallel import comm
 FORWARD_TAG, BACKWARD_TAG = 0, 1
 
 
-def batch_isend_irecv(ops: list[tuple[str, torch.Tensor, int, int]], group) -> None:
-    """Run ("send" | "recv", tensor, peer global rank, tag) operations as one batch and wait for all."""
+class _Posted:
+    """The work handles of one posted batch; `wait` waits for all of them (what comm.issue calls)."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
+def batch_isend_irecv(ops: list[tuple[str, torch.Tensor, int, int]], group) -> list:
+    """Post ("send" | "recv", tensor, peer global rank, tag) operations as one batch; returns one work handle
+    per operation, in order (on timed or profiled steps, all already waited for by comm.issue)."""
     if not ops:
-        return
+        return []
     batch = []
     for kind, tensor, peer, tag in ops:
         comm.RECORD.add(kind, group, tensor)
         batch.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, peer, group, tag))
-
-    def exchange():
-        for work in dist.batch_isend_irecv(batch):
-            work.wait()
-    comm.issue("send/recv", group, exchange)
+    return comm.issue("send/recv", group, lambda: _Posted(dist.batch_isend_irecv(batch)), async_op=True).works
 
 
 class PipelineComm:
@@ -47,6 +67,9 @@ class PipelineComm:
         self.pp_rank, self.pp_size = topo.pp_rank, topo.pp_size
         self.next_rank, self.prev_rank = topo.pp_neighbour(1), topo.pp_neighbour(-1)
         self.last_rank = topo.group_ranks["pp"][-1]
+        self.early_receives = dist.get_backend(self.group) == dist.Backend.GLOO
+        self._sending: list = []  # (work, tensor) of sends not yet waited for
+        self._prefetched = None  # (work, buffer) of the next activation's receive, posted early
         # Later batches involve only neighbour pairs; NCCL wants the group's first operation to include all.
         comm.all_reduce(torch.zeros(1, device=device), self.group)
 
@@ -56,25 +79,61 @@ class PipelineComm:
         return cls(topo, (micro_batch_size, seq, model_cfg.hidden_size), dtype, device)
 
     def _checked(self, tensor: torch.Tensor) -> torch.Tensor:
-        if tuple(tensor.shape) != self.shape or tensor.dtype != self.dtype:
+        if tensor.shape != self.shape or tensor.dtype != self.dtype:
             raise RuntimeError(f"pipeline send of {tuple(tensor.shape)} {tensor.dtype}, but stages exchange "
                                f"{self.shape} {self.dtype} (micro_batch, sequence, hidden) fixed by the config")
         return tensor.detach().contiguous()
 
+    def _buffer(self) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
+
+    def finish_sends(self) -> None:
+        for work, _ in self._sending:
+            work.wait()
+        self._sending = []
+
+    def finish(self) -> None:
+        """End of a schedule: wait for the sends still in flight; a prefetched receive left unused means the
+        schedule and its exchanges disagree."""
+        self.finish_sends()
+        if self._prefetched is not None:
+            self._prefetched = None
+            raise RuntimeError("a prefetched pipeline receive was never used: the schedule and its exchanges "
+                               "disagree")
+
+    def prefetch_forward(self) -> None:
+        """Post the receive of the next activation now, if this backend runs it independently (see above)."""
+        if self.early_receives and not self.is_first and self._prefetched is None:
+            buffer = self._buffer()
+            self._prefetched = (batch_isend_irecv([("recv", buffer, self.prev_rank, FORWARD_TAG)], self.group)[0],
+                                buffer)
+
     def communicate(self, send_next=None, send_prev=None, recv_prev: bool = False, recv_next: bool = False):
-        """One batched exchange; returns (activation from previous stage, gradient from next stage)."""
+        """One batched exchange; returns (activation from previous stage, gradient from next stage) once both
+        have arrived. The previous exchange's sends are waited for first: at most one batch's are in flight."""
+        self.finish_sends()
         ops, from_prev, from_next = [], None, None
+        prefetched = None
+        if recv_prev:
+            prefetched, self._prefetched = self._prefetched, None
         if send_next is not None:
             ops.append(("send", self._checked(send_next), self.next_rank, FORWARD_TAG))
-        if recv_prev:
-            from_prev = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        if recv_prev and prefetched is None:
+            from_prev = self._buffer()
             ops.append(("recv", from_prev, self.prev_rank, FORWARD_TAG))
         if send_prev is not None:
             ops.append(("send", self._checked(send_prev), self.prev_rank, BACKWARD_TAG))
         if recv_next:
-            from_next = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            from_next = self._buffer()
             ops.append(("recv", from_next, self.next_rank, BACKWARD_TAG))
-        batch_isend_irecv(ops, self.group)
+        for op, work in zip(ops, batch_isend_irecv(ops, self.group)):
+            if op[0] == "send":
+                self._sending.append((work, op[1]))
+            else:
+                work.wait()
+        if prefetched is not None:
+            prefetched[0].wait()
+            from_prev = prefetched[1]
         if from_prev is not None:
             from_prev.requires_grad_(True)
         return from_prev, from_next

@@ -76,7 +76,7 @@ class _Steps:
 
     def forward(self, chunk_id: int, mb: int, received):
         chunk = self.chunks[chunk_id]
-        start = time.time()
+        start = time.time() if self.trace is not None else 0.0
         args, kwargs = self.micro_batches[mb].forward_args(chunk.pre_process, chunk.post_process, received)
         with named_range("forward"):
             out = chunk(*args, **kwargs)
@@ -95,7 +95,7 @@ class _Steps:
             output.data = torch.empty(1, dtype=output.dtype, device=output.device)
 
     def backward(self, chunk_id: int, mb: int, received, output, output_grad):
-        start = time.time()
+        start = time.time() if self.trace is not None else 0.0
         with named_range("backward"):
             if output_grad is None:  # the last chunk: the output is the scaled loss
                 torch.autograd.backward(output)
@@ -145,6 +145,8 @@ def one_f_one_b(steps: _Steps, pipe) -> None:
         grad = pipe.send_forward_recv_backward(out)
         steps.release(0, out)
         held.append((received, out))
+        if i < remaining - 1:  # the next forward's input arrives during this backward
+            pipe.prefetch_forward()
         old_in, old_out = held.popleft()
         input_grad = steps.backward(0, bwd, old_in, old_out, grad)
         bwd += 1
@@ -267,6 +269,7 @@ def forward_backward_pipeline(schedule: str, chunks, micro_batches: list, pipe, 
     micro_batches = [MicroBatch.of(mb) for mb in micro_batches]
     steps = _Steps(chunks, micro_batches, loss_scale, trace)
     SCHEDULES[schedule](steps, pipe)
+    pipe.finish()
     device = micro_batches[0].tokens.device
     losses = torch.stack(steps.losses) if steps.losses else torch.zeros(len(micro_batches), device=device)
     comm.broadcast(losses, src=pipe.last_rank, group=pipe.group)
@@ -292,6 +295,7 @@ def forward_only_pipeline(chunks, micro_batches: list, pipe) -> torch.Tensor:
                 losses.append(out.float())
             else:
                 pipe.communicate(send_next=out)
+    pipe.finish()
     device = micro_batches[0].tokens.device
     loss = torch.stack(losses).mean() if losses else torch.zeros((), device=device)
     comm.broadcast(loss, src=pipe.last_rank, group=pipe.group)

@@ -7,10 +7,13 @@ holds all m; a TP2×PP2×DP2 run of 8 processes follows the single-process loss 
 import re
 import subprocess
 import sys
+import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from engine.config import Config, ConfigError, ModelConfig, load_config, validate
 from engine.model import CausalLM
@@ -154,6 +157,48 @@ def test_sent_activations_are_released_after_the_send(pool):
         for pp_rank, sizes in pool.run(sent_activation_sizes, schedule, v):
             expected = 8 * v if pp_rank < 3 else 8 * (v - 1)  # the last chunk sends nothing
             assert len(sizes) == expected and all(n == 1 for n in sizes), (schedule, pp_rank, sizes)
+
+
+def _done_before_receive(pipe, first_stage: bool, action, key: str, sent) -> bool:
+    """The first stage runs `action(pipe)`, then sets `key` in the process group's store; the next stage returns
+    whether `key` was set before it posted its own receive (waiting up to 10 s, then receiving anyway, so
+    nothing hangs) and the activation received is `sent`. A gloo send completes only once its receive is
+    posted, so an exchange that waited for its send could not return first."""
+    store = dist.distributed_c10d._get_default_store()
+    if first_stage:
+        action(pipe)
+        store.set(key, "1")
+        return True
+    try:
+        store.wait([key], timedelta(seconds=10))
+        first = True
+    except RuntimeError:  # the store's timeout
+        first = False
+    received = pipe.communicate(recv_prev=True)[0]
+    return first and torch.equal(received, sent)
+
+
+def exchange_overlaps(rank, world, run: int):
+    topo = Topology(Layout(pp=2, dp=world // 2), rank)
+    pipe = PipelineComm.for_model(topo, ModelConfig(**MODEL), MICRO, False, torch.float32, torch.device("cpu"))
+    sent = torch.arange(torch.Size(pipe.shape).numel(), dtype=torch.float32).reshape(pipe.shape)
+    key = f"overlap-{run}-{topo.dp_rank}"
+    results = [_done_before_receive(pipe, topo.is_first_stage, lambda p: p.communicate(send_next=sent),
+                                    key + "-send", sent)]
+    if not topo.is_first_stage:
+        pipe.prefetch_forward()
+    # finish() waits for the send, so it returns only if the receive was already posted by the prefetch
+    results.append(_done_before_receive(pipe, topo.is_first_stage,
+                                        lambda p: (p.communicate(send_next=sent), p.finish()), key + "-prefetch",
+                                        sent))
+    pipe.finish()
+    return results
+
+
+def test_sends_stay_in_flight_and_receives_are_prefetched(pool):
+    """An exchange waits for its receives only, and `prefetch_forward` posts the next activation's receive
+    at once on gloo (1F1B calls it before each steady-state backward), so the transfer overlaps compute."""
+    assert pool.run(exchange_overlaps, time.time_ns()) == [[True, True]] * 4
 
 
 def test_pp2_interleaved_and_explicit_stage_layers(pool):
