@@ -1,9 +1,43 @@
 """The benchmark tools run and print their ratios against a baseline measured in the same run.
 
 Speed itself is never asserted (docs/benchmarks.md); these prove the scripts work on CPU."""
+import os
 import re
+import sys
 
-from tests.helpers import tool
+import pytest
+
+from tests.helpers import ROOT, run_tool, tool
+
+# Megatron-LM's tools/preprocess_data.py, in miniature: its command line, a document for every text whose
+# encoding is not empty (blank ones included), the eos token of tokenizer_config.json appended, GPT-2 from the
+# vocab/merges files beside a "gpt2" folder (the hub model it loads). FLIP changes one token.
+FAKE_MEGATRON = """
+import argparse, json, os, sys
+sys.path.insert(0, {root!r})
+from tokenizers import Tokenizer, models, pre_tokenizers
+from data.indexed import IndexedDatasetBuilder, token_dtype
+p = argparse.ArgumentParser()
+for flag in ("--input", "--output-prefix", "--tokenizer-type", "--tokenizer-model", "--vocab-file", "--merge-file",
+             "--workers", "--log-interval"):
+    p.add_argument(flag)
+p.add_argument("--append-eod", action="store_true")
+a = p.parse_args()
+if a.tokenizer_type == "GPT2BPETokenizer":
+    assert os.path.isdir("gpt2")
+    tok = Tokenizer(models.BPE.from_file(a.vocab_file, a.merge_file))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    eod = tok.token_to_id("<|endoftext|>")
+else:
+    tok = Tokenizer.from_file(os.path.join(a.tokenizer_model, "tokenizer.json"))
+    eod = tok.token_to_id(json.load(open(os.path.join(a.tokenizer_model, "tokenizer_config.json")))["eos_token"])
+out = IndexedDatasetBuilder(a.output_prefix + "_text_document", token_dtype(tok.get_vocab_size()))
+for i, line in enumerate(open(a.input)):
+    ids = tok.encode(json.loads(line)["text"]).ids
+    if ids:
+        out.add_document(ids + [eod ^ 1 if {flip} and i == 3 else eod])
+out.finalize()
+"""
 
 
 def test_bench_train_prints_ratio():
@@ -39,3 +73,52 @@ def test_bench_data_reads_both_kinds_of_shards():
     assert rows["plain .bin"] > 0 and rows["zstd .arrow"] > 0, out
     assert re.search(r"^\| plain \.bin \| [\d.,]+ \| [\d,]+ \| [\d,]+ \| 1\.00x \|", out, re.M), out
     assert float(re.search(r"compression ([\d.]+):1", out).group(1)) > 1.0
+
+
+def _fake_megatron(path, flip):
+    (path / "tools").mkdir(parents=True)
+    (path / "tools" / "preprocess_data.py").write_text(FAKE_MEGATRON.format(root=str(ROOT), flip=flip))
+    return str(path)
+
+
+def test_bench_preprocess_against_megatron_command_line(tmp_path):
+    """--megatron runs the tool with Megatron-LM's flags for each family, reads its output back and compares it
+    document for document; blank documents only Megatron-LM keeps are counted; a changed token is reported."""
+    from tests.helpers import write_jsonl
+    tool("tools/stdlib_corpus.py", "--output", str(tmp_path / "c.jsonl"), "--limit", "12")
+    texts = [__import__("json").loads(line)["text"] for line in open(tmp_path / "c.jsonl")]
+    corpus = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in texts[:6] + ["", "  "] + texts[6:]])
+    args = ["tools/bench_preprocess.py", "--input", corpus, "--families", "gpt2", "llama3", "metaspace",
+            "--vocab-size", "400", "--workers", "1", "--megatron-python", sys.executable]
+    out = tool(*args, "--megatron", _fake_megatron(tmp_path / "same", False))
+    lines = re.findall(r"^  (\w+): megatron-lm preprocess .* vs megatron-lm ([\d.]+)x .* same tokens as "
+                       r"megatron-lm: True \((\d+) blank", out, re.M)
+    # "  " encodes to a space token everywhere; "" only to the BOS of the Llama-3 and Metaspace templates.
+    assert [(f, int(b)) for f, _, b in lines] == [("gpt2", 1), ("llama3", 2), ("metaspace", 2)], out
+    assert all(float(r) > 0 for _, r, _ in lines)
+    done = run_tool(*args, "--megatron", _fake_megatron(tmp_path / "flip", True))
+    assert done.returncode != 0 and "outputs differ for gpt2, llama3, metaspace" in done.stderr, done.stderr
+    assert out.count("same tokens as megatron-lm: True") == 3
+
+
+def test_bench_preprocess_refuses_a_missing_megatron(tmp_path):
+    done = run_tool("tools/bench_preprocess.py", "--input", "x.jsonl", "--families", "gpt2", "--megatron",
+                    str(tmp_path))
+    assert done.returncode == 2 and "has no tools/preprocess_data.py" in done.stderr.splitlines()[-1]
+    done = run_tool("tools/bench_preprocess.py", "--input", "x.jsonl", "--families", "gpt2", "--megatron",
+                    _fake_megatron(tmp_path / "m", False), "--megatron-python", str(tmp_path / "nopython"))
+    assert done.returncode == 2 and "--megatron-python" in done.stderr.splitlines()[-1]
+
+
+MEGATRON = ROOT / "build" / "megatron-lm"
+MEGATRON_PYTHON = ROOT / "build" / "megatron-venv" / "bin" / "python"
+
+
+@pytest.mark.skipif(not (MEGATRON / "tools" / "preprocess_data.py").is_file() or not MEGATRON_PYTHON.is_file(),
+                    reason="Megatron-LM is not set up in build/ (docs/benchmarks.md says how)")
+def test_bench_preprocess_against_real_megatron(tmp_path):
+    tool("tools/stdlib_corpus.py", "--output", str(tmp_path / "c.jsonl"), "--limit", "12")
+    out = tool("tools/bench_preprocess.py", "--input", str(tmp_path / "c.jsonl"), "--families", "gpt2", "metaspace",
+               "--vocab-size", "400", "--workers", "1", "--megatron", str(MEGATRON), "--megatron-python",
+               str(MEGATRON_PYTHON), timeout=600)
+    assert out.count("same tokens as megatron-lm: True") == 2, out

@@ -1,7 +1,9 @@
-"""Time tools/preprocess_data.py against a plain one-document-at-a-time `tokenizers` loop.
+"""Time tools/preprocess_data.py against a plain one-document-at-a-time `tokenizers` loop, and against
+Megatron-LM's own tools/preprocess_data.py.
 
     python tools/bench_preprocess.py --input corpus.jsonl --tokenizer-model tok/tokenizer.json
-    python tools/bench_preprocess.py --input corpus.jsonl --families gpt2 llama3 metaspace
+    python tools/bench_preprocess.py --input corpus.jsonl --families gpt2 llama3 metaspace \\
+        [--megatron Megatron-LM/ --megatron-python megatron-venv/bin/python]
 
 With --families, a tokenizer of each family is trained here on the corpus's first documents (no download):
 GPT-2 (ByteLevel), Llama-3-style (regex Split + ByteLevel, a BOS template) and Metaspace (Llama 2 / Mistral:
@@ -9,11 +11,21 @@ GPT-2 (ByteLevel), Llama-3-style (regex Split + ByteLevel, a BOS template) and M
 wall time, start-up included) and the plain loop in-process (`tokenizer.encode(text).ids` + EOD per
 document); the outputs are compared token for token, then both times, the ratio and whether the workers
 used the chunk cache (the tool's own summary) are printed.
+
+With --megatron (a Megatron-LM checkout and a Python that imports it), Megatron-LM's tool runs on the same
+corpus, tokenizer, worker count and --append-eod: GPT-2 as `--tokenizer-type GPT2BPETokenizer` with the
+tokenizer's vocab.json/merges.txt, the others as `HuggingFaceTokenizer` with a directory holding the
+tokenizer.json and a tokenizer_config.json naming the end-of-document token as eos_token. Its output is read
+back with data/indexed.py and compared document for document with Trilith's; the blank documents Trilith
+skips (a reject reason) and Megatron-LM keeps, as the template's tokens + EOD, are checked and counted.
+--repeat N alternates the three timings N times and prints their medians (a shared machine is noisy).
 """
 import argparse
 import json
 import os
 import resource
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,6 +42,7 @@ from tools._chunk_rules import SPLIT_PATTERNS  # noqa: E402
 
 FAMILIES = ("gpt2", "llama3", "metaspace")
 EOD = {"gpt2": "<|endoftext|>", "llama3": "<|end_of_text|>", "metaspace": "</s>"}
+BOS = {"llama3": "<|begin_of_text|>", "metaspace": "<s>"}
 
 
 def build_family(family, texts, vocab_size, path):
@@ -56,7 +69,7 @@ def build_family(family, texts, vocab_size, path):
     tok.train_from_iterator(texts, trainer)
     if family == "metaspace":
         tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
-    bos = {"llama3": "<|begin_of_text|>", "metaspace": "<s>"}.get(family)
+    bos = BOS.get(family)
     if bos:
         tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
                                                            special_tokens=[(bos, tok.token_to_id(bos))])
@@ -64,44 +77,130 @@ def build_family(family, texts, vocab_size, path):
     return EOD[family]
 
 
-def read_texts(path, limit=None):
+def read_texts(path, limit=None, blank=False):
+    """The corpus's texts in order; with `blank`, the whitespace-only ones too (Trilith skips those)."""
     texts = []
     with open(path, encoding="utf-8") as f:
         for line in f:
             text = json.loads(line).get("text") if line.strip() else None
-            if isinstance(text, str) and text.strip():
+            if isinstance(text, str) and (blank or text.strip()):
                 texts.append(text)
                 if limit and len(texts) == limit:
                     break
     return texts
 
 
-def bench(corpus, tokenizer_path, eod_token, workers, tmp):
-    """(documents, tokens, plain seconds, Trilith seconds, identical, Trilith's cache report, plain CPU seconds,
-    Trilith CPU seconds: on a shared machine the CPU times say more than the wall times)."""
+def timed(cmd, **kwargs):
+    """(wall seconds, CPU seconds of the process and its children, completed process) of one command."""
+    start, cpu = time.time(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    done = subprocess.run(cmd, capture_output=True, text=True, **kwargs)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.time() - start, after.ru_utime + after.ru_stime - cpu.ru_utime - cpu.ru_stime, done
+
+
+def run_trilith(corpus, tokenizer_path, eod_token, workers, prefix):
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", corpus,
+           "--output-prefix", prefix, "--tokenizer-model", tokenizer_path, "--workers", str(workers), "--quiet"]
+    if eod_token:
+        cmd += ["--append-eod", "--eod-token", eod_token]
+    wall, cpu, done = timed(cmd)
+    if done.returncode:
+        raise SystemExit(f"bench_preprocess: tools/preprocess_data.py failed: {done.stderr.strip()[-2000:]}")
+    return wall, cpu, done.stdout.split("; ")[-1].splitlines()[0]
+
+
+def megatron_tokenizer(name, tokenizer_path, eod_token, folder):
+    """Megatron-LM's tokenizer flags for a tokenizer.json, written into `folder` (Megatron-LM runs there)."""
+    from tokenizers import Tokenizer
+    os.makedirs(folder, exist_ok=True)
+    if name == "gpt2":
+        # GPT2BPETokenizer loads the Hugging Face model named "gpt2" with the given vocab/merges files; a folder
+        # of that name in the working directory stands in for the hub and holds the same two files.
+        hub = os.path.join(folder, "gpt2")
+        os.makedirs(hub, exist_ok=True)
+        vocab, merges = Tokenizer.from_file(tokenizer_path).model.save(hub)
+        with open(os.path.join(hub, "tokenizer_config.json"), "w") as f:
+            json.dump({"tokenizer_class": "GPT2Tokenizer"}, f)
+        return ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges]
+    shutil.copy(tokenizer_path, os.path.join(folder, "tokenizer.json"))
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eod_token, "bos_token": BOS.get(name)},
+                  f)
+    return ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", folder]
+
+
+def run_megatron(args, name, tokenizer_path, eod_token, prefix):
+    """Megatron-LM's tools/preprocess_data.py, whole process: (wall seconds, CPU seconds)."""
+    folder = prefix + "_tokenizer"
+    flags = megatron_tokenizer(name, tokenizer_path, eod_token, folder)
+    cmd = [args.megatron_python, os.path.join(args.megatron, "tools", "preprocess_data.py"), "--input", args.input,
+           "--output-prefix", prefix, *flags, "--append-eod", "--workers", str(args.workers),
+           "--log-interval", "100000000"]
+    wall, cpu, done = timed(cmd, cwd=folder, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    if done.returncode:
+        raise SystemExit(f"bench_preprocess: Megatron-LM's tools/preprocess_data.py failed ({name}); its "
+                         f"output ends:\n{done.stderr.strip()[-2000:]}")
+    return wall, cpu
+
+
+def same_as_megatron(ours, theirs, texts, tok, eod):
+    """(identical, blank documents Megatron-LM kept): `theirs` holds a document for every text whose encoding
+    is not empty, blank ones included; `ours` for the texts that are not blank."""
+    i = j = kept_blank = 0
+    for text in texts:
+        if text.strip():
+            if j >= len(theirs) or i >= len(ours) or not np.array_equal(ours[i], theirs[j]):
+                return False, kept_blank
+            i, j = i + 1, j + 1
+        elif tok.encode(text).ids:
+            if j >= len(theirs) or theirs[j].tolist() != tok.encode(text).ids + [eod]:
+                return False, kept_blank
+            j, kept_blank = j + 1, kept_blank + 1
+    return i == len(ours) and j == len(theirs), kept_blank
+
+
+def bench(args, name, tokenizer_path, eod_token, tmp):
+    """One tokenizer: the medians of --repeat alternating timings, the outputs compared."""
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(tokenizer_path)
     eod = tok.token_to_id(eod_token) if eod_token else None
-    prefix = os.path.join(tmp, "bench")
-    cmd = [sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", corpus,
-           "--output-prefix", prefix, "--tokenizer-model", tokenizer_path, "--workers", str(workers), "--quiet"]
-    if eod is not None:
-        cmd += ["--append-eod", "--eod-token", eod_token]
-    start, cpu = time.time(), resource.getrusage(resource.RUSAGE_CHILDREN)
-    done = subprocess.run(cmd, check=True, capture_output=True, text=True)
-    trilith = time.time() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    trilith_cpu = after.ru_utime + after.ru_stime - cpu.ru_utime - cpu.ru_stime
-    cache = done.stdout.split("; ")[-1].splitlines()[0]
-    ds = IndexedDataset(prefix + "_text_document")
-    start, cpu = time.time(), time.process_time()
-    plain = [tok.encode(text).ids + ([eod] if eod is not None else []) for text in read_texts(corpus)]
-    baseline, baseline_cpu = time.time() - start, time.process_time() - cpu
-    identical = len(plain) == len(ds) and all(np.array_equal(ds[i], ids) for i, ids in enumerate(plain))
-    for path in os.listdir(tmp):
-        if path.startswith("bench"):
-            os.remove(os.path.join(tmp, path))
-    return len(plain), sum(map(len, plain)), baseline, trilith, identical, cache, baseline_cpu, trilith_cpu
+    ours_prefix, theirs_prefix = os.path.join(tmp, f"trilith_{name}"), os.path.join(tmp, f"megatron_{name}")
+    times = {"plain": [], "trilith": [], "megatron": []}
+    for _ in range(args.repeat):
+        for path in os.listdir(tmp):  # the tools refuse to overwrite their outputs
+            if path.startswith(("trilith_", "megatron_")):
+                path = os.path.join(tmp, path)
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        wall, cpu, cache = run_trilith(args.input, tokenizer_path, eod_token, args.workers, ours_prefix)
+        times["trilith"].append((wall, cpu))
+        start, cpu = time.time(), time.process_time()
+        plain = [tok.encode(text).ids + ([eod] if eod is not None else []) for text in read_texts(args.input)]
+        times["plain"].append((time.time() - start, time.process_time() - cpu))
+        if args.megatron:
+            times["megatron"].append(run_megatron(args, name, tokenizer_path, eod_token, theirs_prefix))
+    ours = IndexedDataset(ours_prefix + "_text_document")
+    result = {key: tuple(statistics.median(t[k] for t in runs) for k in (0, 1)) for key, runs in times.items() if runs}
+    result.update(docs=len(plain), tokens=sum(map(len, plain)), cache=cache,
+                  identical=len(plain) == len(ours) and all(np.array_equal(ours[i], ids) for i, ids in enumerate(plain)))
+    if args.megatron:
+        result["megatron_identical"], result["megatron_blank"] = same_as_megatron(
+            ours, IndexedDataset(theirs_prefix + "_text_document"), read_texts(args.input, blank=True), tok, eod)
+    return result
+
+
+def report(name, r, workers):
+    docs, (plain, plain_cpu), (ours, ours_cpu) = r["docs"], r["plain"], r["trilith"]
+    line = (f"{name}: {docs:,} documents, {r['tokens']:,} tokens; plain per-document encode {plain:.2f} s "
+            f"({plain_cpu:.2f} s CPU); trilith preprocess ({workers} workers, whole process) {ours:.2f} s "
+            f"({ours_cpu:.2f} s CPU, {docs / ours:,.0f} docs/s); speed-up {plain / ours:.2f}x "
+            f"(CPU {plain_cpu / max(ours_cpu, 1e-9):.2f}x); outputs identical: {r['identical']}; {r['cache']}")
+    if "megatron" in r:
+        theirs, theirs_cpu = r["megatron"]
+        line += (f"\n  {name}: megatron-lm preprocess ({workers} workers, whole process) {theirs:.2f} s ({theirs_cpu:.2f} s "
+                 f"CPU, {docs / theirs:,.0f} docs/s); vs megatron-lm {theirs / ours:.2f}x (CPU "
+                 f"{theirs_cpu / max(ours_cpu, 1e-9):.2f}x); same tokens as megatron-lm: {r['megatron_identical']}"
+                 f" ({r['megatron_blank']} blank documents it keeps and Trilith skips)")
+    return line
 
 
 def main(argv=None):
@@ -113,9 +212,24 @@ def main(argv=None):
     p.add_argument("--vocab-size", type=int, default=8000, help="--families: vocabulary size")
     p.add_argument("--train-docs", type=int, default=300, help="--families: documents to train on")
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--repeat", type=int, default=1, help="alternating timings per tokenizer; medians are printed")
+    p.add_argument("--megatron", help="a Megatron-LM checkout: also time its tools/preprocess_data.py")
+    p.add_argument("--megatron-python", default=sys.executable, help="--megatron: a Python that imports it")
     args = p.parse_args(argv)
     if bool(args.tokenizer_model) == bool(args.families):
         p.error("give --tokenizer-model or --families")
+    if args.repeat < 1 or args.workers < 1:
+        p.error("--repeat and --workers must be at least 1")
+    if args.megatron and not os.path.isfile(os.path.join(args.megatron, "tools", "preprocess_data.py")):
+        p.error(f"--megatron {args.megatron!r} has no tools/preprocess_data.py; give a Megatron-LM checkout")
+    if args.megatron and not shutil.which(args.megatron_python):
+        p.error(f"--megatron-python {args.megatron_python!r} is not a Python found here; give the path of one "
+                f"whose environment imports Megatron-LM")
+    # Megatron-LM runs in a folder of its own (see megatron_tokenizer): the paths must not be relative.
+    args.input = os.path.abspath(args.input)
+    if args.megatron:
+        args.megatron = os.path.abspath(args.megatron)
+        args.megatron_python = os.path.abspath(shutil.which(args.megatron_python))
     failed = []
     with tempfile.TemporaryDirectory() as tmp:
         runs = [("given", args.tokenizer_model, args.eod_token)] if args.tokenizer_model else []
@@ -124,14 +238,9 @@ def main(argv=None):
             runs.append((family, path, build_family(family, read_texts(args.input, args.train_docs),
                                                     args.vocab_size, path)))
         for name, path, eod in runs:
-            docs, tokens, baseline, trilith, identical, cache, baseline_cpu, trilith_cpu = bench(
-                args.input, path, eod, args.workers, tmp)
-            print(f"{name}: {docs:,} documents, {tokens:,} tokens; plain per-document encode {baseline:.2f} s "
-                  f"({baseline_cpu:.2f} s CPU); trilith preprocess ({args.workers} workers, whole process) "
-                  f"{trilith:.2f} s ({trilith_cpu:.2f} s CPU); speed-up {baseline / trilith:.2f}x "
-                  f"(CPU {baseline_cpu / max(trilith_cpu, 1e-9):.2f}x); outputs identical: {identical}; {cache}",
-                  flush=True)
-            if not identical:
+            result = bench(args, name, path, eod, tmp)
+            print(report(name, result, args.workers), flush=True)
+            if not result["identical"] or not result.get("megatron_identical", True):
                 failed.append(name)
     if failed:
         raise SystemExit(f"bench_preprocess: outputs differ for {', '.join(failed)}")
