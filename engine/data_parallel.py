@@ -21,7 +21,7 @@ def build_data_parallel(cfg: Config, topo, tp, chunks: list, named_params: list,
     tied = topo.embedding_group if cfg.model.tie_embeddings else None  # embedding + its last-stage copy
     if p.zero_stage == 0:
         ddp = BucketedDDP(named_params, topo.dp_group, tp, chunks, p.bucket_mb, p.fp32_reduce, hierarchy, tied)
-        return ddp, MixedPrecisionAdamW(named_params, cfg.optim, topo, cfg.train.precision)
+        return ddp, MixedPrecisionAdamW(named_params, cfg.optim, topo, cfg.train.precision, ddp)
     hsdp = topo.build_hierarchical_dp(p.hsdp_group_size) if p.hsdp_group_size else None
     unit_groups = topo.build_unit_groups(max_units(cfg)) if p.unit_process_groups else None
     sdp = ShardedDataParallel(chunks, p.zero_stage, topo.dp_group, topo.dp_size, tp, dtype,

@@ -230,13 +230,13 @@ def estimate_activations(cfg: Config, stage: int, dp: int) -> int:
 
 
 def comm_bytes(cfg: Config, units: list, largest_unit: int, e: int, dp: int) -> int:
-    """Transient buffers of the collectives, at their peak: stage 0's gradient buckets in flight (all of them,
-    at the end of backward), stage ≥ 2's full gradients of up to three units in reduction, stage 3's two
+    """Buffers of the collectives, at their peak: stage 0's fp32 copies of the low-precision gradients summed in
+    fp32 (the rest is reduced in place), stage ≥ 2's full gradients of up to three units in reduction, stage 3's two
     gathered units (the one in use and the prefetched one), and the pipeline's activation messages."""
     p, m, t = cfg.parallel, cfg.model, cfg.train
-    stage_params = sum(n for unit in units for _, n in unit)
     if p.zero_stage == 0:
-        total = stage_params * e if dp > 1 else 0
+        total = FP32 * sum(n for unit in units for name, n in unit if reduces_in_fp32(name, p.fp32_reduce)) \
+            if dp > 1 and e != FP32 else 0
     else:
         total = (3 * largest_unit if p.zero_stage >= 2 else 0) + (2 * largest_unit if p.zero_stage == 3 else 0)
     if p.pipeline > 1:

@@ -46,10 +46,12 @@ def no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
 
 
 class MixedPrecisionAdamW:
-    """Holds fp32 master copies of low-precision model parameters (or uses fp32 parameters directly)."""
+    """Holds fp32 master copies of low-precision model parameters (or uses fp32 parameters directly).
+    `gradients`, when given, owns the parameters' `.grad` storage (parallel/ddp.BucketedDDP: views into
+    persistent buckets) and zeroes it in `zero_grad`."""
 
-    def __init__(self, named_params: list, cfg: OptimConfig, topo, precision: str):
-        self.cfg, self.topo = cfg, topo
+    def __init__(self, named_params: list, cfg: OptimConfig, topo, precision: str, gradients=None):
+        self.cfg, self.topo, self.gradients = cfg, topo, gradients
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         self.master = [p if p.dtype == torch.float32 else p.detach().float().clone().requires_grad_(True)
@@ -65,10 +67,14 @@ class MixedPrecisionAdamW:
         self.writes_state = topo.dp_rank == 0
 
     def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
-        for m in self.master:
-            m.grad = None
+        if self.gradients is not None:
+            self.gradients.zero_grad()
+        else:
+            for p in self.params:
+                p.grad = None
+        for p, m in zip(self.params, self.master):
+            if m is not p:  # an fp32 parameter is its own master: its `.grad` is handled above
+                m.grad = None
 
     def _gather_master_grads(self) -> None:
         for p, m in zip(self.params, self.master):

@@ -1,16 +1,22 @@
 """Bucketed data parallelism for replicated parameters (zero_stage 0), hand-written on `parallel.comm`.
 
-Gradients are averaged over the data-parallel group in buckets of about `bucket_mb` megabytes. Each
-parameter's `register_post_accumulate_grad_hook` counts its backward passes in the step; on the last
-micro-batch it marks itself ready, and a bucket whose parameters are all ready is flattened and its
-all-reduce launched asynchronously at once, so communication overlaps the rest of backward. Earlier
-micro-batches only accumulate locally (no communication). `finish_gradients()` waits for the buckets,
-copies the averages back into `.grad` and sums the gradients of TP-replicated-gradient parameters over TP.
+Gradients live in persistent contiguous buckets of about `bucket_mb` megabytes, as in Megatron's
+parameter-and-gradient buffer: each bucket owns one flat buffer, and each parameter's `.grad` is a view into
+it, set once at construction. Autograd accumulates into an existing `.grad` in place, so backward writes
+straight into the buckets, the all-reduce runs on the buffer itself, and a step allocates and copies no
+gradient memory. `zero_grad()` zeroes each buffer (one kernel per bucket) instead of dropping the gradients.
+
+Each parameter's `register_post_accumulate_grad_hook` counts its backward passes in the step; on the last
+micro-batch it marks itself ready, and a bucket whose parameters are all ready is divided by the group size
+and its all-reduce launched asynchronously at once, so communication overlaps the rest of backward. Earlier
+micro-batches only accumulate locally (no communication). `finish_gradients()` waits for the buckets and
+sums the gradients of TP-replicated-gradient parameters over TP.
 
 Parameters whose name matches `fp32_names` (norm weights by default) go into fp32 buckets, so their sum
-over ranks is taken in fp32 even when the model computes in bf16/fp16. With `hierarchy=(intra, inter)` an
-all-reduce becomes reduce-scatter inside the node group, all-reduce across nodes, all-gather inside the
-node group (NCCL grouping); it then runs synchronously, stage after stage.
+over ranks is taken in fp32 even when the model computes in bf16/fp16. Their low-precision `.grad` cannot be
+a view of an fp32 buffer: those (few, small) gradients are copied in at launch and back after the reduction.
+With `hierarchy=(intra, inter)` an all-reduce becomes reduce-scatter inside the node group, all-reduce across
+nodes, all-gather inside the node group (NCCL grouping); it then runs synchronously, stage after stage.
 """
 from __future__ import annotations
 
@@ -34,12 +40,29 @@ def hierarchical_all_reduce(flat: torch.Tensor, intra, inter) -> None:
 
 
 class _Bucket:
-    def __init__(self, params: list, dtype: torch.dtype, pad_to: int):
-        self.params, self.dtype = params, dtype
+    """One contiguous gradient buffer and, per parameter, the view of it shaped like the parameter. When every
+    parameter has the buffer's dtype (`in_place`) the views are the parameters' `.grad`; otherwise the
+    gradients are copied through the buffer around the reduction."""
+
+    def __init__(self, params: list, dtype: torch.dtype, pad_to: int, in_place: bool):
+        self.params, self.dtype, self.in_place = params, dtype, in_place
         numel = sum(p.numel() for p in params)
-        self.numel = -(-numel // pad_to) * pad_to
+        self.buffer = torch.zeros(-(-numel // pad_to) * pad_to, dtype=dtype, device=params[0].device)
+        self.views, offset = [], 0
+        for p in params:
+            self.views.append(self.buffer[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
         self.ready = 0
-        self.flat = self.handle = None
+        self.launched = False
+        self.handle = None
+
+    def attach(self) -> None:
+        """Point every `.grad` at its view (keeping a gradient already accumulated)."""
+        for p, view in zip(self.params, self.views):
+            if p.grad is not view:
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                p.grad = view
 
 
 class BucketedDDP:
@@ -57,6 +80,7 @@ class BucketedDDP:
         ordered = [(n, p) for n, p in reversed(named_params) if p.requires_grad]
         self.buckets: list[_Bucket] = []
         self.bucket_of: dict = {}
+        self.own_grads: list = []  # low-precision parameters of fp32 buckets when there is nothing to reduce
         limit = bucket_mb * 2**20
         for fp32 in (False, True):
             members = [p for n, p in ordered if reduces_in_fp32(n, fp32_names) == fp32]
@@ -76,7 +100,13 @@ class BucketedDDP:
                 p.register_post_accumulate_grad_hook(self._on_grad)
 
     def _add_bucket(self, params, dtype, pad_to) -> None:
-        bucket = _Bucket(list(params), dtype, pad_to)
+        in_place = all(p.dtype == dtype for p in params)
+        if not in_place and self.dp_size == 1:  # nothing to reduce: no fp32 buffer is needed
+            self.own_grads += params
+            return
+        bucket = _Bucket(list(params), dtype, pad_to, in_place)
+        if in_place:
+            bucket.attach()
         self.buckets.append(bucket)
         for p in params:
             self.bucket_of[p] = bucket
@@ -87,6 +117,18 @@ class BucketedDDP:
         self.launched_in_backward = 0
         for p in self.calls:
             self.calls[p] = 0
+
+    def zero_grad(self) -> None:
+        """Zero every bucket in place (the views stay the `.grad`s); copied gradients are dropped as usual."""
+        for bucket in self.buckets:
+            if bucket.in_place:
+                bucket.buffer.zero_()
+                bucket.attach()  # in case something replaced a `.grad` since the last step
+            else:
+                for p in bucket.params:
+                    p.grad = None
+        for p in self.own_grads:
+            p.grad = None
 
     def _on_grad(self, param: torch.Tensor) -> None:
         self.calls[param] += 1
@@ -99,37 +141,34 @@ class BucketedDDP:
             self.launched_in_backward += 1
 
     def _launch(self, bucket: _Bucket) -> None:
-        flat = torch.zeros(bucket.numel, dtype=bucket.dtype, device=bucket.params[0].device)
-        offset = 0
-        for p in bucket.params:
-            if p.grad is not None:
-                flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
-            offset += p.numel()
-        flat.div_(self.dp_size)
-        bucket.flat = flat
+        if not bucket.in_place:
+            for p, view in zip(bucket.params, bucket.views):
+                if p.grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(p.grad)
+        bucket.buffer.div_(self.dp_size)
+        bucket.launched = True
         if self.hierarchy:
-            hierarchical_all_reduce(flat, *self.hierarchy)
+            hierarchical_all_reduce(bucket.buffer, *self.hierarchy)
         else:
-            bucket.handle = comm.all_reduce(flat, self.dp_group, async_op=True)
+            bucket.handle = comm.all_reduce(bucket.buffer, self.dp_group, async_op=True)
 
     def finish_gradients(self) -> None:
-        """Wait for every bucket, write the averages into `.grad`, then sum TP-partial gradients over TP."""
+        """Wait for every bucket (the averages are then in `.grad`), then sum TP-partial gradients over TP."""
         if self.dp_size > 1:
             for bucket in self.buckets:
-                if bucket.flat is None:  # a parameter that received no gradient this step
+                if not bucket.launched:  # a parameter that received no gradient this step
                     self._launch(bucket)
                 if bucket.handle is not None:
                     bucket.handle.wait()
-                offset = 0
-                for p in bucket.params:
-                    value = bucket.flat[offset:offset + p.numel()].view_as(p)
-                    if p.grad is None:
-                        p.grad = value.to(p.dtype)
-                    else:
-                        p.grad.copy_(value)
-                    offset += p.numel()
-                bucket.flat = bucket.handle = None
-                bucket.ready = 0
+                if not bucket.in_place:
+                    for p, view in zip(bucket.params, bucket.views):
+                        if p.grad is None:
+                            p.grad = view.to(p.dtype)
+                        else:
+                            p.grad.copy_(view)
+                bucket.launched, bucket.handle, bucket.ready = False, None, 0
         for chunk in self.chunks:
             allreduce_replicated_grads(chunk, self.tp)
         for p in self.tied:  # the embedding and its output-layer copy on the last pipeline stage
@@ -145,4 +184,5 @@ class BucketedDDP:
                 yield name, p, 0, p.grad.reshape(-1)
 
     def grad_bytes(self) -> int:
-        return sum(p.grad.numel() * p.grad.element_size() for p in self.calls if p.grad is not None)
+        params = [*self.calls, *self.own_grads]
+        return sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
