@@ -90,6 +90,8 @@ class ParallelConfig:
     timeout_minutes: float = 10.0  # collective timeout: a dead or hung rank ends the job instead of hanging it
     bucket_mb: float = 25.0  # zero_stage 0: size of each gradient all-reduce bucket (MB)
     unit_process_groups: bool = False  # one DP communicator per sharding unit (zero_stage >= 1)
+    zero3_keep_last_gathered: bool = True  # zero_stage 3: the unit run last in forward (final norm + LM head)
+        # stays gathered until its backward instead of being freed and gathered again (pipeline: +1 unit per chunk)
     hsdp_group_size: int = 0  # shard within groups of this many DP ranks, replicate across them; 0 = plain
     hierarchical_node_size: int = 0  # reduce inside groups of this many DP ranks first, then across; 0 = flat
     fp32_reduce: list = field(default_factory=list)  # parameter-name substrings whose gradients are reduced in

@@ -25,7 +25,7 @@ def build_data_parallel(cfg: Config, topo, tp, chunks: list, named_params: list,
     hsdp = topo.build_hierarchical_dp(p.hsdp_group_size) if p.hsdp_group_size else None
     unit_groups = topo.build_unit_groups(max_units(cfg)) if p.unit_process_groups else None
     sdp = ShardedDataParallel(chunks, p.zero_stage, topo.dp_group, topo.dp_size, tp, dtype,
-                              p.fp32_reduce, unit_groups, hsdp, hierarchy, tied)
+                              p.fp32_reduce, unit_groups, hsdp, hierarchy, tied, p.zero3_keep_last_gathered)
     return sdp, ZeroAdamW(sdp, cfg.optim, topo, cfg.train.precision)
 
 

@@ -232,13 +232,17 @@ def estimate_activations(cfg: Config, stage: int, dp: int) -> int:
 def comm_bytes(cfg: Config, units: list, largest_unit: int, e: int, dp: int) -> int:
     """Buffers of the collectives, at their peak: stage 0's fp32 copies of the low-precision gradients summed in
     fp32 (the rest is reduced in place), stage ≥ 2's full gradients of up to three units in reduction, stage 3's two
-    gathered units (the one in use and the prefetched one), and the pipeline's activation messages."""
+    gathered units (the one in use and the prefetched one) plus, under a pipeline with
+    parallel.zero3_keep_last_gathered, each chunk's last unit (kept gathered while its micro-batches' backwards
+    are pending), and the pipeline's activation messages."""
     p, m, t = cfg.parallel, cfg.model, cfg.train
     if p.zero_stage == 0:
         total = FP32 * sum(n for unit in units for name, n in unit if reduces_in_fp32(name, p.fp32_reduce)) \
             if dp > 1 and e != FP32 else 0
     else:
         total = (3 * largest_unit if p.zero_stage >= 2 else 0) + (2 * largest_unit if p.zero_stage == 3 else 0)
+        if p.zero_stage == 3 and p.zero3_keep_last_gathered and p.pipeline > 1:
+            total += p.virtual_stages * largest_unit
     if p.pipeline > 1:
         local = m.seq_length // p.tensor if p.sequence_parallel else m.seq_length
         total += 4 * t.micro_batch_size * local * m.hidden_size * e  # send/receive of activations and gradients

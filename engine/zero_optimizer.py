@@ -4,15 +4,23 @@ Each DP rank keeps, for every sharding unit of `parallel.fsdp_units`, only its s
 weights and of Adam's two moments (12 bytes per owned element). The gradient norm used for clipping is
 global: squares are summed over this rank's shard (TP-replicated parameters on TP rank 0 only, tied
 pipeline duplicates never), then over the shard group and the model-parallel (TP × PP) group.
+
+The update is torch's AdamW kernel over all shards at once (`optim.implementation`, chosen as in
+kernels/adamw.py: fused by default, or foreach; apex, being GPU-only, maps to torch's fused kernel over the
+shards). Weight decay only applies to some ranges of a shard, so it is applied first, as one multi-tensor
+multiply over those ranges, and the kernel runs with weight_decay=0: torch's AdamW also scales the
+parameter by (1 - lr·wd) before the Adam update, so the result is the same.
 """
 from __future__ import annotations
 
 import math
 
 import torch
+from torch.optim.adamw import adamw
 
 from engine.optimizer import LossScaler, counts_in_norm, no_weight_decay
 from parallel import comm
+from kernels.adamw import select_implementation
 from parallel.fsdp import ShardedDataParallel
 
 
@@ -26,17 +34,21 @@ class ZeroAdamW:
         self.exp_avg_sq = [torch.zeros_like(m) for m in self.master]
         self.adam_step = 0
         self.scaler = LossScaler(precision == "fp16")
-        self.decay_ranges = [[r for r in u.shard_ranges if not no_weight_decay(r.name, r.param)] for u in sdp.units]
+        self.decay_views = [m[r.shard_start:r.shard_end] for u, m in zip(sdp.units, self.master)
+                            for r in u.shard_ranges if not no_weight_decay(r.name, r.param)]
         self.norm_ranges = [[r for r in u.shard_ranges if counts_in_norm(r.param, topo.tp_rank)] for u in sdp.units]
+        self.implementation = select_implementation(cfg.implementation, self.master[0].is_cuda)
+        # the kernel's per-tensor step counters, set from adam_step (which checkpoints restore) before each call
+        self.state_steps = [torch.zeros((), dtype=torch.float32, device=m.device) for m in self.master]
 
     def zero_grad(self) -> None:
         self.sdp.zero_grad()
 
     def global_grad_norm(self, grads: list) -> float:
+        pieces = [g[r.shard_start:r.shard_end] for g, ranges in zip(grads, self.norm_ranges) for r in ranges]
         total = torch.zeros(1, dtype=torch.float64, device=self.master[0].device)
-        for g, ranges in zip(grads, self.norm_ranges):
-            for r in ranges:
-                total += g[r.shard_start:r.shard_end].double().pow(2).sum()
+        if pieces:  # one multi-tensor norm, accumulated in fp64
+            total += torch.stack(torch._foreach_norm(pieces, 2, dtype=torch.float64)).square().sum()
         comm.all_reduce(total, self.sdp.shard_group)  # HSDP replicas hold the same shards: not summed again
         comm.all_reduce(total, self.topo.mp_group)
         return math.sqrt(total.item())
@@ -46,26 +58,23 @@ class ZeroAdamW:
         """Unscale, clip, update the owned shards, refresh the parameters; returns (norm, skipped)."""
         grads = [u.master_grad() for u in self.sdp.units]
         if self.scaler.enabled:
-            for g in grads:
-                g.div_(self.scaler.scale)
+            torch._foreach_div_(grads, self.scaler.scale)
         norm = self.global_grad_norm(grads)
         overflow = not math.isfinite(norm)
         self.scaler.update(overflow)
         if overflow:
             return norm, True
         if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad:
-            for g in grads:
-                g.mul_(self.cfg.clip_grad / (norm + 1e-6))
-        self.adam_step += 1
+            torch._foreach_mul_(grads, self.cfg.clip_grad / (norm + 1e-6))
         c = self.cfg
-        bias1, bias2_sqrt = 1 - c.beta1 ** self.adam_step, math.sqrt(1 - c.beta2 ** self.adam_step)
-        for master, m, v, g, decay in zip(self.master, self.exp_avg, self.exp_avg_sq, grads, self.decay_ranges):
-            for r in decay:  # decoupled weight decay, as torch.optim.AdamW applies it
-                master[r.shard_start:r.shard_end].mul_(1 - lr * c.weight_decay)
-            m.lerp_(g, 1 - c.beta1)
-            v.mul_(c.beta2).addcmul_(g, g, value=1 - c.beta2)
-            denom = (v.sqrt() / bias2_sqrt).add_(c.eps)
-            master.addcdiv_(m, denom, value=-lr / bias1)
+        if self.decay_views:  # decoupled weight decay on the decayed ranges only
+            torch._foreach_mul_(self.decay_views, 1 - lr * c.weight_decay)
+        for s in self.state_steps:
+            s.fill_(self.adam_step)  # the kernel adds one
+        self.adam_step += 1
+        adamw(self.master, grads, self.exp_avg, self.exp_avg_sq, [], self.state_steps,
+              foreach=self.implementation == "foreach", fused=self.implementation != "foreach", amsgrad=False,
+              beta1=c.beta1, beta2=c.beta2, lr=lr, weight_decay=0.0, eps=c.eps, maximize=False)
         self.sdp.write_shards(self.master)
         return norm, False
 

@@ -7,10 +7,15 @@ engine/zero_optimizer.py), the reduced gradients (stage ≥ 2) and the parameter
 
 Stage 3 frees a unit's flat buffer (its storage is resized to 0; the parameter views keep their shapes
 and attributes) and all-gathers it just before the unit's forward and again before its backward, from
-forward pre-hooks and gradient hooks on the unit's output, prefetching the next unit meanwhile. A unit's
+forward pre-hooks and gradient hooks on the unit's output, prefetching the next unit meanwhile (issued
+before waiting on the current unit's own gather when that one is already in flight). The unit that runs
+last in a chunk's forward (final norm + LM head, or the tied embedding unit) stays gathered for its
+backward when `keep_last` is set (FSDP2's reshard_after_forward=False on the root): one all-gather per
+micro-batch fewer per chunk, for one more unit held between forward and backward. A unit's
 gradients are reduce-scattered as soon as all its parameters' gradients are accumulated
 (`register_post_accumulate_grad_hook`), asynchronously, so communication overlaps backward. Stages 2 and
 3 reduce every micro-batch into a gradient shard; stage 1 keeps full gradients and reduces on the last.
+Full gradients and reduction outputs come from a BufferPool, so steady-state steps allocate none.
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ import collections
 import torch
 
 from parallel import comm
-from parallel.fsdp_units import ShardRange, Unit, unit_plan
+from parallel.fsdp_units import BufferPool, ShardRange, Unit, unit_plan
 from parallel.stage_layers import tied_embedding_weights
 
 
@@ -38,11 +43,12 @@ class ShardedDataParallel:
 
     def __init__(self, chunks: list, stage: int, dp_group, dp_size: int, tp,
                  compute_dtype: torch.dtype, fp32_names=(), unit_groups=None, hsdp=None, hierarchy=None,
-                 tied_group=None):
+                 tied_group=None, keep_last: bool = False):
         if stage not in (1, 2, 3):
             raise ValueError(f"ShardedDataParallel needs zero_stage 1, 2 or 3, got {stage}")
         self.stage, self.tp, self.dp_size = stage, tp, dp_size
-        self.hierarchy, self.tied_group = hierarchy, tied_group
+        self.hierarchy, self.tied_group, self.keep_last = hierarchy, tied_group, keep_last
+        self.pool = BufferPool()
         # HSDP: shard inside the group of k ranks, all-reduce the shards across the replicas
         self.shard_group, self.replicate_group = hsdp if hsdp else (dp_group, None)
         shard_size, shard_rank = comm.group_size(self.shard_group), comm.group_rank(self.shard_group)
@@ -55,7 +61,9 @@ class ShardedDataParallel:
         for chunk in chunks:
             names = {p: n for n, p in chunk.named_parameters()}
             mine, seen = [], set()
-            for plan in unit_plan(chunk):
+            plans = unit_plan(chunk)
+            final_exit = chunk if any(m is chunk for p in plans for m in p["exits"]) else plans[-1]["exits"][-1]
+            for plan in plans:
                 named = [(names[p], p) for m in plan["modules"] for p in m.parameters() if p not in seen]
                 seen.update(p for _, p in named)
                 i = len(self.units)
@@ -64,14 +72,14 @@ class ShardedDataParallel:
                 unit.tied = [p for _, p in named if any(p is t for t in tied)]
                 self.units.append(unit)
                 mine.append(unit)
-                self._install_hooks(unit, plan, mine)
+                self._install_hooks(unit, plan, mine, final_exit)
             missing = [n for p, n in names.items() if p not in seen]
             if missing:
                 raise ValueError(f"parameters {missing} belong to no sharding unit; extend parallel/fsdp_units.unit_plan")
             self.chunk_units.append(mine)
 
     # -- hooks ---------------------------------------------------------------------------------------
-    def _install_hooks(self, unit: Unit, plan: dict, chunk_units: list) -> None:
+    def _install_hooks(self, unit: Unit, plan: dict, chunk_units: list, final_exit) -> None:
         for p in unit.params:
             p.register_post_accumulate_grad_hook(lambda param, u=unit: self._on_grad(u, param))
         if self.stage != 3:
@@ -81,8 +89,8 @@ class ShardedDataParallel:
             module.register_forward_pre_hook(lambda m, args, u=unit, first=k == 0, i=position, units=chunk_units:
                                              self._pre_forward(u, units, i, first))
         for module in plan["exits"]:
-            module.register_forward_hook(lambda m, args, out, u=unit, i=position, units=chunk_units:
-                                         self._post_forward(u, units, i, out))
+            module.register_forward_hook(lambda m, args, out, u=unit, i=position, units=chunk_units,
+                                         last=module is final_exit: self._post_forward(u, units, i, out, last))
 
     def _gather(self, unit: Unit, async_op: bool = False) -> None:
         unit.gather(async_op)
@@ -94,25 +102,39 @@ class ShardedDataParallel:
         """A forward that runs inside backward: activation recomputation (checkpointing)."""
         return unit.in_backward or torch._C._current_graph_task_id() != -1
 
-    def _pre_forward(self, unit: Unit, units: list, i: int, first: bool) -> None:
+    def _gather_and_prefetch(self, unit: Unit, following: Unit | None) -> None:
+        """Gather `unit` and start gathering `following`. A gather already in flight (prefetched) is ahead in
+        the queue, so the next one is issued before waiting on it; an unissued one goes first alone, its
+        wait being on the critical path either way."""
+        if following is not None and unit.gather_handle is not None:
+            self._gather(following, async_op=True)
         self._gather(unit)
-        if first and i + 1 < len(units) and not self._recomputing(unit):
-            self._gather(units[i + 1], async_op=True)
+        if following is not None:
+            self._gather(following, async_op=True)
 
-    def _post_forward(self, unit: Unit, units: list, i: int, out) -> None:
+    def _pre_forward(self, unit: Unit, units: list, i: int, first: bool) -> None:
+        prefetch = first and i + 1 < len(units) and not self._recomputing(unit)
+        self._gather_and_prefetch(unit, units[i + 1] if prefetch else None)
+
+    def _post_forward(self, unit: Unit, units: list, i: int, out, last: bool) -> None:
         if self._recomputing(unit):  # the backward about to run still needs the unit
             return
-        unit.free()
-        if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
-            out.register_hook(lambda grad: self._pre_backward(unit, units, i))
+        backward_follows = torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad
+        if not (last and self.keep_last and backward_follows):  # kept: freed when its gradients are done
+            unit.free()
+        if backward_follows:
+            out.register_hook(lambda grad: self._pre_backward(unit, units, i, last))
 
-    def _pre_backward(self, unit: Unit, units: list, i: int) -> None:
+    def _pre_backward(self, unit: Unit, units: list, i: int, last: bool) -> None:
         unit.in_backward = True
-        self._gather(unit)
-        if i > 0:
-            self._gather(units[i - 1], async_op=True)
+        if last and i == 0:  # the tied embedding unit at the chunk's end: the last block's backward is next
+            following = units[-1] if units[-1] is not unit else None
+        else:
+            following = units[i - 1] if i > 0 else None
+        self._gather_and_prefetch(unit, following)
 
     def _on_grad(self, unit: Unit, param: torch.Tensor) -> None:
+        unit.borrow_full_grad(self.pool)
         unit.add_grad(param)
         unit.arrived += 1
         if unit.arrived < len(unit.params):
@@ -128,13 +150,13 @@ class ShardedDataParallel:
 
     # -- gradient reduction --------------------------------------------------------------------------
     def _reduce(self, unit: Unit) -> None:
+        out = unit.reduce_target(self.pool)
         unit.reduced = True
         full = unit.full_grad.div_(self.dp_size)
-        out = torch.empty(unit.shard_numel, dtype=full.dtype, device=full.device)
         out32 = None
-        send32 = unit.fp32_send_buffer().div_(self.dp_size) if unit.fp32_numel else None
+        send32 = unit.fp32_send_buffer(self.pool).div_(self.dp_size) if unit.fp32_numel else None
         if send32 is not None:
-            out32 = torch.empty(unit.fp32_width, dtype=torch.float32, device=full.device)
+            out32 = self.pool.take(unit.fp32_width, torch.float32, full.device)
         handles = []
         if self.hierarchy:
             hierarchical_reduce_scatter(out, full, *self.hierarchy)
@@ -144,20 +166,24 @@ class ShardedDataParallel:
             handles.append(comm.reduce_scatter_into(out, full, unit.group, async_op=True))
             if send32 is not None:
                 handles.append(comm.reduce_scatter_into(out32, send32, unit.group, async_op=True))
-        if self.stage >= 2:
-            unit.full_grad = unit.full_grad32 = None  # the pending collective keeps its input alive
-        self.pending.append((unit, out, out32, [h for h in handles if h is not None], full, send32))
+        full32 = None
+        if self.stage >= 2:  # the pending item keeps the inputs until the collective is done, then pools them
+            full32, unit.full_grad, unit.full_grad32 = unit.full_grad32, None, None
+        else:
+            full = None  # stage 1 keeps its own full gradient buffers
+        self.pending.append((unit, out, out32, [h for h in handles if h is not None], full, full32, send32))
         while len(self.pending) > 2:  # bound the memory held by in-flight reductions
             self._complete(self.pending.popleft())
 
     def _complete(self, item) -> None:
-        unit, out, out32, handles, _, _ = item
+        unit, out, out32, handles, full, full32, send32 = item
         for h in handles:
             h.wait()
         comm.all_reduce(out, self.replicate_group)
         if out32 is not None:
             comm.all_reduce(out32, self.replicate_group)
         unit.take_reduced(out, out32)
+        self.pool.give(full, full32, send32, out32, None if out is unit.grad_buffer else out)
 
     def start_step(self, num_micro_batches: int) -> None:
         self.num_micro_batches = num_micro_batches
@@ -167,9 +193,7 @@ class ShardedDataParallel:
         the gradient shards of TP-replicated-gradient parameters over the TP group."""
         for unit in self.units:
             if unit.tied or not unit.reduced:
-                if unit.full_grad is None:
-                    unit.full_grad = torch.zeros(unit.padded, dtype=unit.flat.dtype, device=unit.flat.device)
-                    unit.full_grad32 = torch.zeros(unit.fp32_numel, dtype=torch.float32, device=unit.flat.device)
+                unit.borrow_full_grad(self.pool)
                 for p in unit.tied:  # full gradients, so the two ends' different unit layouts do not matter
                     comm.all_reduce(unit.full_grad_view(p), self.tied_group)
                 self._reduce(unit)
@@ -217,6 +241,7 @@ class ShardedDataParallel:
         """New fp32 master shards → this rank's parameter shards; stages 1/2 all-gather the full buffers."""
         handles = []
         for unit, master in zip(self.units, masters):
+            unit.free()  # stage 3: a gathered copy would hold the old values
             unit.param_shard.copy_(master)
             if self.stage != 3:
                 handles.append(comm.all_gather_into(unit.flat, unit.param_shard.clone(), unit.group, async_op=True))

@@ -13,6 +13,7 @@ rank's part of that segment padded to the largest part so the collective has equ
 """
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +54,28 @@ class ShardRange:
     param_end: int
     shard_start: int
     shard_end: int
+
+
+class BufferPool:
+    """Flat buffers reused by (numel, dtype, device). ZeRO-2/3's full gradients and reduction outputs live only
+    while a unit's reduction is in flight, so after the first step every step takes the ones it made."""
+
+    def __init__(self):
+        self.free: dict = collections.defaultdict(list)
+        self.created = 0  # buffers allocated so far: constant from the second step on
+
+    def take(self, numel: int, dtype: torch.dtype, device, zero: bool = False) -> torch.Tensor:
+        stack = self.free[(numel, dtype, device)]
+        if stack:
+            buf = stack.pop()
+            return buf.zero_() if zero else buf
+        self.created += 1
+        return (torch.zeros if zero else torch.empty)(numel, dtype=dtype, device=device)
+
+    def give(self, *bufs) -> None:
+        for buf in bufs:
+            if buf is not None:
+                self.free[(buf.numel(), buf.dtype, buf.device)].append(buf)
 
 
 class Unit:
@@ -114,12 +137,19 @@ class Unit:
             self.param_shard = self.flat[shard]
             self.gathered = True
         self.fp32_numel = self.numel - self.fp32_start
-        # gradients: stage 1 keeps full ones (persistent buffers); stages 2/3 keep only reduced shards
+        # gradients: stage 1 keeps full ones; stages 2/3 keep only reduced shards (persistent, filled by the
+        # step's first reduction) and borrow full ones from the BufferPool while a micro-batch reduces
         self.full_grad = self.full_grad32 = None
+        self.grad_buffer = self.grad32_buffer = None
+        local32 = self.fp32_local.stop - self.fp32_local.start
         if stage == 1:
             self.full_grad = torch.zeros(self.padded, dtype=compute_dtype, device=device)
             self.full_grad32 = torch.zeros(self.fp32_numel, dtype=torch.float32, device=device)
-        self.grad_shard = self.grad32 = None
+        else:
+            self.grad_buffer = torch.zeros(self.shard_numel, dtype=compute_dtype, device=device)
+        if self.fp32_numel:
+            self.grad32_buffer = torch.zeros(local32, dtype=torch.float32, device=device)
+        self.grad_shard = self.grad32 = None  # the buffers above once this step's gradient is in them
         self.arrived = 0
         self.micro_batches_done = 0
         self.reduced = False  # reduced at least once this step
@@ -156,11 +186,14 @@ class Unit:
             self.gathered = False
 
     # -- gradients ---------------------------------------------------------------------------------
+    def borrow_full_grad(self, pool: BufferPool) -> None:
+        """Zeroed full gradient buffers from `pool` for this micro-batch (stages 2/3; stage 1 owns its own)."""
+        if self.full_grad is None:
+            self.full_grad = pool.take(self.padded, self.flat.dtype, self.flat.device, zero=True)
+            self.full_grad32 = pool.take(self.fp32_numel, torch.float32, self.flat.device, zero=True)
+
     def add_grad(self, p: torch.Tensor) -> None:
         """Move `p.grad` into this unit's gradient buffers (the parameter's own gradient is released)."""
-        if self.full_grad is None:
-            self.full_grad = torch.zeros(self.padded, dtype=self.flat.dtype, device=p.grad.device)
-            self.full_grad32 = torch.zeros(self.fp32_numel, dtype=torch.float32, device=p.grad.device)
         self.full_grad_view(p).add_(p.grad.reshape(-1))
         p.grad = None
 
@@ -170,32 +203,44 @@ class Unit:
             return self.full_grad32[o - self.fp32_start:o - self.fp32_start + p.numel()]
         return self.full_grad[o:o + p.numel()]
 
-    def fp32_send_buffer(self) -> torch.Tensor:
+    def fp32_send_buffer(self, pool: BufferPool) -> torch.Tensor:
         """The fp32 segment as N equal chunks (chunk r = the part inside rank r's shard, zero-padded)."""
-        out = torch.zeros(self.shard_size, self.fp32_width, dtype=torch.float32, device=self.full_grad32.device)
+        out = pool.take(self.shard_size * self.fp32_width, torch.float32, self.full_grad32.device, zero=True)
+        rows = out.view(self.shard_size, self.fp32_width)
         for r, (start, count) in enumerate(self.fp32_parts):
-            out[r, :count] = self.full_grad32[start:start + count]
-        return out.view(-1)
+            rows[r, :count] = self.full_grad32[start:start + count]
+        return out
+
+    def reduce_target(self, pool: BufferPool) -> torch.Tensor:
+        """Where the next reduce-scatter writes: the gradient shard itself for stage 2/3's first reduction of
+        the step, else a pooled shard that take_reduced adds in (or, stage 1, copies into its full gradient)."""
+        if self.stage >= 2 and not self.reduced:
+            return self.grad_buffer
+        return pool.take(self.shard_numel, self.flat.dtype, self.flat.device)
 
     def take_reduced(self, out: torch.Tensor, out32: torch.Tensor | None) -> None:
         count = self.fp32_local.stop - self.fp32_local.start
+        first = self.grad_shard is None
         if self.stage == 1:
             self.grad_shard = self.full_grad[self.shard_start:self.shard_start + self.shard_numel]
             self.grad_shard.copy_(out)
-            self.grad32 = out32[:count].clone() if out32 is not None else None
-            return
-        if self.grad_shard is None:
+        elif first:  # out is grad_buffer (reduce_target)
             self.grad_shard = out
-            self.grad32 = out32[:count].clone() if out32 is not None else None
         else:
             self.grad_shard.add_(out)
-            if out32 is not None:
+        if out32 is not None:
+            if first or self.stage == 1:
+                self.grad32 = self.grad32_buffer.copy_(out32[:count])
+            else:
                 self.grad32.add_(out32[:count])
 
     def master_grad(self) -> torch.Tensor:
-        """This rank's reduced gradient shard in fp32 (zeros when no gradient arrived)."""
+        """This rank's reduced gradient shard in fp32 (zeros when no gradient arrived); under fp32 the gradient
+        shard itself, which the optimizer may scale in place."""
         if self.grad_shard is None:
             return torch.zeros(self.shard_numel, dtype=torch.float32, device=self.param_shard.device)
+        if self.grad_shard.dtype == torch.float32 and self.grad32 is None:
+            return self.grad_shard
         g = self.grad_shard.float()
         if self.grad32 is not None:
             g[self.fp32_local] = self.grad32
@@ -213,4 +258,4 @@ class Unit:
 
     def held_tensors(self) -> list:
         return [t for t in (self.flat, self.param_shard, self.full_grad, self.full_grad32, self.grad_shard,
-                            self.grad32) if t is not None]
+                            self.grad32, self.grad_buffer, self.grad32_buffer) if t is not None]
