@@ -14,8 +14,9 @@ released meanwhile (`_Steps.release` swaps the tensor's data): the send holds a 
 storage, whose values nothing modifies.
 
 On gloo, which moves each operation on its own threads with no ordering between them, `prefetch_forward`
-posts the next activation's receive alone, before the backward that precedes it in 1F1B, so that its
-transfer overlaps that backward; the next exchange then sends the gradient and waits for that receive. On
+posts the next activation's receive alone, before the compute that precedes it (a forward in GPipe and in
+1F1B's warm-up, a backward in 1F1B's steady state), so that its transfer overlaps that compute; the next
+exchange then only sends and waits for that receive. On
 NCCL it does nothing: an operation posted alone runs in order on the communicator's stream, and the batch
 rule above stays the one guarantee.
 

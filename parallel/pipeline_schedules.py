@@ -108,9 +108,12 @@ class _Steps:
         return None if received is None else received.grad
 
 
-def _forward_and_send(steps: _Steps, pipe, mb: int) -> tuple:
-    """A forward of the non-interleaved schedules that waits for no gradient: receive, run, send, release."""
+def _forward_and_send(steps: _Steps, pipe, mb: int, more: bool) -> tuple:
+    """A forward of the non-interleaved schedules that waits for no gradient: receive, run, send, release.
+    `more`: another activation is received next, so its receive is posted before this forward."""
     received = pipe.recv_forward()
+    if more:
+        pipe.prefetch_forward()
     out = steps.forward(0, mb, received)
     pipe.send_forward(out)
     steps.release(0, out)
@@ -119,7 +122,7 @@ def _forward_and_send(steps: _Steps, pipe, mb: int) -> tuple:
 
 def gpipe(steps: _Steps, pipe) -> None:
     m = len(steps.micro_batches)
-    saved = [_forward_and_send(steps, pipe, mb) for mb in range(m)]
+    saved = [_forward_and_send(steps, pipe, mb, mb < m - 1) for mb in range(m)]
     for mb in range(m):
         received, out = saved[mb]
         grad = pipe.recv_backward()
@@ -135,7 +138,7 @@ def one_f_one_b(steps: _Steps, pipe) -> None:
     held: deque = deque()
     fwd = bwd = 0
     for _ in range(warmup):
-        held.append(_forward_and_send(steps, pipe, fwd))
+        held.append(_forward_and_send(steps, pipe, fwd, fwd < m - 1))
         fwd += 1
     # Steady state: one forward, then the backward of the oldest micro-batch held; at most p − rank live.
     received = pipe.recv_forward() if remaining else None
