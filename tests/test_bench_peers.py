@@ -1,0 +1,71 @@
+"""tools/bench_peers.py: Trilith and its PyTorch-native peer (tools/_peer_train.py) both train on a tiny shape,
+the tool prints the table with positive ratios and collective counts, and a side that does not train fails it."""
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+
+from tools import bench_peers
+
+TINY = ["--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "128", "--vocab", "512",
+        "--seq", "32", "--warmup", "1", "--steps", "2", "--rounds", "1", "--lr", "3e-3"]
+ROW = re.compile(r"^\| (\w+) \| ([\d,]+) \| ([\d,]+) \| ([\d.]+)× \| (\d+) \| (\d+) \| ([\d.]+) \| ([\d.]+) \|$",
+                 re.MULTILINE)
+ROUND = re.compile(r"^round 1 (\w+) +(trilith|peer) .* loss ([\d.]+) -> ([\d.]+) ", re.MULTILINE)
+
+
+def test_both_sides_train_and_the_table_is_printed(capsys):
+    # DTensor with sequence parallelism and the hand-split pipeline: the peer's paths furthest from plain torch
+    # (all five modes would take minutes on two cores)
+    modes = ["tp_sp", "pp"]
+    assert bench_peers.main(TINY + ["--modes", ",".join(modes)]) == 0
+    out = capsys.readouterr().out
+    rows = {m.group(1): m.groups()[1:] for m in ROW.finditer(out)}
+    assert sorted(rows) == sorted(modes), out
+    for mode, (ours, peer, ratio, ours_calls, peer_calls, ours_mb, peer_mb) in rows.items():
+        assert float(ratio) > 0 and int(ours.replace(",", "")) > 0 and int(peer.replace(",", "")) > 0, mode
+        assert int(ours_calls) > 0 and int(peer_calls) > 0 and float(ours_mb) > 0 and float(peer_mb) > 0, mode
+    readings = ROUND.findall(out)
+    assert len(readings) == 2 * len(modes), out
+    for mode, side, first, last in readings:
+        assert abs(float(first) - math.log(512)) < bench_peers.LOSS_TOLERANCE and float(last) < float(first) - 0.06, \
+            (mode, side)
+
+
+def test_a_side_that_does_not_train_fails_the_tool(capsys):
+    assert bench_peers.main(TINY + ["--modes", "ddp", "--lr", "0"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Trilith ddp did not train" in err[0] and "last loss" in err[0], err
+
+
+def test_check_trains_needs_a_uniform_start_and_a_fall():
+    bench_peers.check_trains("peer", "tp", [math.log(512) + 0.1, 5.0], 512)
+    bench_peers.check_trains("peer", "tp", [math.log(512), math.log(512) - 0.07], 512)
+    with pytest.raises(bench_peers.BenchError, match="step-1 loss 9.000"):
+        bench_peers.check_trains("peer", "tp", [9.0, 5.0], 512)  # a start far from ln V: not a fresh model
+    with pytest.raises(bench_peers.BenchError, match="did not train"):
+        bench_peers.check_trains("peer", "tp", [math.log(512), math.log(512) - 0.05], 512)  # batch noise
+    with pytest.raises(bench_peers.BenchError, match="1 loss readings"):
+        bench_peers.check_trains("peer", "tp", [6.2], 512)
+
+
+def test_buffer_bytes_counts_the_full_buffer_of_each_collective():
+    gather = {"Input Dims": [[2000], [1000], [], [], []], "Input type": ["float", "float", "", "Scalar", "Scalar"]}
+    assert bench_peers.buffer_bytes(gather) == 8000  # the gathered output, not the shard
+    reduce = {"Input Dims": [[[1000]], [], [], [], [], []],
+              "Input type": ["TensorList", "", "", "", "Scalar", "Scalar"]}
+    assert bench_peers.buffer_bytes(reduce) == 4000
+    assert bench_peers.buffer_bytes({"Input Dims": [[4, 8]], "Input type": ["c10::BFloat16"]}) == 64
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--modes", "zero3,fsdp"], "unknown fsdp"),
+    (["--batch", "7"], "multiple of --nproc"),
+    (["--warmup", "0"], "at least 1"),
+])
+def test_bad_arguments_are_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench_peers.main(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
