@@ -23,6 +23,7 @@ plain encoder), and no special-token text in the document (same). Anything else 
 `encode_batch`. The first documents of every process are also checked against the plain encoder, and
 any difference turns the cache off.
 """
+import itertools
 import json
 import os
 import re
@@ -160,16 +161,20 @@ class HFEncoder:
             else:
                 chunked.append((i, self.rule.split(norm)))
         index = self._index
-        new = {c for _, chunks in chunked for c in chunks if c not in index}
+        every = list(itertools.chain.from_iterable(chunks for _, chunks in chunked))
+        new = [c for c in set(every) if c not in index]
         if new:
-            self._add_chunks(sorted(new))
+            self._add_chunks(new)
         flat, starts, lens = self._flat.data, self._starts.data, self._lens.data
-        for i, chunks in chunked:
-            cid = np.fromiter(map(index.__getitem__, chunks), np.int64, len(chunks))
-            n = lens[cid]
-            # Positions of every token of every chunk, in order: start of chunk + rank within it.
-            shift = np.repeat(starts[cid] - (np.cumsum(n) - n), n)
-            out[i] = flat[shift + np.arange(shift.size)].astype(np.int64)
+        # One gather for the whole batch: each chunk's cache slot, each token's place in the cache (its chunk's
+        # start + its rank within the chunk), then cut back into documents.
+        cid = np.fromiter(map(index.__getitem__, every), np.int64, len(every))
+        n = lens[cid]
+        ends = np.cumsum(n)
+        tokens = flat[np.repeat(starts[cid] - (ends - n), n) + np.arange(int(ends[-1]) if n.size else 0)]
+        bounds = np.concatenate(([0], ends))[np.cumsum([0] + [len(chunks) for _, chunks in chunked])]
+        for (i, _), begin, end in zip(chunked, bounds[:-1], bounds[1:]):
+            out[i] = tokens[begin:end].astype(np.int64)
             if self._prefix.size or self._suffix.size:
                 out[i] = np.concatenate((self._prefix, out[i], self._suffix))
         if plain:
