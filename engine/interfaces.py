@@ -42,7 +42,7 @@ class Optimizer(Protocol):
         """Unscale, clip by the global gradient norm, update; returns (norm, skipped because not finite)."""
 
     def zero_grad(self) -> None:
-        """Release the step's gradients."""
+        """Release the step's gradients (zero them where they are views into persistent buckets: stage 0)."""
 
     def owned_state(self) -> dict[str, dict]:
         """{parameter name: {"shape", "range": (start, end) in the flattened parameter, "master", "exp_avg",
