@@ -11,7 +11,8 @@ forward pre-hooks and gradient hooks on the unit's output, prefetching the next 
 before waiting on the current unit's own gather when that one is already in flight). The unit that runs
 last in a chunk's forward (final norm + LM head, or the tied embedding unit) stays gathered for its
 backward when `keep_last` is set (FSDP2's reshard_after_forward=False on the root): one all-gather per
-micro-batch fewer per chunk, for one more unit held between forward and backward. A unit's
+micro-batch fewer per chunk, for one more unit held between forward and backward. The embedding unit is
+not gathered for backward at all (its backward does not read the weight). A unit's
 gradients are reduce-scattered as soon as all its parameters' gradients are accumulated
 (`register_post_accumulate_grad_hook`), asynchronously, so communication overlaps backward. Stages 2 and
 3 reduce every micro-batch into a gradient shard; stage 1 keeps full gradients and reduces on the last.
@@ -70,6 +71,7 @@ class ShardedDataParallel:
                 group = unit_groups[i] if unit_groups else self.shard_group
                 unit = Unit(i, named, stage, group, shard_size, shard_rank, compute_dtype, fp32_names)
                 unit.tied = [p for _, p in named if any(p is t for t in tied)]
+                unit.backward_reads_params = plan.get("backward_reads_params", True)
                 self.units.append(unit)
                 mine.append(unit)
                 self._install_hooks(unit, plan, mine, final_exit)
@@ -122,7 +124,7 @@ class ShardedDataParallel:
         backward_follows = torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad
         if not (last and self.keep_last and backward_follows):  # kept: freed when its gradients are done
             unit.free()
-        if backward_follows:
+        if backward_follows and unit.backward_reads_params:
             out.register_hook(lambda grad: self._pre_backward(unit, units, i, last))
 
     def _pre_backward(self, unit: Unit, units: list, i: int, last: bool) -> None:
@@ -131,6 +133,8 @@ class ShardedDataParallel:
             following = units[-1] if units[-1] is not unit else None
         else:
             following = units[i - 1] if i > 0 else None
+        if following is not None and not following.backward_reads_params:
+            following = None
         self._gather_and_prefetch(unit, following)
 
     def _on_grad(self, unit: Unit, param: torch.Tensor) -> None:

@@ -23,7 +23,9 @@ from parallel.ddp import reduces_in_fp32
 
 
 def unit_plan(chunk) -> list[dict]:
-    """The units of one model chunk in forward order: their modules, and where they are entered and left."""
+    """The units of one model chunk in forward order: their modules, where they are entered and left, and
+    whether their backward reads the parameters (an embedding's does not: its gradient is the output
+    gradient scattered by token id, so ZeRO-3 does not gather it again for backward)."""
     bb = chunk.model
     tied_here = chunk.post_process and chunk.lm_head is None
     plan = []
@@ -32,7 +34,8 @@ def unit_plan(chunk) -> list[dict]:
             plan.append(dict(modules=[bb.embed_tokens, bb.norm], entries=[bb.embed_tokens, bb.norm],
                              exits=[bb.embed_tokens, chunk]))
         else:
-            plan.append(dict(modules=[bb.embed_tokens], entries=[bb.embed_tokens], exits=[bb.embed_tokens]))
+            plan.append(dict(modules=[bb.embed_tokens], entries=[bb.embed_tokens], exits=[bb.embed_tokens],
+                             backward_reads_params=False))
     for layer in bb.layers.values():
         plan.append(dict(modules=[layer], entries=[layer], exits=[layer]))
     if chunk.post_process and not tied_here:
@@ -154,6 +157,7 @@ class Unit:
         self.micro_batches_done = 0
         self.reduced = False  # reduced at least once this step
         self.tied: list = []  # parameters summed over the pipeline's embedding group before reduction
+        self.backward_reads_params = True  # False: stage 3 does not gather it for backward (unit_plan)
         self.in_backward = False  # between its pre-backward gather and its last gradient
 
     def _shard_ranges(self) -> list[ShardRange]:
