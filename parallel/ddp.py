@@ -12,9 +12,9 @@ and its all-reduce launched asynchronously at once, so communication overlaps th
 micro-batches only accumulate locally (no communication). `finish_gradients()` waits for the buckets and
 sums the gradients of TP-replicated-gradient parameters over TP.
 
-Parameters whose name matches `fp32_names` (norm weights by default) go into fp32 buckets, so their sum
-over ranks is taken in fp32 even when the model computes in bf16/fp16. Their low-precision `.grad` cannot be
-a view of an fp32 buffer: those (few, small) gradients are copied in at launch and back after the reduction.
+Under bf16/fp16, parameters whose name matches `fp32_names` (norm weights by default) go into fp32 buckets,
+so their sum over ranks is taken in fp32. Their low-precision `.grad` cannot be a view of an fp32 buffer:
+those (few, small) gradients are copied in at launch and back after the reduction.
 With `hierarchy=(intra, inter)` an all-reduce becomes reduce-scatter inside the node group, all-reduce across
 nodes, all-gather inside the node group (NCCL grouping); it then runs synchronously, stage after stage.
 """
@@ -82,8 +82,9 @@ class BucketedDDP:
         self.bucket_of: dict = {}
         self.own_grads: list = []  # low-precision parameters of fp32 buckets when there is nothing to reduce
         limit = bucket_mb * 2**20
-        for fp32 in (False, True):
-            members = [p for n, p in ordered if reduces_in_fp32(n, fp32_names) == fp32]
+        for fp32 in (False, True):  # an fp32 parameter needs no separate fp32 bucket: one collective fewer
+            members = [p for n, p in ordered
+                       if (reduces_in_fp32(n, fp32_names) and p.dtype != torch.float32) == fp32]
             current, size = [], 0
             for p in members:
                 dtype = torch.float32 if fp32 else p.dtype
