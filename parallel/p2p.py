@@ -35,11 +35,24 @@ from parallel import comm
 FORWARD_TAG, BACKWARD_TAG = 0, 1
 
 
+class _Once:
+    """A work handle waited for at most once: a second wait on a gloo send or receive would wait for another
+    transfer on its buffer and never return (comm.issue waits on timed steps, the exchange again later)."""
+
+    def __init__(self, work):
+        self.work = work
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+
+
 class _Posted:
     """The work handles of one posted batch; `wait` waits for all of them (what comm.issue calls)."""
 
     def __init__(self, works):
-        self.works = works
+        self.works = [_Once(work) for work in works]
 
     def wait(self) -> None:
         for work in self.works:

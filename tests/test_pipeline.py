@@ -201,6 +201,20 @@ def test_sends_stay_in_flight_and_receives_are_prefetched(pool):
     assert pool.run(exchange_overlaps, time.time_ns()) == [[True, True]] * 4
 
 
+def timed_pipeline_step(rank, world):
+    """A step with the straggler timer on (engine/stragglers.py): every exchange is waited for where it is
+    posted, and the exchange must not wait for those operations a second time (on gloo that never returns)."""
+    comm.TIMER.active = True
+    try:
+        return pipeline_step(rank, world, 2, "1f1b")
+    finally:
+        comm.TIMER.active = False
+
+
+def test_timed_steps_match_single_process(pool):
+    _check_against_reference(pool.run(timed_pipeline_step, timeout=120), tie=False)
+
+
 def test_pp2_interleaved_and_explicit_stage_layers(pool):
     _check_against_reference(pool.run(pipeline_step, 2, "interleaved", virtual=2, tie=True), tie=True)
     _check_against_reference(pool.run(pipeline_step, 4, "1f1b", stage_layers=[3, 3, 1, 1]), tie=False)
