@@ -251,6 +251,8 @@ def main(argv=None) -> int:
         return 1
     text, warnings = table(args, runs)
     print(text)
+    print("collectives and MB per step: every rank's c10d operators in the profiled step, added up; "
+          "tok/s: medians over rounds, ratio: median of the per-round ratios")
     for line in warnings:
         print(line)
     return 0
