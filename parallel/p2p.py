@@ -13,12 +13,13 @@ torch.distributed.pipelining does), holding the sent tensors, and are waited for
 released meanwhile (`_Steps.release` swaps the tensor's data): the send holds a detached alias of the old
 storage, whose values nothing modifies.
 
-On gloo, which moves each operation on its own threads with no ordering between them, `prefetch_forward`
-posts the next activation's receive alone, before the compute that precedes it (a forward in GPipe and in
-1F1B's warm-up, a backward in 1F1B's steady state), so that its transfer overlaps that compute; the next
-exchange then only sends and waits for that receive. On
-NCCL it does nothing: an operation posted alone runs in order on the communicator's stream, and the batch
-rule above stays the one guarantee.
+On gloo, whose background threads deliver each operation as soon as both sides have posted it,
+`prefetch_forward` posts the next activation's receive alone, before the compute that precedes it (a forward
+in GPipe and in 1F1B's warm-up, a backward in 1F1B's steady state), so that its transfer overlaps that
+compute; the next exchange then only sends and waits for that receive. A receive posted early only lets its
+message in sooner and holds nothing up. On NCCL it does nothing: an operation posted alone runs in order on
+the communicator's stream, where a lone receive could hold back a later send, and the batch rule above stays
+the one guarantee.
 
 Every send and receive is recorded in `comm.RECORD` (ops "send" and "recv", group "pp") when posted.
 """
