@@ -156,9 +156,10 @@ class Trainer:
         mode, layers = args.mode, args.layers
         self.dp_rank, self.dp_size, self.pp_group, self.schedule = 0, 1, None, None
         if mode == "pp":
-            half = (layers + 1) // 2  # the first stage takes the odd layer, as Trilith's even split does
-            spans = [range(0, half), range(half, layers)]
-            self.model = Llama(hf, spans[rank], rank == 0, rank == world - 1, args.seq).to(device)
+            # Trilith's even split: the earlier stages take the remainder
+            bounds = [sum(layers // world + (i < layers % world) for i in range(k)) for k in range(world + 1)]
+            span = range(bounds[rank], bounds[rank + 1])
+            self.model = Llama(hf, span, rank == 0, rank == world - 1, args.seq).to(device)
         else:
             self.model = Llama(hf, range(layers), True, True, args.seq).to(device)
         if mode in ("zero3", "ddp"):

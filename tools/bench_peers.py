@@ -194,7 +194,7 @@ def measure(args) -> dict:
     return runs
 
 
-def table(args, runs: dict) -> tuple[str, list[str]]:
+def table(runs: dict) -> tuple[str, list[str]]:
     """The markdown table and the warnings about rounds that disagree."""
     lines = ["| mode | Trilith tok/s | peer tok/s | ratio | collectives/step Trilith | peer | MB/step Trilith | peer |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -249,7 +249,7 @@ def main(argv=None) -> int:
     except BenchError as exc:
         print(f"bench_peers: {exc}", file=sys.stderr)
         return 1
-    text, warnings = table(args, runs)
+    text, warnings = table(runs)
     print(text)
     print("collectives and MB per step: every rank's c10d operators in the profiled step, added up; "
           "tok/s: medians over rounds, ratio: median of the per-round ratios")
