@@ -34,6 +34,8 @@ from parallel import comm
 # activations (forward direction) and gradients (backward direction) from matching each other's receives,
 # and each batch lists forward-direction ops before backward-direction ops so the order agrees on both sides.
 FORWARD_TAG, BACKWARD_TAG = 0, 1
+# The waits happen after comm.issue's range (the posting) has closed: a profile shows them under this name.
+WAIT_RANGE = "comm:wait[pp]"
 
 
 class _Once:
@@ -103,8 +105,9 @@ class PipelineComm:
         return torch.empty(self.shape, dtype=self.dtype, device=self.device)
 
     def finish_sends(self) -> None:
-        for work, _ in self._sending:
-            work.wait()
+        with comm.named_range(WAIT_RANGE):
+            for work, _ in self._sending:
+                work.wait()
         self._sending = []
 
     def finish(self) -> None:
@@ -141,14 +144,16 @@ class PipelineComm:
         if recv_next:
             from_next = self._buffer()
             ops.append(("recv", from_next, self.next_rank, BACKWARD_TAG))
-        for op, work in zip(ops, batch_isend_irecv(ops, self.group)):
-            if op[0] == "send":
-                self._sending.append((work, op[1]))
-            else:
-                work.wait()
-        if prefetched is not None:
-            prefetched[0].wait()
-            from_prev = prefetched[1]
+        works = batch_isend_irecv(ops, self.group)
+        with comm.named_range(WAIT_RANGE):
+            for op, work in zip(ops, works):
+                if op[0] == "send":
+                    self._sending.append((work, op[1]))
+                else:
+                    work.wait()
+            if prefetched is not None:
+                prefetched[0].wait()
+                from_prev = prefetched[1]
         if from_prev is not None:
             from_prev.requires_grad_(True)
         return from_prev, from_next
