@@ -121,14 +121,14 @@ def state_bytes(cfg: Config, units: list, shard_size: int, shard_rank: int) -> t
 
 
 # -- activations ---------------------------------------------------------------------------------------
-def norm_activation(cfg: Config, tokens: int, readers: int) -> int:
-    """An RMSNorm and the `readers` linears after it: fp32 input, 1/rms, normalised input (sequence shard
-    under SP), and the linears' input. Under SP each linear keeps its own copy of the gathered sequence
-    (parallel.comm.all_gather returns it non-contiguous, so each linear's flattening copies it)."""
+def norm_activation(cfg: Config, tokens: int) -> int:
+    """An RMSNorm and the linears after it: fp32 input, 1/rms, normalised input (sequence shard
+    under SP), and the linears' input: one tensor they all save (under SP the gathered sequence, which
+    parallel.comm.all_gather returns contiguous)."""
     h, e, t = cfg.model.hidden_size, DTYPE_BYTES[cfg.train.precision], cfg.parallel.tensor
     sp = cfg.parallel.sequence_parallel and t > 1
     local = tokens // t if sp else tokens
-    return (FP32 + e) * h * local + FP32 * local + e * h * tokens * (readers if sp else 1)
+    return (FP32 + e) * h * local + FP32 * local + e * h * tokens
 
 
 def layer_activation(cfg: Config, tokens: int, recompute: str) -> int:
@@ -139,7 +139,7 @@ def layer_activation(cfg: Config, tokens: int, recompute: str) -> int:
         return e * m.hidden_size * local
     heads = m.num_attention_heads // t
     kv = (m.kv_heads // t if m.kv_heads >= t else 1) * m.head_dim
-    saved = (norm_activation(cfg, tokens, 3) + norm_activation(cfg, tokens, 2)  # q/k/v, then gate/up
+    saved = (2 * norm_activation(cfg, tokens)  # before q/k/v, then before gate/up
              + e * tokens * (2 * heads * m.head_dim + 2 * kv + 3 * m.ffn_hidden_size // t))
     if recompute == "none":
         saved += FP32 * tokens * heads  # the attention's log-sum-exp
@@ -167,7 +167,7 @@ def chunk_activation(cfg: Config, layers: int, pre: bool, post: bool, micro_batc
     if pre:
         saved += INDEX * tokens * (1 if cfg.parallel.tensor == 1 else 2)  # token ids (and their local copy)
     if post:
-        saved += norm_activation(cfg, tokens, 1) + loss_activation(cfg, tokens)
+        saved += norm_activation(cfg, tokens) + loss_activation(cfg, tokens)
     return saved
 
 

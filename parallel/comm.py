@@ -131,7 +131,8 @@ def all_reduce_flat(tensors: list, group, dtype: torch.dtype | None = None) -> N
 
 
 def all_gather(tensor: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
-    """Concatenate every rank's `tensor` along `dim`."""
+    """Concatenate every rank's `tensor` along `dim`, returned contiguous: the layers that read it (q/k/v,
+    gate/up under sequence parallelism) then share one saved input instead of each flattening its own copy."""
     world = group_size(group)
     if world == 1:
         return tensor
@@ -139,7 +140,7 @@ def all_gather(tensor: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     out = torch.empty((world * moved.shape[0],) + moved.shape[1:], dtype=tensor.dtype, device=tensor.device)
     RECORD.add("all_gather", group, out)
     issue("all_gather", group, lambda: dist.all_gather_into_tensor(out, moved, group=group))
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()
 
 
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool = False):
