@@ -116,7 +116,7 @@ def state_bytes(cfg: Config, units: list, shard_size: int, shard_rank: int) -> t
         mine = max(0, min(numel, (shard_rank + 1) * shard) - max(fp32_start, shard_rank * shard))
         weights += shard * (e if stage == 3 else e * shard_size)
         grads += (shard * shard_size * e + fp32_numel * FP32 if stage == 1 else shard * e) + mine * FP32
-        optim += 3 * FP32 * shard
+        optim += (2 if stage == 3 and not split else 3) * FP32 * shard  # fp32 stage 3: the shard is the master
     return weights, grads, optim, largest
 
 

@@ -29,7 +29,9 @@ class ZeroAdamW:
         self.sdp, self.cfg, self.topo = sdp, cfg, topo
         # Checkpoint interface: each shard is written once; under HSDP only the first replica group writes.
         self.writes_state = comm.group_rank(sdp.replicate_group) == 0
-        self.master = [u.param_shard.detach().float().clone() for u in sdp.units]
+        # fp32 stage 3: the parameter shard is a tensor of its own, so it serves as the master (no copy per step)
+        self.master = [u.param_shard if sdp.stage == 3 and u.param_shard.dtype == torch.float32
+                       else u.param_shard.detach().float().clone() for u in sdp.units]
         self.exp_avg = [torch.zeros_like(m) for m in self.master]
         self.exp_avg_sq = [torch.zeros_like(m) for m in self.master]
         self.adam_step = 0

@@ -246,7 +246,8 @@ class ShardedDataParallel:
         handles = []
         for unit, master in zip(self.units, masters):
             unit.free()  # stage 3: a gathered copy would hold the old values
-            unit.param_shard.copy_(master)
+            if master is not unit.param_shard:
+                unit.param_shard.copy_(master)
             if self.stage != 3:
                 handles.append(comm.all_gather_into(unit.flat, unit.param_shard.clone(), unit.group, async_op=True))
         for h in handles:

@@ -58,9 +58,10 @@ def allocated(rank, world, *overrides) -> tuple:
         optim = storages(state + [m for m, p in zip(opt.master, opt.params) if m is not p])
     else:
         stage = cfg.parallel.zero_stage
-        weights = storages(u.param_shard if stage == 3 else u.flat for u in units)
+        held_weights = [u.param_shard if stage == 3 else u.flat for u in units]
+        weights = storages(held_weights)
         grads = sum(storages([u.full_grad, u.full_grad32, u.grad_shard, u.grad32]) for u in units)
-        optim = storages(opt.held_tensors())
+        optim = storages(held_weights + opt.held_tensors()) - weights  # an fp32 stage-3 master is the shard
     shard_rank = comm.group_rank(dp.shard_group) if units is not None else 0
     want = estimate(cfg, world, shard_rank)[trainer.topo.pp_rank]
     return (trainer.topo.pp_rank, (weights, grads, optim), (want.parameters, want.gradients, want.optimizer))
