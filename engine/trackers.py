@@ -70,7 +70,11 @@ class WandbTracker:
         self.run.log(values, step=step)
 
     def close(self) -> None:
+        import wandb
         self.run.finish()
+        # W&B flushes and uploads in a service process and waits for it only at interpreter exit, which a rank
+        # skips (parallel.distributed.exit_now): wait here, or the last records can be lost.
+        wandb.teardown()
 
 
 class Trackers:

@@ -137,7 +137,12 @@ def _mpi_rendezvous(source: str) -> tuple[str, str]:
         raise LaunchError(f"mpi4py could not load the {source} MPI library ({str(exc).splitlines()[0]}); set "
                           f"MPI4PY_LIBMPI to the launcher's libmpi.so (or MASTER_ADDR and MASTER_PORT)") from exc
     info = (socket.gethostname(), str(_free_port())) if MPI.COMM_WORLD.Get_rank() == 0 else None
-    return MPI.COMM_WORLD.bcast(info, root=0)
+    info = MPI.COMM_WORLD.bcast(info, root=0)
+    # MPI's part ends here, while every rank is present: MPI_Finalize is collective over connected processes,
+    # so at exit it would wait on peers that may have failed or left (and mpirun fails a rank that exits
+    # without it). Training then runs with no MPI library active.
+    MPI.Finalize()
+    return info
 
 
 def rendezvous(launch: Launch, environ=None) -> tuple[str, str]:
@@ -258,9 +263,6 @@ def exit_now(status: int) -> None:
     file is closed by now, and torch's C++ destructors at teardown can abort a rank whose gloo transport threads
     are still winding down ("terminate called without an active exception", status -6), turning a finished run
     into a failure."""
-    mpi = sys.modules.get("mpi4py.MPI")  # loaded when an MPI launcher started this rank (discover())
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        mpi.Finalize()  # mpirun counts a rank that exits without it as failed (its atexit hook is skipped)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

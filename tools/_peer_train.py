@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -248,9 +249,15 @@ def main(argv=None) -> int:
         if loss is not None:
             losses.append(loss)
     (out / f"rank_{rank}.json").write_text(json.dumps({"losses": losses, "step_seconds": seconds}))
+    dist.barrier()  # no rank closes its connections while a peer's gloo threads still use them
     dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    status = main()
+    # Skip the interpreter's teardown: torch's C++ destructors there can abort a finished rank whose gloo
+    # transport threads are still winding down ("terminate called without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
