@@ -109,6 +109,8 @@ class TrainConfig:
     precision: str = "fp32"  # compute dtype; bf16/fp16 keep fp32 master weights, fp16 adds dynamic loss scaling
     log_interval: int = 1  # steps between records in the console and metrics.jsonl
     device: str = "auto"  # auto = cuda when available, else cpu
+    cpu_allocator: str = "reuse"  # on the CPU, reuse = glibc keeps freed memory for the next step (no page
+        # faults on fresh pages, engine/host_memory.py); default = leave malloc alone
     recompute: str = "none"  # activation recomputation per block: selective = attention core, full = whole block
     recompute_switch_step: int = 0  # from this step on use recompute_after_switch (0 = never switch)
     recompute_after_switch: str = "full"  # recompute mode from train.recompute_switch_step on
@@ -249,6 +251,7 @@ CHOICES = {
     ("parallel", "backend"): ("auto", "gloo", "nccl"),
     ("train", "precision"): ("fp32", "bf16", "fp16"),
     ("train", "device"): ("auto", "cpu", "cuda"),
+    ("train", "cpu_allocator"): ("reuse", "default"),
     ("optim", "schedule"): ("cosine", "linear", "constant", "wsd", "two_phase"),
     ("run", "wandb_mode"): ("online", "offline", "disabled"),
     ("parallel", "rank_order"): tuple("-".join(order) for order in itertools.permutations(("tp", "dp", "pp"))),

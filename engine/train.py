@@ -27,6 +27,7 @@ from engine.diary import Diary
 from engine.evaluation_tasks import InRunTasks
 from engine.health import HealthMonitor
 from engine.hf_checkpoint import fill_model_from_hf
+from engine.host_memory import reuse_freed_memory
 from engine.light_snapshot import LightSnapshots
 from engine.batch_ramp import global_batch, lr_position, samples_after
 from engine.data_cache import localize_data
@@ -483,6 +484,8 @@ def run(cfg: Config, env: DistEnv) -> list[dict]:
         for warning in placement_warnings(layout, list(env.nodes), p.hsdp_group_size or p.hierarchical_node_size,
                                           block_key):
             log.warning(f"WARNING: {warning}")
+    if env.device.type == "cpu" and cfg.train.cpu_allocator == "reuse":
+        log.info(reuse_freed_memory())
     trainer = Trainer(cfg, env)
     metrics = MetricsLog(run_dir, enabled=env.rank == 0, console=log.info,
                          trackers=Trackers(cfg, run_dir, trainer.step, env.rank == 0, log.warning))

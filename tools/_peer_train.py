@@ -16,8 +16,10 @@ seconds) and OUT/profile/rank_K/trace.json, a torch.profiler trace of the last w
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
+import platform
 import sys
 import time
 from pathlib import Path
@@ -208,6 +210,15 @@ class Trainer:
         return None if loss is None else loss.detach().item()
 
 
+def reuse_freed_memory() -> None:
+    """glibc keeps freed memory for the next step (mmap and trim thresholds 1 GiB), as Trilith's CPU runs do
+    (train.cpu_allocator=reuse, engine/host_memory.py): the comparison is of the parallelism, not the allocator."""
+    if platform.libc_ver()[0] == "glibc":
+        libc = ctypes.CDLL(None)
+        libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mode", choices=MODES, required=True)
@@ -220,7 +231,10 @@ def main(argv=None) -> int:
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--rope-theta", type=float, default=10000.0)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--reuse-freed-memory", action="store_true", help="glibc malloc keeps freed memory (CPU)")
     args = ap.parse_args(argv)
+    if args.reuse_freed_memory:
+        reuse_freed_memory()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
