@@ -61,17 +61,26 @@ _SPACE_CHUNK_RE = re.compile(r" +(?= )| [^ ]*+|[^ ]++")
 
 
 class CutRule:
-    """How documents of one pre-tokenizer family are cut into chunks; `alone(chunk)`: the chunk must be encoded
-    as a text of its own (a Metaspace chunk without a leading space gets the "▁" a text's start gets), the
-    others may be encoded as the words of a pre-tokenized batch."""
+    """How documents of one pre-tokenizer family are cut into chunks.
 
-    def __init__(self, name, split, alone=lambda chunk: False):
+    `alone(chunk)`, if given: the chunk must be encoded as a text of its own (a Metaspace chunk without a
+    leading space gets the "▁" a text's start gets); the others are encoded many at a time. By default as
+    the words of a pre-tokenized input; with `joined_pre_tokenizer` (the pre-tokenizer's config -> one under
+    which the concatenated chunks split back into them), as one text, chunk i owning the pre-tokenizer's
+    next `pieces(chunk i)` words."""
+
+    def __init__(self, name, split, alone=None, joined_pre_tokenizer=None, pieces=None):
         self.name, self.split, self.alone = name, split, alone
+        self.joined_pre_tokenizer, self.pieces = joined_pre_tokenizer, pieces
 
 
 GPT2 = CutRule("GPT-2 byte-level", _GPT2_CHUNK_RE.findall)
 SPLIT = CutRule("regex Split + ByteLevel", _SPLIT_CHUNK_RE.findall)
-METASPACE = CutRule("Metaspace", _SPACE_CHUNK_RE.findall, lambda c: c[0] != " ")
+# Joined, each chunk starts with a space, so no "▁" is prepended, and `split` true cuts before every "▁" (a
+# space, or one in the text): a chunk is that many words. Cutting there is exact (see above), so `split` true
+# gives the same ids as false.
+METASPACE = CutRule("Metaspace", _SPACE_CHUNK_RE.findall, lambda c: c[0] != " ",
+                    lambda pre: dict(pre, split=True), lambda c: c.count(" ") + c.count("\u2581"))
 
 
 def _byte_level(pre, use_regex):

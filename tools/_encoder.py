@@ -13,8 +13,10 @@ Cutting the (normalized) text at those positions gives "chunks" (leading whitesp
 non-space run, like " self.x" or "\\n    return"); a document's ids are the concatenation of its
 chunks' ids, and each chunk's ids depend only on the chunk, so they can be cached. Text repeats
 heavily, so most chunks are cache hits. The other families cut at their own pre-tokenizers'
-boundaries (tools/_chunk_rules.py says where, and why). Misses are encoded many at a time as the words
-of a pre-tokenized input, which the tokenizer encodes each as a text of its own.
+boundaries (tools/_chunk_rules.py says where, and why). Each chunk costs one dictionary lookup, which
+also collects the misses; those are encoded many at a time, as the words of a pre-tokenized input (each
+encoded as a text of its own) or, for Metaspace, joined into one text whose pre-tokenizer cuts it back at
+the chunks' spaces.
 
 The argument needs: a pre-tokenizer of those families, a model without dropout, a post-processor
 that only puts fixed tokens around a document (read off two probes and added back), whitespace on
@@ -50,14 +52,31 @@ class _Growable:
         self.data = np.zeros(1024, dtype)
         self.size = 0
 
-    def extend(self, values):
-        need = self.size + len(values)
-        if need > len(self.data):
-            grown = np.zeros(max(need, 2 * len(self.data)), self.data.dtype)
+    def resize(self, size):
+        if size > len(self.data):
+            grown = np.zeros(max(size, 2 * len(self.data)), self.data.dtype)
             grown[:self.size] = self.data[:self.size]
             self.data = grown
-        self.data[self.size:need] = values
-        self.size = need
+        self.size = size
+
+    def extend(self, values):
+        start = self.size
+        self.resize(start + len(values))
+        self.data[start:self.size] = values
+
+
+class _Index(dict):
+    """Chunk -> cache slot. A chunk not yet cached gets the next slot and is queued in `new`, so one lookup
+    per chunk both finds the hits and collects the misses (in slot order)."""
+
+    def __init__(self):
+        super().__init__()
+        self.new = []
+
+    def __missing__(self, chunk):
+        slot = self[chunk] = len(self)
+        self.new.append(chunk)
+        return slot
 
 
 class HFEncoder:
@@ -77,6 +96,10 @@ class HFEncoder:
         if self.cached:
             plain = dict(config, normalizer=None, added_tokens=[], post_processor=None)
             self._inner = Tokenizer.from_str(json.dumps(plain))
+            # Misses joined into one text per group, when the rule allows it (Metaspace: cheaper than a word
+            # list), else encoded as the words of a pre-tokenized input.
+            self._joined = (Tokenizer.from_str(json.dumps(dict(plain, pre_tokenizer=self.rule.joined_pre_tokenizer(
+                config["pre_tokenizer"])))) if self.rule.joined_pre_tokenizer else None)
             normalizer = self.tokenizer.normalizer
             self._normalize = normalizer.normalize_str if normalizer is not None else None
             added = [t["content"] for t in config.get("added_tokens") or []]
@@ -106,7 +129,7 @@ class HFEncoder:
         return None
 
     def _reset_cache(self):
-        self._index = {}
+        self._index = _Index()
         self._flat = _Growable(np.int32)
         self._starts = _Growable(np.int64)
         self._lens = _Growable(np.int64)
@@ -114,37 +137,53 @@ class HFEncoder:
     def _plain(self, texts):
         return [np.asarray(e.ids, dtype=np.int64) for e in self.tokenizer.encode_batch(texts)]
 
-    def _add_chunks(self, chunks):
-        """Encode uncached chunks, each as on its own, and append them to the cache."""
-        alone = [c for c in chunks if self.rule.alone(c)]
-        words = [c for c in chunks if not self.rule.alone(c)]
-        for c, enc in zip(alone, self._inner.encode_batch(alone, add_special_tokens=False)):
-            self._append(c, enc.ids)
-        # Many chunks to one pre-tokenized input: the tokenizer encodes each word as a text of its own.
+    def _add_chunks(self, chunks, first):
+        """Encode the chunks that just got the cache slots first, first + 1, ...: each as if on its own."""
+        self._starts.resize(first + len(chunks))
+        self._lens.resize(first + len(chunks))
+        alone, words = [], range(len(chunks))
+        if self.rule.alone is not None:
+            words = []
+            for i, c in enumerate(chunks):
+                (alone if self.rule.alone(c) else words).append(i)
+        if alone:
+            encodings = self._inner.encode_batch([chunks[i] for i in alone], add_special_tokens=False)
+            self._store(first + np.asarray(alone, np.int64), [np.asarray(e.ids, np.int32) for e in encodings],
+                        [len(e.ids) for e in encodings])
+        # Many chunks to one input: the tokenizer encodes each word as a text of its own.
         groups, group, size = [], [], 0
-        for c in words:
-            group.append(c)
-            size += len(c)
+        for i in words:
+            group.append(chunks[i])
+            size += len(chunks[i])
             if size >= _JOIN_CHARS:
                 groups.append(group)
                 group, size = [], 0
         if group:
             groups.append(group)
-        for g, enc in zip(groups, self._inner.encode_batch(groups, is_pretokenized=True, add_special_tokens=False)):
-            owner = np.asarray(enc.word_ids, dtype=np.int64)
-            counts = np.bincount(owner, minlength=len(g))
-            base = self._flat.size
-            self._flat.extend(np.asarray(enc.ids, dtype=np.int32))
-            self._starts.extend(base + np.concatenate(([0], np.cumsum(counts)[:-1])))
-            self._lens.extend(counts)
-            first = len(self._index)
-            self._index.update(zip(g, range(first, first + len(g))))
+        if self._joined is not None:
+            encodings = self._joined.encode_batch(["".join(g) for g in groups], add_special_tokens=False)
+            pieces = [[self.rule.pieces(c) for c in g] for g in groups]
+        else:
+            encodings = self._inner.encode_batch(groups, is_pretokenized=True, add_special_tokens=False)
+            pieces = None
+        ids, counts = [], []
+        for k, (g, enc) in enumerate(zip(groups, encodings)):
+            ids.append(np.asarray(enc.ids, np.int32))
+            if pieces is None:
+                counts.append(np.bincount(np.asarray(enc.word_ids, np.int64), minlength=len(g)))
+            else:  # a chunk's tokens are those of its pieces (the pre-tokenizer's words of the joined text)
+                per_piece = np.bincount(np.asarray(enc.word_ids, np.int64), minlength=sum(pieces[k]))
+                counts.append(np.add.reduceat(per_piece, np.cumsum([0] + pieces[k][:-1])))
+        if groups:
+            self._store(first + np.asarray(words, np.int64), ids, np.concatenate(counts))
 
-    def _append(self, chunk, ids):
-        self._index[chunk] = len(self._index)
-        self._starts.extend([self._flat.size])
-        self._lens.extend([len(ids)])
-        self._flat.extend(np.asarray(ids, dtype=np.int32))
+    def _store(self, slots, ids, counts):
+        """Append the chunks' ids (a list of arrays, the chunks' in order) and point their slots at them."""
+        counts = np.asarray(counts, np.int64)
+        base = self._flat.size
+        self._flat.extend(np.concatenate(ids))
+        self._starts.data[slots] = base + np.cumsum(counts) - counts
+        self._lens.data[slots] = counts
 
     def encode_batch(self, texts):
         if not self.cached:
@@ -156,19 +195,20 @@ class HFEncoder:
         for i, text in enumerate(texts):
             norm = self._normalize(text) if self._normalize else text
             if (not norm or _OTHER_SPACE_RE.search(norm) or (self._added_re is not None and (
-                    self._added_re.search(text) or self._added_re.search(norm)))):
+                    self._added_re.search(text) or (norm is not text and self._added_re.search(norm))))):
                 plain.append(i)
             else:
                 chunked.append((i, self.rule.split(norm)))
         index = self._index
-        every = list(itertools.chain.from_iterable(chunks for _, chunks in chunked))
-        new = [c for c in set(every) if c not in index]
-        if new:
-            self._add_chunks(new)
+        # One gather for the whole batch: each chunk's cache slot (misses get theirs here and are encoded next),
+        # each token's place in the cache (its chunk's start + its rank within the chunk), then cut back into
+        # documents.
+        cid = np.fromiter(map(index.__getitem__, itertools.chain.from_iterable(chunks for _, chunks in chunked)),
+                          np.int64, sum(len(chunks) for _, chunks in chunked))
+        if index.new:
+            new, index.new = index.new, []
+            self._add_chunks(new, len(index) - len(new))
         flat, starts, lens = self._flat.data, self._starts.data, self._lens.data
-        # One gather for the whole batch: each chunk's cache slot, each token's place in the cache (its chunk's
-        # start + its rank within the chunk), then cut back into documents.
-        cid = np.fromiter(map(index.__getitem__, every), np.int64, len(every))
         n = lens[cid]
         ends = np.cumsum(n)
         tokens = flat[np.repeat(starts[cid] - (ends - n), n) + np.arange(int(ends[-1]) if n.size else 0)]
