@@ -84,7 +84,10 @@ class ParallelConfig:
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedule)
     schedule: str = "1f1b"  # pipeline schedule (parallel/pipeline_schedules.py)
     stage_layers: list[int] = field(default_factory=list)  # layers per pipeline chunk in chunk order, e.g.
-        # [3, 3, 2, 2]; empty = even split (earlier chunks take the remainder)
+        # [3, 3, 2, 2]; empty = split by parallel.stage_balance
+    stage_balance: str = "layers"  # without stage_layers: layers = even layer counts (earlier chunks take the
+        # remainder); compute = even estimated compute, the output layer counted on the last chunk
+        # (engine/stage_balance.py)
     rank_order: str = "tp-dp-pp"  # fastest-varying dimension first: TP ranks adjacent by default
     backend: str = "auto"  # collective backend; auto = nccl with CUDA, else gloo
     timeout_minutes: float = 10.0  # collective timeout: a dead or hung rank ends the job instead of hanging it
@@ -248,6 +251,7 @@ CHOICES = {
     ("train", "recompute_after_switch"): ("none", "selective", "full"),
     ("optim", "implementation"): ("auto", "apex", "fused", "foreach"),
     ("parallel", "schedule"): ("gpipe", "1f1b", "interleaved"),
+    ("parallel", "stage_balance"): ("layers", "compute"),
     ("parallel", "backend"): ("auto", "gloo", "nccl"),
     ("train", "precision"): ("fp32", "bf16", "fp16"),
     ("train", "device"): ("auto", "cpu", "cuda"),

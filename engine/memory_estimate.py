@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import Config, data_parallel_size
+from engine.stage_balance import chunk_layers
 from parallel.ddp import reduces_in_fp32
 from parallel.stage_layers import chunk_roles, stage_layer_ids
 from parallel.tensor import padded_vocab_size
@@ -93,7 +94,7 @@ def stage_chunks(cfg: Config, stage: int) -> list[tuple[int, bool, bool]]:
     p = cfg.parallel
     if p.pipeline == 1:
         return [(cfg.model.num_layers, True, True)]
-    ids = stage_layer_ids(cfg.model.num_layers, p.pipeline, p.virtual_stages, p.stage_layers)[stage]
+    ids = stage_layer_ids(cfg.model.num_layers, p.pipeline, p.virtual_stages, chunk_layers(cfg))[stage]
     return [(len(ids[j]), *chunk_roles(stage, p.pipeline, p.virtual_stages, j)) for j in range(p.virtual_stages)]
 
 

@@ -275,8 +275,12 @@ class CausalLM(nn.Module):
         return comm.gather_from_last_dim(local_logits, self.tp.group)[..., : self.cfg.vocab_size]
 
 
-def num_parameters(cfg: ModelConfig) -> int:
-    h, f, v, L = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size, cfg.num_layers
+def layer_parameters(cfg: ModelConfig) -> int:
+    h, f = cfg.hidden_size, cfg.ffn_hidden_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-    per_layer = 2 * h * q + 2 * h * kv + 3 * h * f + 2 * h + (q + 2 * kv if cfg.attention_bias else 0)
-    return L * per_layer + v * h * (1 if cfg.tie_embeddings else 2) + h
+    return 2 * h * q + 2 * h * kv + 3 * h * f + 2 * h + (q + 2 * kv if cfg.attention_bias else 0)
+
+
+def num_parameters(cfg: ModelConfig) -> int:
+    h, v = cfg.hidden_size, cfg.vocab_size
+    return cfg.num_layers * layer_parameters(cfg) + v * h * (1 if cfg.tie_embeddings else 2) + h

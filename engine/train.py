@@ -42,6 +42,7 @@ from engine.recompute_switch import RecomputeSwitch
 from engine.replica_check import ReplicaMismatch
 from engine.rollback import LossGuard
 from engine.run_lock import hold_run_dir
+from engine.stage_balance import chunk_layers
 from engine.step_probes import StepProbes
 from engine.stop import StopControl, StopRun, exit_status, final_failure
 from engine.stragglers import StepTimer
@@ -144,7 +145,7 @@ def build_model_chunks(cfg: Config, topo: Topology, tp: TensorParallel) -> list[
     if topo.pp_size == 1:
         return [CausalLM(cfg.model, tp)]
     v = cfg.parallel.virtual_stages
-    layer_ids = stage_layer_ids(cfg.model.num_layers, topo.pp_size, v, cfg.parallel.stage_layers)[topo.pp_rank]
+    layer_ids = stage_layer_ids(cfg.model.num_layers, topo.pp_size, v, chunk_layers(cfg))[topo.pp_rank]
     chunks = []
     for j in range(v):
         pre, post = chunk_roles(topo.pp_rank, topo.pp_size, v, j)
@@ -484,6 +485,9 @@ def run(cfg: Config, env: DistEnv) -> list[dict]:
         for warning in placement_warnings(layout, list(env.nodes), p.hsdp_group_size or p.hierarchical_node_size,
                                           block_key):
             log.warning(f"WARNING: {warning}")
+    if cfg.parallel.pipeline > 1:
+        log.info(f"pipeline: layers per chunk {chunk_layers(cfg)} (parallel."
+                 f"{'stage_layers' if cfg.parallel.stage_layers else 'stage_balance=' + cfg.parallel.stage_balance})")
     if env.device.type == "cpu" and cfg.train.cpu_allocator == "reuse":
         log.info(reuse_freed_memory())
     trainer = Trainer(cfg, env)

@@ -26,6 +26,24 @@ def chunk_layer_counts(num_layers: int, num_chunks: int, explicit: list[int] | N
     return [base + (1 if c < extra else 0) for c in range(num_chunks)]
 
 
+def balanced_layer_counts(num_layers: int, num_chunks: int, first_extra: float = 0.0,
+                          last_extra: float = 0.0) -> list[int]:
+    """Layers per chunk that make the costliest chunk as cheap as possible, costs in units of one layer: the
+    first chunk also carries `first_extra` (embedding), the last `last_extra` (final norm, output layer, loss).
+    Each chunk gets one layer, then each further layer goes to the cheapest chunk so far (the earliest on a
+    tie): optimal for equal layers, and with no extras the same as the even split."""
+    if num_layers < num_chunks:
+        raise ValueError(f"model.num_layers={num_layers} cannot fill {num_chunks} pipeline chunks")
+    counts = [1] * num_chunks
+    extra = [0.0] * num_chunks
+    extra[0] += first_extra
+    extra[-1] += last_extra
+    for _ in range(num_layers - num_chunks):
+        cheapest = min(range(num_chunks), key=lambda c: (counts[c] + extra[c], c))
+        counts[cheapest] += 1
+    return counts
+
+
 def stage_layer_ids(num_layers: int, pipeline: int, virtual: int = 1,
                     explicit: list[int] | None = None) -> list[list[list[int]]]:
     """layer_ids[pp_rank][virtual_chunk] = the global layer indices of that chunk."""

@@ -4,6 +4,7 @@ PP=2 runs as PP2×DP2 and PP=4 as PP4×DP1 on one pool of 4 ranks; GPipe, 1F1B a
 the same loss and gradients; the 1F1B schedule holds at most p micro-batches' activations while GPipe
 holds all m; a TP2×PP2×DP2 run of 8 processes follows the single-process loss curve (≤ 1e-4 per step).
 """
+import itertools
 import re
 import subprocess
 import sys
@@ -16,13 +17,15 @@ import torch
 import torch.distributed as dist
 
 from engine.config import Config, ConfigError, ModelConfig, load_config, validate
+from engine.memory_estimate import stage_chunks
 from engine.model import CausalLM
+from engine.stage_balance import chunk_layers, output_layer_cost
 from engine.train import Trainer, build_model_chunks
 from parallel import comm
 from parallel.distributed import DistEnv
 from parallel.p2p import PipelineComm
 from parallel.pipeline_schedules import ScheduleTrace, forward_backward_no_pipeline, forward_backward_pipeline
-from parallel.stage_layers import (chunk_layer_counts, stage_layer_ids,
+from parallel.stage_layers import (balanced_layer_counts, chunk_layer_counts, stage_layer_ids,
                                    tied_embedding_weights)
 from parallel.tensor import TensorParallel
 from parallel.topology import Layout, Topology
@@ -227,6 +230,27 @@ def test_stage_layer_assignment():
     assert stage_layer_ids(8, 2, 2) == [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
     with pytest.raises(ValueError, match="summing to model.num_layers=8"):
         chunk_layer_counts(8, 4, [3, 3, 1, 2])
+
+
+def test_compute_balanced_split():
+    for layers, chunks in itertools.product(range(1, 13), range(1, 7)):  # no extras: the even split
+        if layers >= chunks:
+            assert balanced_layer_counts(layers, chunks) == chunk_layer_counts(layers, chunks)
+    for layers, chunks, first, last in itertools.product(range(2, 9), range(2, 5), (0.0, 0.7), (0.3, 1.5, 2.3, 6.0)):
+        if layers < chunks:
+            continue
+        got = balanced_layer_counts(layers, chunks, first, last)
+        cost = lambda counts: max(n + first * (c == 0) + last * (c == chunks - 1) for c, n in enumerate(counts))
+        best = min(cost(s) for s in itertools.product(range(1, layers + 1), repeat=chunks) if sum(s) == layers)
+        assert sum(got) == layers and min(got) >= 1 and cost(got) == pytest.approx(best), (layers, chunks, got)
+    bench = ["model.hidden_size=256", "model.num_layers=4", "model.num_attention_heads=8", "model.num_kv_heads=8",
+             "model.ffn_hidden_size=688", "model.vocab_size=8192", "model.seq_length=256", "parallel.pipeline=2"]
+    cfg = load_config(TINY, bench + ["parallel.stage_balance=compute"])
+    assert output_layer_cost(cfg) == pytest.approx(2.27, abs=0.01)  # the 8192-token output layer ≈ 2.3 layers
+    assert chunk_layers(cfg) == [3, 1] and stage_chunks(cfg, 0) == [(3, True, False)]
+    assert chunk_layers(load_config(TINY, bench)) == [2, 2]
+    assert chunk_layers(load_config(TINY, bench + ["parallel.stage_balance=compute", "parallel.stage_layers=[1,3]"])) \
+        == [1, 3]  # an explicit split wins
 
 
 @pytest.mark.parametrize("overrides, world, message", [

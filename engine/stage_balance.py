@@ -1,0 +1,34 @@
+"""How many transformer layers each pipeline chunk holds: `parallel.stage_layers` when given, else by
+`parallel.stage_balance`.
+
+`layers` (default) splits the layer count evenly. `compute` evens out each chunk's estimated training
+FLOPs per token instead, counting the last chunk's output layer: 6·h·V for the output matmul against
+6·(a layer's parameters) + 12·h·s for a layer (engine/metrics.flops_per_token's terms). The embedding lookup
+costs no matmul and counts as nothing. With a large vocabulary and few layers the output layer is worth
+several layers (at hidden 256, vocabulary 8192, sequence 256: 2.3), and the even split leaves the last stage
+the bottleneck of every pipeline step. Earlier stages then hold more layers, and under 1F1B they also keep
+more micro-batches' activations: `memory_estimate` shows what that costs per stage.
+"""
+from __future__ import annotations
+
+from engine.config import Config
+from engine.model import layer_parameters
+from parallel.stage_layers import balanced_layer_counts, chunk_layer_counts
+
+
+def output_layer_cost(cfg: Config) -> float:
+    """The output layer's training FLOPs per token, in transformer layers."""
+    m = cfg.model
+    layer = 6 * layer_parameters(m) + 12 * m.hidden_size * m.seq_length
+    return 6 * m.hidden_size * m.vocab_size / layer
+
+
+def chunk_layers(cfg: Config) -> list[int]:
+    """Layers per pipeline chunk, in chunk order (pipeline × virtual_stages entries)."""
+    p = cfg.parallel
+    chunks = p.pipeline * p.virtual_stages
+    if p.stage_layers:
+        return chunk_layer_counts(cfg.model.num_layers, chunks, p.stage_layers)
+    if p.stage_balance == "compute":
+        return balanced_layer_counts(cfg.model.num_layers, chunks, last_extra=output_layer_cost(cfg))
+    return chunk_layer_counts(cfg.model.num_layers, chunks)
