@@ -16,12 +16,16 @@ ROW = re.compile(r"^\| (\w+) \| ([\d,]+) \| ([\d,]+) \| ([\d.]+)× \| (\d+) \| (
 ROUND = re.compile(r"^round 1 (\w+) +(trilith|peer) .* loss ([\d.]+) -> ([\d.]+) ", re.MULTILINE)
 
 
-def test_both_sides_train_and_the_table_is_printed(capsys):
+def test_both_sides_train_and_the_table_is_printed(capsys, tmp_path):
     # DTensor with sequence parallelism and the hand-split pipeline: the peer's paths furthest from plain torch
     # (all five modes would take minutes on two cores)
     modes = ["tp_sp", "pp"]
-    assert bench_peers.main(TINY + ["--modes", ",".join(modes)]) == 0
+    assert bench_peers.main(TINY + ["--modes", ",".join(modes), "--workdir", str(tmp_path),
+                                    "--trilith-set", "parallel.stage_balance=compute"]) == 0
     out = capsys.readouterr().out
+    assert "Trilith with parallel.stage_balance=compute" in out.splitlines()[0]
+    [pp_log] = tmp_path.glob("bench_peers_*/r0_pp_trilith/log.txt")
+    assert "(parallel.stage_balance=compute)" in pp_log.read_text()  # the override reached Trilith's run
     rows = {m.group(1): m.groups()[1:] for m in ROW.finditer(out)}
     assert sorted(rows) == sorted(modes), out
     for mode, (ours, peer, ratio, ours_calls, peer_calls, ours_mb, peer_mb) in rows.items():
@@ -64,6 +68,7 @@ def test_buffer_bytes_counts_the_full_buffer_of_each_collective():
     (["--modes", "zero3,fsdp"], "unknown fsdp"),
     (["--batch", "7"], "multiple of --nproc"),
     (["--warmup", "0"], "at least 1"),
+    (["--trilith-set", "parallel.stage_balance"], "is not KEY=VALUE"),
 ])
 def test_bad_arguments_are_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -21,7 +21,7 @@ collective's full buffer (an all-gather's output, a reduce-scatter's input). Bot
 loss within 0.3 of ln V and the last loss lower by 1% of ln V, else the tool stops with status 1 and one line.
 
     python tools/bench_peers.py [--modes zero3,ddp,tp,tp_sp,pp] [--rounds 3] [--hidden 256 --layers 4 ...]
-        [--device cpu|cuda] [--nproc 2] [--workdir DIR]
+        [--device cpu|cuda] [--nproc 2] [--trilith-set KEY=VALUE ...] [--workdir DIR]
 """
 from __future__ import annotations
 
@@ -95,8 +95,8 @@ def run_trilith(args, mode: str, job_dir: Path) -> dict:
     job_dir.mkdir(parents=True)
     config = job_dir / "config.yaml"
     config.write_text(json.dumps(trilith_config(args, mode, job_dir / "run")))  # JSON is YAML
-    run_job(args, ["bash", str(ROOT / "launch/run_pretrain.sh"), "--nproc", str(args.nproc), "--config", str(config)],
-            job_dir / "log.txt", f"Trilith {mode}")
+    run_job(args, ["bash", str(ROOT / "launch/run_pretrain.sh"), "--nproc", str(args.nproc), "--config", str(config),
+                   *args.trilith_set], job_dir / "log.txt", f"Trilith {mode}")
     records = [json.loads(line) for line in (job_dir / "run" / "metrics.jsonl").read_text().splitlines()
                if line.strip()]
     records = [r for r in records if "step_time_s" in r and "loss" in r]
@@ -227,6 +227,9 @@ def parse_args(argv):
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo, cuda: nccl")
     ap.add_argument("--job-timeout", type=float, default=900.0, help="seconds one side's job may take")
+    ap.add_argument("--trilith-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a configuration override for Trilith's side, e.g. parallel.stage_balance=compute "
+                         "(repeatable; the peer has no counterpart)")
     ap.add_argument("--workdir", default=None, help="keep the jobs' run directories and logs here (by default a "
                     "temporary directory, removed after a successful run)")
     args = ap.parse_args(argv)
@@ -235,7 +238,8 @@ def parse_args(argv):
     problems = ([f"--modes: unknown {', '.join(unknown)}; choose from {','.join(MODES)}"] if unknown else []) + \
         ([f"--batch {args.batch} must be a multiple of --nproc {args.nproc}"] if args.batch % args.nproc else []) + \
         ([f"--warmup {args.warmup} must be at least 1 (the last warm-up step is profiled)"] if args.warmup < 1
-         else []) + (["--rounds and --steps must be at least 1"] if min(args.rounds, args.steps) < 1 else [])
+         else []) + (["--rounds and --steps must be at least 1"] if min(args.rounds, args.steps) < 1 else []) + \
+        [f"--trilith-set {item!r} is not KEY=VALUE" for item in args.trilith_set if "=" not in item]
     if not args.modes or problems:
         ap.error(problems[0] if problems else "--modes is empty")
     return args
@@ -246,7 +250,8 @@ def main(argv=None) -> int:
     print(f"shape: hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} heads, FFN {args.ffn}, "
           f"vocab {args.vocab}, seq {args.seq}, global batch {args.batch} ({args.batch * args.seq} tokens/step), "
           f"fp32, {args.nproc} ranks on {args.device} ({'nccl' if args.device == 'cuda' else 'gloo'}), "
-          f"{args.warmup} warm-up + {args.steps} measured steps, {args.rounds} rounds", flush=True)
+          f"{args.warmup} warm-up + {args.steps} measured steps, {args.rounds} rounds"
+          + (f"; Trilith with {' '.join(args.trilith_set)}" if args.trilith_set else ""), flush=True)
     try:
         runs = measure(args)
     except BenchError as exc:
