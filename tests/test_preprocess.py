@@ -267,3 +267,23 @@ def test_summary_reports_a_cache_the_workers_turned_off(tmp_path, tok, monkeypat
     assert len(IndexedDataset(path)) == len(TEXTS)
     captured = capsys.readouterr()
     assert "cache off: self-check failed" in captured.out and "turning the cache off" in captured.err
+
+
+@pytest.mark.parametrize("scheme", ["always", "never"])
+def test_metaspace_cache_is_exact_for_each_prepend_scheme(tmp_path, families, scheme):
+    """The first chunk of a text: cached as a space-led chunk where the tokenizer prepends "▁" ("first", tested
+    above, and "always"), encoded on its own where it does not ("never")."""
+    from tokenizers import Tokenizer
+    from tools import _chunk_rules
+    config = json.load(open(families["metaspace"][0]))
+    config["pre_tokenizer"]["prepend_scheme"] = scheme
+    reference = Tokenizer.from_str(json.dumps(config))
+    encoder = load_encoder(("hf", json.dumps(config)))
+    assert encoder.rule is (_chunk_rules.METASPACE if scheme == "always" else _chunk_rules.METASPACE_NEVER)
+    encoder.verify_first = 0
+    rng = np.random.RandomState(2)
+    alphabet = list("abXY01_.,:'()é日\u2581") + [" ", "  ", "\n", "\t", "def", " x", "\u2581x"]
+    texts = ["".join(rng.choice(alphabet, rng.randint(1, 40))) for _ in range(400)] + TEXTS
+    out = [ids for i in range(0, len(texts), 100) for ids in encoder.encode_batch(texts[i:i + 100])]
+    for t, ids in zip(texts, out):
+        assert ids.tolist() == reference.encode(t).ids, repr(t)

@@ -76,11 +76,24 @@ class CutRule:
 
 GPT2 = CutRule("GPT-2 byte-level", _GPT2_CHUNK_RE.findall)
 SPLIT = CutRule("regex Split + ByteLevel", _SPLIT_CHUNK_RE.findall)
-# Joined, each chunk starts with a space, so no "▁" is prepended, and `split` true cuts before every "▁" (a
+
+
+def _metaspace_prepended(text):
+    """Metaspace chunks when the tokenizer prepends "▁" to a text that does not start with one: the first
+    chunk gets it as a space, and is then cached like any other."""
+    chunks = _SPACE_CHUNK_RE.findall(text)
+    if chunks[0][0] not in " \u2581":
+        chunks[0] = " " + chunks[0]
+    return chunks
+
+
+# Joined, no chunk that starts with a space gets a "▁" prepended, and `split` true cuts before every "▁" (a
 # space, or one in the text): a chunk is that many words. Cutting there is exact (see above), so `split` true
-# gives the same ids as false.
-METASPACE = CutRule("Metaspace", _SPACE_CHUNK_RE.findall, lambda c: c[0] != " ",
-                    lambda pre: dict(pre, split=True), lambda c: c.count(" ") + c.count("\u2581"))
+# gives the same ids as false. With `prepend_scheme` "never" a first chunk without a space is encoded alone.
+_JOINED = dict(joined_pre_tokenizer=lambda pre: dict(pre, split=True),
+               pieces=lambda c: c.count(" ") + c.count("\u2581"))
+METASPACE = CutRule("Metaspace", _metaspace_prepended, **_JOINED)
+METASPACE_NEVER = CutRule("Metaspace", _SPACE_CHUNK_RE.findall, lambda c: c[0] != " ", **_JOINED)
 
 
 def _byte_level(pre, use_regex):
@@ -109,5 +122,5 @@ def cut_rule(config, vocab):
         mark = pre.get("replacement", "\u2581")
         if pre.get("replacement") != "\u2581" or any(mark in token[1:] for token in vocab):
             return None, "Metaspace vocabulary holds '\u2581' inside tokens (merges may cross spaces)"
-        return METASPACE, None
+        return (METASPACE if pre.get("prepend_scheme") in ("first", "always") else METASPACE_NEVER), None
     return None, f"pre-tokenizer {pre.get('type')} (the cache knows GPT-2 ByteLevel, Llama-3-style Split, Metaspace)"

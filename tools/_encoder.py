@@ -37,8 +37,8 @@ from data.eod import eod_id_from_tokenizer
 from tools._chunk_rules import OTHER_SPACES, SAFE_SPACES, cut_rule  # noqa: F401 (the spaces: re-exported)
 
 _OTHER_SPACE_RE = re.compile("[" + re.escape(OTHER_SPACES) + "]")
-# Misses are encoded in pre-tokenized inputs of about this many characters, as a batch.
-_JOIN_CHARS = 16384
+# Misses are encoded in inputs of this many chunks, as a batch.
+_GROUP_CHUNKS = 1024
 
 HF_TYPES = ("HuggingFaceTokenizer", "HFTokenizer", "PretrainedFromHF")
 SP_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
@@ -94,12 +94,8 @@ class HFEncoder:
             self.cache_reason = self._find_template()
         self.cached = self.cache_reason is None
         if self.cached:
-            plain = dict(config, normalizer=None, added_tokens=[], post_processor=None)
-            self._inner = Tokenizer.from_str(json.dumps(plain))
-            # Misses joined into one text per group, when the rule allows it (Metaspace: cheaper than a word
-            # list), else encoded as the words of a pre-tokenized input.
-            self._joined = (Tokenizer.from_str(json.dumps(dict(plain, pre_tokenizer=self.rule.joined_pre_tokenizer(
-                config["pre_tokenizer"])))) if self.rule.joined_pre_tokenizer else None)
+            # The tokenizers that encode misses are built at the first miss: the main process never needs them.
+            self._plain_config, self._inner = dict(config, normalizer=None, added_tokens=[], post_processor=None), None
             normalizer = self.tokenizer.normalizer
             self._normalize = normalizer.normalize_str if normalizer is not None else None
             added = [t["content"] for t in config.get("added_tokens") or []]
@@ -137,29 +133,33 @@ class HFEncoder:
     def _plain(self, texts):
         return [np.asarray(e.ids, dtype=np.int64) for e in self.tokenizer.encode_batch(texts)]
 
+    def _build_inner(self):
+        from tokenizers import Tokenizer
+        plain = self._plain_config
+        self._inner = Tokenizer.from_str(json.dumps(plain))
+        # Misses joined into one text per group, when the rule allows it (Metaspace: cheaper than a word list),
+        # else encoded as the words of a pre-tokenized input.
+        self._joined = (Tokenizer.from_str(json.dumps(dict(plain, pre_tokenizer=self.rule.joined_pre_tokenizer(
+            plain["pre_tokenizer"])))) if self.rule.joined_pre_tokenizer else None)
+
     def _add_chunks(self, chunks, first):
         """Encode the chunks that just got the cache slots first, first + 1, ...: each as if on its own."""
+        if self._inner is None:
+            self._build_inner()
         self._starts.resize(first + len(chunks))
         self._lens.resize(first + len(chunks))
-        alone, words = [], range(len(chunks))
+        words, slots = chunks, None
         if self.rule.alone is not None:
-            words = []
+            alone, slots = [], []
             for i, c in enumerate(chunks):
-                (alone if self.rule.alone(c) else words).append(i)
-        if alone:
-            encodings = self._inner.encode_batch([chunks[i] for i in alone], add_special_tokens=False)
-            self._store(first + np.asarray(alone, np.int64), [np.asarray(e.ids, np.int32) for e in encodings],
-                        [len(e.ids) for e in encodings])
+                (alone if self.rule.alone(c) else slots).append(i)
+            if alone:
+                encodings = self._inner.encode_batch([chunks[i] for i in alone], add_special_tokens=False)
+                self._store(first + np.asarray(alone, np.int64), [np.asarray(e.ids, np.int32) for e in encodings],
+                            [len(e.ids) for e in encodings])
+            words = [chunks[i] for i in slots]
         # Many chunks to one input: the tokenizer encodes each word as a text of its own.
-        groups, group, size = [], [], 0
-        for i in words:
-            group.append(chunks[i])
-            size += len(chunks[i])
-            if size >= _JOIN_CHARS:
-                groups.append(group)
-                group, size = [], 0
-        if group:
-            groups.append(group)
+        groups = [words[k:k + _GROUP_CHUNKS] for k in range(0, len(words), _GROUP_CHUNKS)]
         if self._joined is not None:
             encodings = self._joined.encode_batch(["".join(g) for g in groups], add_special_tokens=False)
             pieces = [[self.rule.pieces(c) for c in g] for g in groups]
@@ -175,7 +175,8 @@ class HFEncoder:
                 per_piece = np.bincount(np.asarray(enc.word_ids, np.int64), minlength=sum(pieces[k]))
                 counts.append(np.add.reduceat(per_piece, np.cumsum([0] + pieces[k][:-1])))
         if groups:
-            self._store(first + np.asarray(words, np.int64), ids, np.concatenate(counts))
+            self._store(first + (np.arange(len(words)) if slots is None else np.asarray(slots, np.int64)), ids,
+                        np.concatenate(counts))
 
     def _store(self, slots, ids, counts):
         """Append the chunks' ids (a list of arrays, the chunks' in order) and point their slots at them."""
