@@ -10,7 +10,7 @@ Each parameter's `register_post_accumulate_grad_hook` counts its backward passes
 micro-batch it marks itself ready, and a bucket whose parameters are all ready is divided by the group size
 and its all-reduce launched asynchronously at once, so communication overlaps the rest of backward. Earlier
 micro-batches only accumulate locally (no communication). `finish_gradients()` waits for the buckets and
-sums the gradients of TP-replicated-gradient parameters over TP.
+sums the gradients of TP-replicated-gradient parameters over TP, in fp32.
 
 Under bf16/fp16, parameters whose name matches `fp32_names` (norm weights by default) go into fp32 buckets,
 so their sum over ranks is taken in fp32. Their low-precision `.grad` cannot be a view of an fp32 buffer:
@@ -156,7 +156,9 @@ class BucketedDDP:
             bucket.handle = comm.all_reduce(bucket.buffer, self.dp_group, async_op=True)
 
     def finish_gradients(self) -> None:
-        """Wait for every bucket (the averages are then in `.grad`), then sum TP-partial gradients over TP."""
+        """Wait for every bucket (the averages are then in `.grad`), then sum TP-partial gradients over TP:
+        those of an fp32 bucket (SP norm weights under bf16) while still in fp32, so they are rounded once."""
+        summed = set()
         if self.dp_size > 1:
             for bucket in self.buckets:
                 if not bucket.launched:  # a parameter that received no gradient this step
@@ -164,6 +166,11 @@ class BucketedDDP:
                 if bucket.handle is not None:
                     bucket.handle.wait()
                 if not bucket.in_place:
+                    partial = [(p, view) for p, view in zip(bucket.params, bucket.views)
+                               if getattr(p, "tp_replicated_grad", False)]
+                    if partial and self.tp.size > 1:
+                        comm.all_reduce_flat([view for _, view in partial], self.tp.group)
+                        summed.update(id(p) for p, _ in partial)
                     for p, view in zip(bucket.params, bucket.views):
                         if p.grad is None:
                             p.grad = view.to(p.dtype)
@@ -171,7 +178,7 @@ class BucketedDDP:
                             p.grad.copy_(view)
                 bucket.launched, bucket.handle, bucket.ready = False, None, 0
         for chunk in self.chunks:
-            allreduce_replicated_grads(chunk, self.tp)
+            allreduce_replicated_grads(chunk, self.tp, frozenset(summed))
         for p in self.tied:  # the embedding and its output-layer copy on the last pipeline stage
             comm.all_reduce(p.grad, self.tied_group)
 

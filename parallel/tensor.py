@@ -177,12 +177,14 @@ def _all_reduce_over(group, tensor: torch.Tensor, op: str) -> None:
     comm.all_reduce(tensor, group, op=torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.SUM)
 
 
-def allreduce_replicated_grads(module: nn.Module, tp: TensorParallel) -> None:
-    """Sum gradients of TP-replicated parameters whose per-rank gradients are partial (SP norms, shared KV)."""
+def allreduce_replicated_grads(module: nn.Module, tp: TensorParallel, done: frozenset = frozenset()) -> None:
+    """Sum gradients of TP-replicated parameters whose per-rank gradients are partial (SP norms, shared KV),
+    in fp32 whatever their dtype, skipping the parameters whose ids are in `done` (summed already)."""
     if tp.size == 1:
         return
-    grads = [p.grad for p in module.parameters() if getattr(p, "tp_replicated_grad", False) and p.grad is not None]
-    comm.all_reduce_flat(grads, tp.group)
+    grads = [p.grad for p in module.parameters() if getattr(p, "tp_replicated_grad", False) and p.grad is not None
+             and id(p) not in done]
+    comm.all_reduce_flat(grads, tp.group, torch.float32)
 
 
 def parameter_seed(seed: int, name: str) -> int:

@@ -10,9 +10,14 @@ from tests.test_data_parallel import CURVE, make_trainer
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with worker_pools(2) as made:
-        yield made[2]
+def pools():
+    with worker_pools(2, 4) as made:
+        yield made
+
+
+@pytest.fixture(scope="module")
+def pool(pools):
+    return pools[2]
 
 
 def with_precision(precision: str) -> dict:
@@ -97,3 +102,31 @@ def test_bucketed_gradients_equal_a_per_parameter_average_bit_for_bit(pool, prec
 def test_one_rank_needs_no_fp32_buffer_for_low_precision_norms():
     trainer = make_trainer(0, 1, with_precision("bf16"), zero_stage=0, bucket_mb=1000)
     assert [b.dtype for b in trainer.data_parallel.buckets] == [torch.bfloat16]  # nothing to sum in fp32
+
+
+def tp_partial_sums_in_fp32(rank, world):
+    """TP 2 × DP 2, sequence parallel, bf16: the norm weights' partial gradients (and the replicated K/V rows')
+    are summed over TP in fp32 and rounded to bf16 once, after the fp32 DP average."""
+    trainer = make_trainer(rank, world, with_precision("bf16"), zero_stage=0, bucket_mb=0.02, tensor=2,
+                           sequence_parallel=True)
+    ddp, chunk, topo = trainer.data_parallel, trainer.chunks[0], trainer.topo
+    named = [(n, p) for n, p in trainer.named_params if getattr(p, "tp_replicated_grad", False)]
+    tokens = trainer.loader.next_global_batch()[0]
+    grads = torch.autograd.grad(chunk(tokens[:, :-1], tokens[:, 1:]), [p for _, p in named])
+    expected = []
+    for (name, _), g in zip(named, grads):
+        dp_mean = g.float() / 2 if "norm" in name else (g / 2)  # norms average over DP in fp32, K/V in bf16
+        comm.all_reduce(dp_mean, topo.dp_group)
+        tp_sum = dp_mean.float()
+        comm.all_reduce(tp_sum, topo.tp_group)
+        expected.append(tp_sum.to(torch.bfloat16))
+    ddp.start_step(1)
+    chunk(tokens[:, :-1], tokens[:, 1:]).backward()
+    ddp.finish_gradients()
+    return [n for (n, p), e in zip(named, expected) if not torch.equal(p.grad, e)], [n for n, _ in named]
+
+
+def test_tensor_parallel_partial_gradients_are_summed_in_fp32(pools):
+    for unequal, names in pools[4].run(tp_partial_sums_in_fp32):
+        assert any("norm" in n for n in names) and any("k_proj" in n for n in names)
+        assert unequal == []
