@@ -252,7 +252,7 @@ def test_chunk_cache_is_exact_for_each_tokenizer_family(tmp_path, families, fami
     for t, ids in zip(texts, out):
         assert ids.tolist() == reference.encode(t).ids, repr(t)
     out = run(tmp_path, path, [write_jsonl(tmp_path / "a.jsonl", [{"text": t} for t in texts if t.strip()])],
-              "--append-eod", "--eod-token", eod_token)
+              "--append-eod", "--eod-token", eod_token, "--workers", "2", "--batch-size", "100")
     eod = reference.token_to_id(eod_token)
     ds = IndexedDataset(out)
     assert [ds[i].tolist() for i in range(len(ds))] == [reference.encode(t).ids + [eod] for t in texts if t.strip()]

@@ -136,7 +136,10 @@ class HFEncoder:
     def _build_inner(self):
         from tokenizers import Tokenizer
         plain = self._plain_config
-        self._inner = Tokenizer.from_str(json.dumps(plain))
+        # Without a normalizer, the document's tokenizer itself: no chunk holds an added token's text, and
+        # add_special_tokens=False leaves the post-processor out. Else a copy without it (chunks are normalized).
+        self._inner = (self.tokenizer if self.tokenizer.normalizer is None
+                       else Tokenizer.from_str(json.dumps(plain)))
         # Misses joined into one text per group, when the rule allows it (Metaspace: cheaper than a word list),
         # else encoded as the words of a pre-tokenized input.
         self._joined = (Tokenizer.from_str(json.dumps(dict(plain, pre_tokenizer=self.rule.joined_pre_tokenizer(

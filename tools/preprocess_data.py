@@ -51,10 +51,12 @@ from tools._shards import (add_shard_arguments, all_markers, describe_inputs, fi
 REPORT_FIRST = 5  # rejects printed with file:line; all of them go to the rejects file
 
 _worker = {}
+_loaded = {}  # (spec, use_cache) -> the encoder main() loaded: forked workers start from it, unparsed again
 
 
 def _init_worker(spec, keys, use_cache, eod_id):
-    _worker.update(encoder=load_encoder(spec, use_cache), keys=keys, eod=eod_id)
+    encoder = _loaded.get((spec, use_cache))
+    _worker.update(encoder=load_encoder(spec, use_cache) if encoder is None else encoder, keys=keys, eod=eod_id)
 
 
 def _encode_task(records):
@@ -80,7 +82,9 @@ def _encode_task(records):
         if eod is not None:
             docs = [np.append(d, eod) for d in docs]
         lengths = np.fromiter(map(len, docs), np.int64, len(docs))
-        per_key.append((lengths, np.concatenate(docs) if docs else np.zeros(0, np.int64)))
+        # int32 ids (any vocabulary fits): half the bytes of int64 to send to the main process
+        per_key.append((lengths, np.concatenate(docs, dtype=np.int32, casting="same_kind") if docs
+                        else np.zeros(0, np.int32)))
     return kept, rejects, per_key, nbytes, encoder.cache_reason
 
 
@@ -299,7 +303,7 @@ def main(argv=None):
         spec = tokenizer_spec(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file)
     except (FileNotFoundError, ValueError) as e:
         p.error(str(e))
-    encoder = load_encoder(spec, not args.no_cache)
+    encoder = _loaded[(spec, not args.no_cache)] = load_encoder(spec, not args.no_cache)
     if args.eod_token is not None and not args.append_eod:
         p.error("--eod-token is the token --append-eod appends; add --append-eod")
     eod = None
