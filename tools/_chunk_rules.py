@@ -67,11 +67,11 @@ class CutRule:
     leading space gets the "▁" a text's start gets); the others are encoded many at a time. By default as
     the words of a pre-tokenized input; with `joined_pre_tokenizer` (the pre-tokenizer's config -> one under
     which the concatenated chunks split back into them), as one text, chunk i owning the pre-tokenizer's
-    next `pieces(chunk i)` words."""
+    next `pieces(chunk i)` words, each of which starts with `word_mark`."""
 
-    def __init__(self, name, split, alone=None, joined_pre_tokenizer=None, pieces=None):
+    def __init__(self, name, split, alone=None, joined_pre_tokenizer=None, pieces=None, word_mark=None):
         self.name, self.split, self.alone = name, split, alone
-        self.joined_pre_tokenizer, self.pieces = joined_pre_tokenizer, pieces
+        self.joined_pre_tokenizer, self.pieces, self.word_mark = joined_pre_tokenizer, pieces, word_mark
 
 
 GPT2 = CutRule("GPT-2 byte-level", _GPT2_CHUNK_RE.findall)
@@ -91,7 +91,7 @@ def _metaspace_prepended(text):
 # space, or one in the text): a chunk is that many words. Cutting there is exact (see above), so `split` true
 # gives the same ids as false. With `prepend_scheme` "never" a first chunk without a space is encoded alone.
 _JOINED = dict(joined_pre_tokenizer=lambda pre: dict(pre, split=True),
-               pieces=lambda c: c.count(" ") + c.count("\u2581"))
+               pieces=lambda c: c.count(" ") + c.count("\u2581"), word_mark="\u2581")
 METASPACE = CutRule("Metaspace", _metaspace_prepended, **_JOINED)
 METASPACE_NEVER = CutRule("Metaspace", _SPACE_CHUNK_RE.findall, lambda c: c[0] != " ", **_JOINED)
 

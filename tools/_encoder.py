@@ -144,6 +144,18 @@ class HFEncoder:
         # else encoded as the words of a pre-tokenized input.
         self._joined = (Tokenizer.from_str(json.dumps(dict(plain, pre_tokenizer=self.rule.joined_pre_tokenizer(
             plain["pre_tokenizer"])))) if self.rule.joined_pre_tokenizer else None)
+        self._word_start = None
+        mark = self.rule.word_mark
+        vocab = self._joined.get_vocab(with_added_tokens=False) if self._joined is not None else {}
+        if mark in vocab and hasattr(self._joined, "encode_batch_fast"):
+            # Every word of the joined text starts with the mark, which is a token, and holds no other mark: its
+            # first token is its only one that starts with the mark (an unknown-character token never does), so
+            # the ids alone say where words start, and the encoder may skip word ids and offsets.
+            self._word_start = np.zeros(max(vocab.values()) + 1, bool)
+            self._word_start[[i for token, i in vocab.items() if token.startswith(mark)]] = True
+            unk = plain["model"].get("unk_token")
+            if unk in vocab:
+                self._word_start[vocab[unk]] = False
 
     def _add_chunks(self, chunks, first):
         """Encode the chunks that just got the cache slots first, first + 1, ...: each as if on its own."""
@@ -164,7 +176,8 @@ class HFEncoder:
         # Many chunks to one input: the tokenizer encodes each word as a text of its own.
         groups = [words[k:k + _GROUP_CHUNKS] for k in range(0, len(words), _GROUP_CHUNKS)]
         if self._joined is not None:
-            encodings = self._joined.encode_batch(["".join(g) for g in groups], add_special_tokens=False)
+            encode = self._joined.encode_batch if self._word_start is None else self._joined.encode_batch_fast
+            encodings = encode(["".join(g) for g in groups], add_special_tokens=False)
             pieces = [[self.rule.pieces(c) for c in g] for g in groups]
         else:
             encodings = self._inner.encode_batch(groups, is_pretokenized=True, add_special_tokens=False)
@@ -175,7 +188,9 @@ class HFEncoder:
             if pieces is None:
                 counts.append(np.bincount(np.asarray(enc.word_ids, np.int64), minlength=len(g)))
             else:  # a chunk's tokens are those of its pieces (the pre-tokenizer's words of the joined text)
-                per_piece = np.bincount(np.asarray(enc.word_ids, np.int64), minlength=sum(pieces[k]))
+                word = (np.asarray(enc.word_ids, np.int64) if self._word_start is None
+                        else np.cumsum(self._word_start[ids[-1]]) - 1)
+                per_piece = np.bincount(word, minlength=sum(pieces[k]))
                 counts.append(np.add.reduceat(per_piece, np.cumsum([0] + pieces[k][:-1])))
         if groups:
             self._store(first + (np.arange(len(words)) if slots is None else np.asarray(slots, np.int64)), ids,
