@@ -183,6 +183,24 @@ def test_partitions_and_merge_equal_single_run(tmp_path, tok):
     assert m.document_indices.tolist() == list(range(2 * len(TEXTS) + 1))
 
 
+@pytest.mark.parametrize("named", [False, True])
+def test_partitions_keep_every_reject_in_one_file(tmp_path, tok, named):
+    """Rejects of every partition end up in the one rejects file, in input order, as in a single run; a clean
+    partition neither drops the others' nor leaves a file of its own."""
+    bodies = ['{"text": "one"}\n{"text": broken\n', '{"text": "clean"}\n', '{"text": 5}\n{"text": "end"}\n']
+    files = []
+    for i, body in enumerate(bodies):
+        (tmp_path / f"{i}.jsonl").write_text(body)
+        files.append(str(tmp_path / f"{i}.jsonl"))
+    rejects = {}
+    for prefix, extra in (("single", []), ("parted", ["--partitions", "3"])):
+        where = str(tmp_path / f"{prefix}_named.jsonl") if named else str(tmp_path / f"{prefix}_rejects.jsonl")
+        run(tmp_path, tok["bpe"], files, *extra, *(["--rejects", where] if named else []), prefix=prefix)
+        rejects[prefix] = [(r["file"], r["line"], r["reason"]) for r in map(json.loads, open(where))]
+    assert rejects["parted"] == rejects["single"] == [(files[0], 2, "malformed_json"), (files[2], 1, "non_string")]
+    assert not [f for f in os.listdir(tmp_path) if "_part" in f]
+
+
 def test_compressed_output_partitions_and_conversion(tmp_path, tok, capsys):
     """--compression zstd (with partitions) holds the same documents as the plain run; `merge` of one input
     converts between the kinds, byte for byte back to the plain .bin."""

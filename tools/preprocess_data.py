@@ -368,16 +368,26 @@ def merge_shards(args, files):
     for key in args.json_keys:
         merge([output_prefix(part, key) for part in parts], output_prefix(args.output_prefix, key),
               args.compression, args.block_tokens)
-    rejects_path = args.rejects or args.output_prefix + "_rejects.jsonl"
-    found = [part + "_rejects.jsonl" for part in parts if os.path.exists(part + "_rejects.jsonl")]
-    if found:
-        with open(rejects_path + ".tmp", "wb") as out:
-            for path in found:
-                with open(path, "rb") as f:
-                    shutil.copyfileobj(f, out)
-        os.replace(rejects_path + ".tmp", rejects_path)
+    rejects_path = _join_rejects(args, [part + "_rejects.jsonl" for part in parts])
     shutil.rmtree(args.output_prefix + ".shards")
-    return stats, rejects_path if found else None
+    return stats, rejects_path
+
+
+def _join_rejects(args, paths):
+    """The parts' rejects files, those that exist, concatenated in order into the run's rejects file (or the
+    run's stale one removed); returns its path, or None when nothing was rejected."""
+    rejects_path = args.rejects or args.output_prefix + "_rejects.jsonl"
+    found = [path for path in paths if os.path.exists(path)]
+    if not found:
+        if os.path.exists(rejects_path):
+            os.remove(rejects_path)  # a stale file from an earlier run would be misleading
+        return None
+    with open(rejects_path + ".tmp", "wb") as out:
+        for path in found:
+            with open(path, "rb") as f:
+                shutil.copyfileobj(f, out)
+    os.replace(rejects_path + ".tmp", rejects_path)
+    return rejects_path
 
 
 def _run(args, files, spec, encoder, eod):
@@ -385,15 +395,18 @@ def _run(args, files, spec, encoder, eod):
     if args.partitions == 1:
         stats, rejects_path = preprocess(args, files, args.output_prefix, spec, encoder.vocab_size, eod)
     else:
-        stats, rejects_path = collections.Counter(), None
+        stats = collections.Counter()
         bounds = np.linspace(0, len(files), args.partitions + 1).astype(int)
         parts = [f"{args.output_prefix}_part{i}" for i in range(args.partitions)]
         for i, part in enumerate(parts):
-            part_stats, part_rejects = preprocess(args, files[bounds[i]:bounds[i + 1]], part, spec,
-                                                  encoder.vocab_size, eod)
+            part_stats, _ = preprocess(args, files[bounds[i]:bounds[i + 1]], part, spec, encoder.vocab_size, eod,
+                                       rejects_path=part + "_rejects.jsonl")
             stats.update(part_stats)
-            if part_rejects:
-                print(f"  rejects of partition {i}: {part_rejects}")
+        rejects_path = _join_rejects(args, [part + "_rejects.jsonl" for part in parts])
+        if not args.keep_partitions:
+            for part in parts:
+                if os.path.exists(part + "_rejects.jsonl"):
+                    os.remove(part + "_rejects.jsonl")
         for key in args.json_keys:
             merge([output_prefix(part, key) for part in parts], output_prefix(args.output_prefix, key),
                   args.compression, args.block_tokens)
