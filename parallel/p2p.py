@@ -15,8 +15,8 @@ storage, whose values nothing modifies.
 
 On gloo, whose background threads deliver each operation as soon as both sides have posted it,
 `prefetch_forward` posts the next activation's receive alone, before the compute that precedes it (a forward
-in GPipe and in 1F1B's warm-up, a backward in 1F1B's steady state), so that its transfer overlaps that
-compute; the next exchange then only sends and waits for that receive. A receive posted early only lets its
+in GPipe and in the warm-ups, a backward in the steady states of 1F1B and interleaved 1F1B), so that its
+transfer overlaps that compute; the next exchange then only sends and waits for that receive. A receive posted early only lets its
 message in sooner and holds nothing up. On NCCL it does nothing: an operation posted alone runs in order on
 the communicator's stream, where a lone receive could hold back a later send, and the batch rule above stays
 the one guarantee.
@@ -119,9 +119,10 @@ class PipelineComm:
             raise RuntimeError("a prefetched pipeline receive was never used: the schedule and its exchanges "
                                "disagree")
 
-    def prefetch_forward(self) -> None:
-        """Post the receive of the next activation now, if this backend runs it independently (see above)."""
-        if self.early_receives and not self.is_first and self._prefetched is None:
+    def prefetch_forward(self, ring: bool = False) -> None:
+        """Post the receive of the next activation now, if this backend runs it independently (see above).
+        `ring`: the interleaved schedule, where the first stage too receives (its later chunks' inputs)."""
+        if self.early_receives and (ring or not self.is_first) and self._prefetched is None:
             buffer = self._buffer()
             self._prefetched = (batch_isend_irecv([("recv", buffer, self.prev_rank, FORWARD_TAG)], self.group)[0],
                                 buffer)

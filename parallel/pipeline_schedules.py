@@ -205,9 +205,11 @@ def interleaved(steps: _Steps, pipe) -> None:
     if not pipe.is_first:
         inputs[0].append(pipe.communicate(recv_prev=True)[0])
     for k in range(warmup):
-        out = forward_step(k)
         nxt = chunk_of(k + 1, True)
         recv_prev = not (pipe.is_first and nxt == 0) and k != total - 1
+        if recv_prev:  # the input after this one arrives during this forward
+            pipe.prefetch_forward(ring=True)
+        out = forward_step(k)
         if k == warmup - 1 and not all_warmup:
             received, grad = pipe.communicate(send_next=out, recv_prev=recv_prev, recv_next=not pipe.is_last)
             if grad is not None:
@@ -221,7 +223,6 @@ def interleaved(steps: _Steps, pipe) -> None:
     for k in range(remaining):
         fk = k + warmup
         out = forward_step(fk)
-        input_grad = backward_step(k)
         recv_prev = True
         if pipe.is_first:  # the first stage runs p − 1 slots ahead of the last, which feeds it
             nxt = chunk_of(fk - (p - 1), True)
@@ -229,6 +230,11 @@ def interleaved(steps: _Steps, pipe) -> None:
             nxt += 1
         else:
             nxt = chunk_of(fk + 1, True)
+        if k == remaining - 1:
+            recv_prev = False
+        if recv_prev:  # the next forward's input arrives during this backward
+            pipe.prefetch_forward(ring=True)
+        input_grad = backward_step(k)
         recv_next = True
         if pipe.is_last:  # and the last stage p − 1 backward slots ahead of the first
             nxt_b = chunk_of(k - (p - 1), False)
@@ -236,8 +242,6 @@ def interleaved(steps: _Steps, pipe) -> None:
             nxt_b -= 1
         else:
             nxt_b = chunk_of(k + 1, False)
-        if k == remaining - 1:
-            recv_prev = False
         received, grad = pipe.communicate(send_next=out, send_prev=input_grad, recv_prev=recv_prev,
                                           recv_next=recv_next)
         steps.release(chunk_of(fk, True), out)

@@ -204,6 +204,29 @@ def test_sends_stay_in_flight_and_receives_are_prefetched(pool):
     assert pool.run(exchange_overlaps, time.time_ns()) == [[True, True]] * 4
 
 
+def prefetched_receives(rank, world):
+    """For each exchange of an interleaved step that receives an activation: was that receive posted early?"""
+    used, communicate = [], PipelineComm.communicate
+
+    def recording(self, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
+        if recv_prev:
+            used.append(self._prefetched is not None)
+        return communicate(self, send_next, send_prev, recv_prev, recv_next)
+    PipelineComm.communicate = recording
+    try:
+        pipeline_step(rank, world, 4, "interleaved", virtual=2, tie=True)
+    finally:
+        PipelineComm.communicate = communicate
+    return used
+
+
+def test_interleaved_schedule_prefetches_every_activation_after_the_first(pool):
+    """On gloo each activation's receive is posted before the compute that precedes its exchange (a forward
+    in the warm-up, a backward in the steady state); only a stage's very first receive has nothing before it."""
+    for used in pool.run(prefetched_receives):
+        assert used and all(used[1:]), used
+
+
 def timed_pipeline_step(rank, world):
     """A step with the straggler timer on (engine/stragglers.py): every exchange is waited for where it is
     posted, and the exchange must not wait for those operations a second time (on gloo that never returns)."""
