@@ -36,7 +36,7 @@ def hierarchical_all_reduce(flat: torch.Tensor, intra, inter) -> None:
     part = torch.empty(flat.numel() // comm.group_size(intra), dtype=flat.dtype, device=flat.device)
     comm.reduce_scatter_into(part, flat, intra)
     comm.all_reduce(part, inter)
-    comm.all_gather_into(flat, part.clone(), intra)
+    comm.all_gather_into(flat, part, intra)
 
 
 class _Bucket:
