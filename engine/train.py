@@ -287,11 +287,13 @@ class Trainer:
         micro_losses = self.forward_backward(micro_batches)
         self.data_parallel.finish_gradients()
         self.probes.gradients(self.step + 1, self.data_parallel)  # before the optimizer consumes them
+        losses_by_rank, summing = self.losses_by_rank(micro_losses)
         lr = lr_at(*lr_position(self.cfg.train, self.step, self.consumed_samples), self.cfg.optim)
         with self.step_timer.optimizer():
             grad_norm, skipped = self.optimizer.step(lr)
             self.optimizer.zero_grad()
-        losses_by_rank = self.losses_by_rank(micro_losses)
+        if summing is not None:
+            summing.wait()
         self.step += 1
         heartbeat.set_step(self.step)
         elapsed = time.perf_counter() - start
@@ -315,13 +317,13 @@ class Trainer:
         self._check_token_ids(micro_batches)
         return micro_batches, waited
 
-    def losses_by_rank(self, micro_losses: torch.Tensor) -> torch.Tensor:
+    def losses_by_rank(self, micro_losses: torch.Tensor) -> tuple[torch.Tensor, object]:
         """[dp, m]: every data-parallel rank's micro-batch losses, so that a non-finite loss is traced to its rank
-        and samples (one small all-reduce, as for the mean alone)."""
+        and samples (one small all-reduce, as for the mean alone), and the all-reduce's handle (None when there
+        is nothing to wait for): it is started here and waited for after the optimizer step, which it overlaps."""
         out = torch.zeros(self.topo.dp_size, len(micro_losses), device=micro_losses.device)
         out[self.topo.dp_rank] = micro_losses
-        comm.all_reduce(out, self.topo.dp_group)
-        return out
+        return out, comm.all_reduce(out, self.topo.dp_group, async_op=True)
 
     def step_record(self, losses_by_rank: torch.Tensor, lr: float, grad_norm: float, skipped: bool, elapsed: float,
                     data_wait: float) -> dict:
