@@ -92,6 +92,8 @@ class ParallelConfig:
     backend: str = "auto"  # collective backend; auto = nccl with CUDA, else gloo
     timeout_minutes: float = 10.0  # collective timeout: a dead or hung rank ends the job instead of hanging it
     bucket_mb: float = 25.0  # zero_stage 0: size of each gradient all-reduce bucket (MB)
+    embedding_row_exchange: bool = True  # zero_stage 0: send only the input-embedding rows the step read,
+        # when that moves fewer bytes than all-reducing the table (parallel/embedding_rows.py; untied only)
     unit_process_groups: bool = False  # one DP communicator per sharding unit (zero_stage >= 1)
     zero3_keep_last_gathered: bool = True  # zero_stage 3: the unit run last in forward (final norm + LM head)
         # stays gathered until its backward instead of being freed and gathered again (pipeline: +1 unit per chunk)

@@ -20,7 +20,10 @@ def build_data_parallel(cfg: Config, topo, tp, chunks: list, named_params: list,
     hierarchy = topo.build_hierarchical_dp(p.hierarchical_node_size) if p.hierarchical_node_size else None
     tied = topo.embedding_group if cfg.model.tie_embeddings else None  # embedding + its last-stage copy
     if p.zero_stage == 0:
-        ddp = BucketedDDP(named_params, topo.dp_group, tp, chunks, p.bucket_mb, p.fp32_reduce, hierarchy, tied)
+        # the most tokens a rank reads in a step (the full batch, after any ramp)
+        tokens = cfg.train.global_batch_size // topo.dp_size * cfg.model.seq_length if p.embedding_row_exchange else 0
+        ddp = BucketedDDP(named_params, topo.dp_group, tp, chunks, p.bucket_mb, p.fp32_reduce, hierarchy, tied,
+                          tokens)
         return ddp, MixedPrecisionAdamW(named_params, cfg.optim, topo, cfg.train.precision, ddp)
     hsdp = topo.build_hierarchical_dp(p.hsdp_group_size) if p.hsdp_group_size else None
     unit_groups = topo.build_unit_groups(max_units(cfg)) if p.unit_process_groups else None

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from parallel import comm
+from parallel.embedding_rows import EmbeddingRows, rows_worth_it
 from parallel.stage_layers import tied_embedding_weights
 from parallel.tensor import TensorParallel, allreduce_replicated_grads
 
@@ -67,7 +68,7 @@ class _Bucket:
 
 class BucketedDDP:
     def __init__(self, named_params: list, dp_group, tp: TensorParallel, chunks: list, bucket_mb: float = 25.0,
-                 fp32_names=(), hierarchy=None, tied_group=None):
+                 fp32_names=(), hierarchy=None, tied_group=None, row_exchange_tokens: int = 0):
         self.dp_group, self.tp, self.chunks, self.hierarchy = dp_group, tp, chunks, hierarchy
         self.named_params = named_params
         self.tied_group = tied_group
@@ -76,8 +77,11 @@ class BucketedDDP:
         self.num_micro_batches = 1
         self.launched_in_backward = 0
         pad_to = comm.group_size(hierarchy[0]) if hierarchy else 1
+        self.embedding_rows = self._row_exchange(chunks, fp32_names, row_exchange_tokens) \
+            if row_exchange_tokens and self.dp_size > 1 and hierarchy is None else None
+        skip = self.embedding_rows.weight if self.embedding_rows else None
         # Backward produces gradients roughly in reverse order of definition: fill buckets that way.
-        ordered = [(n, p) for n, p in reversed(named_params) if p.requires_grad]
+        ordered = [(n, p) for n, p in reversed(named_params) if p.requires_grad and p is not skip]
         self.buckets: list[_Bucket] = []
         self.bucket_of: dict = {}
         self.own_grads: list = []  # low-precision parameters of fp32 buckets when there is nothing to reduce
@@ -99,6 +103,21 @@ class BucketedDDP:
         if self.dp_size > 1:
             for p in self.calls:
                 p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def _row_exchange(self, chunks: list, fp32_names, tokens: int) -> EmbeddingRows | None:
+        """The untied input embedding of this rank's first chunk, its gradient exchanged by rows
+        (parallel/embedding_rows.py) when `tokens` per step and rank make that the cheaper exchange; None
+        where there is none, it is not cheaper or its gradient is reduced in fp32."""
+        for chunk in chunks:
+            table = chunk.model.embed_tokens if chunk.pre_process else None
+            if table is None or chunk.cfg.tie_embeddings or not table.weight.requires_grad:
+                continue
+            name = next(n for n, p in self.named_params if p is table.weight)
+            if (table.weight.dtype != torch.float32 and reduces_in_fp32(name, fp32_names)) or \
+                    not rows_worth_it(table.weight, self.dp_size, tokens):
+                return None
+            return EmbeddingRows(table, self.dp_group, self.dp_size)
+        return None
 
     def _add_bucket(self, params, dtype, pad_to) -> None:
         in_place = all(p.dtype == dtype for p in params)
@@ -130,6 +149,8 @@ class BucketedDDP:
                     p.grad = None
         for p in self.own_grads:
             p.grad = None
+        if self.embedding_rows:
+            self.embedding_rows.zero_grad()
 
     def _on_grad(self, param: torch.Tensor) -> None:
         self.calls[param] += 1
@@ -177,6 +198,8 @@ class BucketedDDP:
                         else:
                             p.grad.copy_(view)
                 bucket.launched, bucket.handle, bucket.ready = False, None, 0
+            if self.embedding_rows:
+                self.embedding_rows.reduce()
         for chunk in self.chunks:
             allreduce_replicated_grads(chunk, self.tp, frozenset(summed))
         for p in self.tied:  # the embedding and its output-layer copy on the last pipeline stage
@@ -192,5 +215,5 @@ class BucketedDDP:
                 yield name, p, 0, p.grad.reshape(-1)
 
     def grad_bytes(self) -> int:
-        params = [*self.calls, *self.own_grads]
+        params = [*self.calls, *self.own_grads, *([self.embedding_rows.weight] if self.embedding_rows else [])]
         return sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)

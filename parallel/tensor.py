@@ -137,6 +137,11 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = describe(nn.Parameter(torch.empty(self.rows_per_rank, hidden_size)), (padded, hidden_size),
                                0 if tp.size > 1 else None, std, valid_rows=vocab_size)
 
+    def local_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of this rank's table that looking up `ids` reads (flat, with repeats)."""
+        local = ids.reshape(-1).long() - self.vocab_start
+        return local[(local >= 0) & (local < self.rows_per_rank)]
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return F.embedding(ids, self.weight)

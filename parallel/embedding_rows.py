@@ -1,0 +1,95 @@
+"""The input embedding's gradient, exchanged as the rows a step read instead of all-reduced whole (zero_stage 0).
+
+A data-parallel rank's embedding gradient is zero outside the rows of the token ids it looked up this step: at
+1,024 tokens per rank and an 8,192-row vocabulary, at most an eighth of the table. Each rank sends the rows its
+ids touched, divided by the group size as the dense path divides before its all-reduce, and every rank adds
+all ranks' rows in rank order into a table zeroed there, so the replicas stay bit-identical (with two ranks the
+sum is the all-reduce's to the bit: a + b = b + a). Rows nobody read stay zero, and only the touched rows are
+zeroed after the step.
+
+Every rank receives every rank's rows, so the exchange's bytes grow with the group size where the ring
+all-reduce's do not: it is taken only when even its worst case (every token of the step a distinct row) moves
+fewer bytes than all-reducing the table, a decision every rank makes alike from the step's token count.
+Otherwise the table is divided and all-reduced whole. Tied embeddings (the table also used as the output
+layer) have a dense gradient and are never exchanged this way.
+"""
+from __future__ import annotations
+
+import torch
+
+from parallel import comm
+
+
+def rows_worth_it(weight: torch.Tensor, dp_size: int, tokens: int) -> bool:
+    """Whether exchanging at most `tokens` rows of `weight` per rank (and their ids) moves fewer bytes per rank
+    than a ring all-reduce of the whole table over `dp_size` ranks."""
+    rows, width = weight.shape
+    element = weight.element_size()
+    worst = dp_size * min(tokens, rows) * (width * element + 8)
+    return worst < 2 * (dp_size - 1) / dp_size * rows * width * element
+
+
+class EmbeddingRows:
+    """Owns the embedding table's `.grad` (persistent) and the token ids the step's forward passes read."""
+
+    def __init__(self, embedding: torch.nn.Module, dp_group, dp_size: int):
+        self.weight, self.dp_group, self.dp_size = embedding.weight, dp_group, dp_size
+        self.weight.grad = torch.zeros_like(self.weight)
+        self.grad = self.weight.grad
+        self.rows_read: list = []
+        self.touched = None  # rows that may be nonzero after the exchange; None: any row
+        self.last_exchange = "none"  # "rows" or "dense": what the last step did, for tests and benchmarks
+        embedding.register_forward_pre_hook(self._record)
+        self._local_rows = embedding.local_rows
+
+    def _record(self, module, args) -> None:
+        if torch.is_grad_enabled() and module.training:  # evaluation and probe forwards have no gradient
+            self.rows_read.append(args[0])
+
+    def worth_it(self, tokens: int) -> bool:
+        return rows_worth_it(self.weight, self.dp_size, tokens)
+
+    def reduce(self) -> None:
+        """Sum the table's gradient over the data-parallel group and divide it by the group size."""
+        if self.weight.grad is not self.grad:  # something replaced it since the last step: take it over
+            if self.weight.grad is not None:
+                self.grad.copy_(self.weight.grad)
+            self.weight.grad = self.grad
+        tokens = sum(ids.numel() for ids in self.rows_read)
+        read, self.rows_read = self.rows_read, []
+        if not self.worth_it(tokens):
+            self.grad.div_(self.dp_size)
+            comm.all_reduce(self.grad, self.dp_group)
+            self.touched, self.last_exchange = None, "dense"
+            return
+        mine = torch.unique(self._local_rows(torch.cat([ids.reshape(-1) for ids in read]))) if read else \
+            torch.empty(0, dtype=torch.long, device=self.grad.device)
+        bound = min(tokens, self.grad.shape[0])  # rows per rank at most: the same number on every rank
+        ids = torch.full((bound,), -1, dtype=torch.long, device=self.grad.device)
+        ids[:mine.numel()] = mine
+        all_ids = torch.empty(self.dp_size * bound, dtype=torch.long, device=self.grad.device)
+        comm.all_gather_into(all_ids, ids, self.dp_group)
+        all_ids = all_ids.view(self.dp_size, bound)
+        counts = (all_ids >= 0).sum(dim=1).tolist()
+        widest = max(counts)
+        width = self.grad.shape[1]
+        rows = torch.zeros(widest, width, dtype=self.grad.dtype, device=self.grad.device)
+        rows[:mine.numel()] = self.grad.index_select(0, mine).div_(self.dp_size)
+        all_rows = torch.empty(self.dp_size * widest, width, dtype=self.grad.dtype, device=self.grad.device)
+        if widest:
+            comm.all_gather_into(all_rows, rows, self.dp_group)
+        all_rows = all_rows.view(self.dp_size, widest, width)
+        self.grad.index_fill_(0, mine, 0.0)  # this rank's rows come back with the others', in rank order
+        for rank, count in enumerate(counts):
+            self.grad.index_add_(0, all_ids[rank, :count], all_rows[rank, :count])
+        self.touched = torch.unique(all_ids[all_ids >= 0])
+        self.last_exchange = "rows"
+
+    def zero_grad(self) -> None:
+        if self.weight.grad is not self.grad or self.rows_read:  # replaced, or a backward never reduced
+            self.weight.grad, self.touched, self.rows_read = self.grad, None, []
+        if self.touched is None:
+            self.grad.zero_()
+        else:
+            self.grad.index_fill_(0, self.touched, 0.0)
+        self.touched = torch.empty(0, dtype=torch.long, device=self.grad.device)
