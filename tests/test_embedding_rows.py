@@ -41,9 +41,11 @@ def run(rank, world, base, parallel):
             collectives, cleared)
 
 
-def test_two_ranks_equal_the_dense_all_reduce_to_the_bit(pools):
-    by_rows = pools[2].run(run, WIDE, {"zero_stage": 0})
-    dense = pools[2].run(run, WIDE, {"zero_stage": 0, "embedding_row_exchange": False})
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_two_ranks_equal_the_dense_all_reduce_to_the_bit(pools, precision):
+    base = {**WIDE, "train": dict(WIDE["train"], precision=precision)}
+    by_rows = pools[2].run(run, base, {"zero_stage": 0})
+    dense = pools[2].run(run, base, {"zero_stage": 0, "embedding_row_exchange": False})
     for (losses, norms, (_, weights), exchanges, collectives, cleared), \
             (d_losses, d_norms, (_, d_weights), _, d_collectives, _) in zip(by_rows, dense):
         assert exchanges == ["rows"] * WIDE["train"]["steps"]
@@ -51,7 +53,7 @@ def test_two_ranks_equal_the_dense_all_reduce_to_the_bit(pools):
         assert losses == d_losses and norms == d_norms
         for name, (_, [(_, _, values)]) in weights.items():
             assert torch.equal(values, d_weights[name][1][0][2]), name
-        table = WIDE["model"]["vocab_size"] * WIDE["model"]["hidden_size"] * 4
+        table = WIDE["model"]["vocab_size"] * WIDE["model"]["hidden_size"] * (4 if precision == "fp32" else 2)
         gathered = [b for op, b in collectives if op == "all_gather"]
         assert len(gathered) == 2 and sum(gathered) < table / 4, collectives  # the ids, then the rows
         summed = [sum(b for op, b in c if op == "all_reduce") for c in (collectives, d_collectives)]
