@@ -130,6 +130,11 @@ def all_reduce_flat(tensors: list, group, dtype: torch.dtype | None = None) -> N
         offset += t.numel()
 
 
+# torch 2.13 renamed the flat collectives (the old names warn on every rank); torch >= 2.4 is supported
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def all_gather(tensor: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     """Concatenate every rank's `tensor` along `dim`, returned contiguous: the layers that read it (q/k/v,
     gate/up under sequence parallelism) then share one saved input instead of each flattening its own copy."""
@@ -139,7 +144,7 @@ def all_gather(tensor: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     moved = tensor.movedim(dim, 0).contiguous()
     out = torch.empty((world * moved.shape[0],) + moved.shape[1:], dtype=tensor.dtype, device=tensor.device)
     RECORD.add("all_gather", group, out)
-    issue("all_gather", group, lambda: dist.all_gather_into_tensor(out, moved, group=group))
+    issue("all_gather", group, lambda: _all_gather_flat(out, moved, group=group))
     return out.movedim(0, dim).contiguous()
 
 
@@ -150,7 +155,7 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group, async_op: 
         return None
     RECORD.add("all_gather", group, output)
     return issue("all_gather", group,
-                 lambda: dist.all_gather_into_tensor(output, shard, group=group, async_op=async_op), async_op)
+                 lambda: _all_gather_flat(output, shard, group=group, async_op=async_op), async_op)
 
 
 def reduce_scatter(tensor: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
@@ -163,7 +168,7 @@ def reduce_scatter(tensor: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
         raise ValueError(f"reduce_scatter: dimension {dim} of size {moved.shape[0]} not divisible by {world}")
     out = torch.empty((moved.shape[0] // world,) + moved.shape[1:], dtype=tensor.dtype, device=tensor.device)
     RECORD.add("reduce_scatter", group, moved)
-    issue("reduce_scatter", group, lambda: dist.reduce_scatter_tensor(out, moved, group=group))
+    issue("reduce_scatter", group, lambda: _reduce_scatter_flat(out, moved, group=group))
     return out.movedim(0, dim)
 
 
@@ -174,7 +179,7 @@ def reduce_scatter_into(output: torch.Tensor, flat: torch.Tensor, group, async_o
         return None
     RECORD.add("reduce_scatter", group, flat)
     return issue("reduce_scatter", group,
-                 lambda: dist.reduce_scatter_tensor(output, flat, group=group, async_op=async_op), async_op)
+                 lambda: _reduce_scatter_flat(output, flat, group=group, async_op=async_op), async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group) -> None:
