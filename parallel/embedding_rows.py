@@ -10,8 +10,9 @@ zeroed after the step.
 Every rank receives every rank's rows, so the exchange's bytes grow with the group size where the ring
 all-reduce's do not: it is taken only when even its worst case (every token of the step a distinct row) moves
 fewer bytes than all-reducing the table, a decision every rank makes alike from the step's token count.
-Otherwise the table is divided and all-reduced whole. Tied embeddings (the table also used as the output
-layer) have a dense gradient and are never exchanged this way.
+parallel/ddp.py takes the table out of its buckets only when the run's full batch makes the exchange the
+cheaper; a step that reads more tokens divides and all-reduces the table whole. Tied embeddings (the table
+also used as the output layer) have a dense gradient and are never exchanged this way.
 """
 from __future__ import annotations
 
