@@ -62,8 +62,13 @@ def pools():
 @pytest.fixture(scope="module")
 def reference():
     torch.manual_seed(0)
-    trainer = make_trainer(0, 1, CURVE)
-    history = [trainer.train_step() for _ in range(CURVE["train"]["steps"])]
+    return single_process_run(CURVE)
+
+
+def single_process_run(base: dict):
+    """(losses, gradient norms, {name: parameter}) of `base` trained in one process: the reference."""
+    trainer = make_trainer(0, 1, base)
+    history = [trainer.train_step() for _ in range(base["train"]["steps"])]
     return [h["loss"] for h in history], [h["grad_norm"] for h in history], dict(trainer.named_params)
 
 

@@ -5,7 +5,8 @@ import torch
 
 from parallel import comm
 from tests.distributed import worker_pools
-from tests.test_data_parallel import CURVE, assert_matches_reference, final_weights, make_trainer
+from tests.test_data_parallel import (CURVE, assert_matches_reference, final_weights, make_trainer,
+                                      single_process_run)
 
 # 2 × 16 tokens per rank and step against a 512-row table: the rows move far fewer bytes than the table
 WIDE = {**CURVE, "model": dict(CURVE["model"], vocab_size=512), "train": dict(CURVE["train"], global_batch_size=4,
@@ -20,9 +21,7 @@ def pools():
 
 @pytest.fixture(scope="module")
 def reference():
-    trainer = make_trainer(0, 1, WIDE)
-    history = [trainer.train_step() for _ in range(WIDE["train"]["steps"])]
-    return [h["loss"] for h in history], [h["grad_norm"] for h in history], dict(trainer.named_params)
+    return single_process_run(WIDE)
 
 
 def run(rank, world, base, parallel):
