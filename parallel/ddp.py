@@ -16,8 +16,9 @@ Under bf16/fp16, parameters whose name matches `fp32_names` (norm weights by def
 so their sum over ranks is taken in fp32. Their low-precision `.grad` cannot be a view of an fp32 buffer:
 those (few, small) gradients are copied in at launch and back after the reduction.
 The untied input embedding leaves the buckets when exchanging the rows a step read is the cheaper exchange
-(parallel/embedding_rows.py). With `hierarchy=(intra, inter)` an all-reduce becomes reduce-scatter inside the node group, all-reduce across
-nodes, all-gather inside the node group (NCCL grouping); it then runs synchronously, stage after stage.
+(parallel/embedding_rows.py). With `hierarchy=(intra, inter)` an all-reduce becomes reduce-scatter inside the
+node group, all-reduce across nodes, all-gather inside the node group (NCCL grouping); it then runs
+synchronously, stage after stage.
 """
 from __future__ import annotations
 
