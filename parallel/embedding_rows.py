@@ -47,9 +47,6 @@ class EmbeddingRows:
         if torch.is_grad_enabled() and module.training:  # evaluation and probe forwards have no gradient
             self.rows_read.append(args[0])
 
-    def worth_it(self, tokens: int) -> bool:
-        return rows_worth_it(self.weight, self.dp_size, tokens)
-
     def reduce(self) -> None:
         """Sum the table's gradient over the data-parallel group and divide it by the group size."""
         if self.weight.grad is not self.grad:  # something replaced it since the last step: take it over
@@ -58,7 +55,7 @@ class EmbeddingRows:
             self.weight.grad = self.grad
         tokens = sum(ids.numel() for ids in self.rows_read)
         read, self.rows_read = self.rows_read, []
-        if not self.worth_it(tokens):
+        if not rows_worth_it(self.weight, self.dp_size, tokens):
             self.grad.div_(self.dp_size)
             comm.all_reduce(self.grad, self.dp_group)
             self.touched, self.last_exchange = None, "dense"
