@@ -211,7 +211,9 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
 
 def init_distributed(device: str = "auto", backend: str = "auto", timeout_minutes: float = 10.0) -> DistEnv:
     launch = discover()
-    if launch.source != "single":  # alone, a rank may outlive its shell on purpose (nohup)
+    # Alone, a rank may outlive its shell on purpose (nohup); MPI's process managers end their ranks themselves,
+    # and a rank whose parent (the MPI proxy) exits first at the end of a finished run must not die of it.
+    if launch.source not in ("single", "openmpi", "mpich"):
         die_with_launcher()
     dev = pick_device(device, launch.local_rank)
     chosen = backend if backend != "auto" else ("nccl" if dev.type == "cuda" else "gloo")
