@@ -24,9 +24,11 @@ class _SwiGLU(torch.autograd.Function):
     def backward(ctx, grad):
         gate, up = ctx.saved_tensors
         g, dy = gate.float(), grad.float()
-        # aten's fused silu_backward gives d silu/dg = s + g s (1 - s) times its first argument in one pass
-        d_gate = torch.ops.aten.silu_backward(dy * up.float(), g)
-        return d_gate.to(gate.dtype), (dy * F.silu(g)).to(up.dtype)
+        # aten's fused silu_backward gives d silu/dg = s + g s (1 - s) times its first argument in one pass;
+        # both results are written over a temporary of their own (two allocations, not four)
+        d_gate = dy * up.float()
+        torch.ops.aten.silu_backward.grad_input(d_gate, g, grad_input=d_gate)
+        return d_gate.to(gate.dtype), F.silu(g).mul_(dy).to(up.dtype)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
