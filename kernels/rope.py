@@ -140,7 +140,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) 
     half = x.shape[-1] // 2
     c, s = cos[..., :half], sin[..., :half]
     x1, x2 = x[..., :half], x[..., half:]
-    out = torch.empty_like(x)
+    out = torch.empty_like(x, dtype=torch.promote_types(x.dtype, cos.dtype))
     first, second = out[..., :half], out[..., half:]
     torch.mul(x1, c, out=first).addcmul_(x2, s, value=-sign)
     torch.mul(x2, c, out=second).addcmul_(x1, s, value=sign)

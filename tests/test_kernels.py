@@ -249,6 +249,23 @@ def test_fused_rope_matches_reference(dtype, shape):
     assert_close(got, want, dtype, "rope")
 
 
+def test_fused_rope_on_transposed_input_with_per_token_angles_and_mixed_dtypes():
+    """The layouts the model passes (q as a transposed view, per-token cos/sin [b, 1, s, d] for packed
+    documents) and a bf16 input with fp32 tables, which promotes to fp32 as the reference does."""
+    cos, sin = rope.rope_cos_sin(12, 16, 10000.0)
+    positions = torch.randint(0, 12, (2, 12), generator=torch.Generator().manual_seed(3))
+    per_token = [table[positions].unsqueeze(1) for table in (cos, sin)]
+    q = rand(2, 12, 4, 16, seed=4).transpose(1, 2)  # [b, heads, s, d], not contiguous
+    want = run_with_grads(lambda t: rope.apply_rope(t, *per_token), q.detach().requires_grad_())
+    got = run_with_grads(lambda t: rope.apply_rope_fused(t, *per_token), q.detach().requires_grad_())
+    assert_close(got, want, torch.float32, "rope, per-token angles")
+    low = q.detach().to(torch.bfloat16).requires_grad_()
+    out = rope.apply_rope_fused(low, cos, sin)
+    assert out.dtype == rope.apply_rope(low, cos, sin).dtype == torch.float32
+    out.sum().backward()
+    assert low.grad.dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", [(3, 32), (2, 7, 48)])
 def test_swiglu_matches_reference(dtype, shape):
