@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from engine.config import ModelConfig
 from kernels.attention import alibi_slopes, attention_entropy, causal_attention
+from kernels.grad_accumulation import linear
 from kernels.norm import rms_norm
 from kernels.recompute import check_mode, recompute
 from kernels.rope import apply_rope_fused, rope_cos_sin
@@ -263,7 +264,7 @@ class CausalLM(nn.Module):
                                                          self.cfg.vocab_size, self.cfg.loss_chunk_tokens,
                                                          self.loss_compile_backend)
         else:
-            losses = vocab_parallel_cross_entropy(F.linear(hidden, self.output_weight()), labels, self.tp,
+            losses = vocab_parallel_cross_entropy(linear(hidden, self.output_weight()), labels, self.tp,
                                                   self.cfg.vocab_size, self.cfg.loss_chunk_tokens,
                                                   self.loss_compile_backend)
         if loss_mask is None:

@@ -5,6 +5,9 @@ parameter-and-gradient buffer: each bucket owns one flat buffer, and each parame
 it, set once at construction. Autograd accumulates into an existing `.grad` in place, so backward writes
 straight into the buckets, the all-reduce runs on the buffer itself, and a step allocates and copies no
 gradient memory. `zero_grad()` zeroes each buffer (one kernel per bucket) instead of dropping the gradients.
+Between start_step and finish_gradients the linear and embedding layers add their weight gradients into the
+buckets themselves, inside the matmul (kernels/grad_accumulation.py), instead of returning a new tensor
+for autograd to add.
 
 Each parameter's `register_post_accumulate_grad_hook` counts its backward passes in the step; on the last
 micro-batch it marks itself ready, and a bucket whose parameters are all ready is divided by the group size
@@ -134,11 +137,22 @@ class BucketedDDP:
             self.bucket_of[p] = bucket
 
     def start_step(self, num_micro_batches: int) -> None:
-        """Declare how many backward passes this step has; only the last one communicates."""
+        """Declare how many backward passes this step has; only the last one communicates. Until
+        finish_gradients the layers add their weight gradients into the buckets themselves
+        (kernels/grad_accumulation.py)."""
         self.num_micro_batches = num_micro_batches
         self.launched_in_backward = 0
         for p in self.calls:
             self.calls[p] = 0
+        self._fuse_accumulation(True)
+
+    def _fuse_accumulation(self, on: bool) -> None:
+        for bucket in self.buckets:
+            if bucket.in_place:
+                for p in bucket.params:
+                    p.fuse_grad_accumulation = on
+        if self.embedding_rows:
+            self.embedding_rows.weight.fuse_grad_accumulation = on
 
     def zero_grad(self) -> None:
         """Zero every bucket in place (the views stay the `.grad`s); copied gradients are dropped as usual."""
@@ -181,6 +195,7 @@ class BucketedDDP:
     def finish_gradients(self) -> None:
         """Wait for every bucket (the averages are then in `.grad`), then sum TP-partial gradients over TP:
         those of an fp32 bucket (SP norm weights under bf16) while still in fp32, so they are rounded once."""
+        self._fuse_accumulation(False)
         summed = set()
         if self.dp_size > 1:
             for bucket in self.buckets:

@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels.cross_entropy import cross_entropy, linear_cross_entropy
+from kernels.grad_accumulation import embedding, linear
 from parallel import comm
 
 
@@ -91,7 +92,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _bias(local_out, out_features, tp_dim) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -105,7 +106,7 @@ class RowParallelLinear(nn.Module):
                                1 if tp.size > 1 else None, std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.exit(F.linear(x, self.weight))
+        return self.tp.exit(linear(x, self.weight))
 
 
 class ReplicatedRowsLinear(nn.Module):
@@ -144,10 +145,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
+            return embedding(ids, self.weight)
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.rows_per_rank)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = embedding(local.masked_fill(outside, 0), self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return self.tp.exit(out)
 

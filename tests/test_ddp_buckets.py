@@ -1,9 +1,12 @@
 """Bucketed DDP keeps gradients in persistent contiguous buckets: every `.grad` (but a low-precision one reduced
 in fp32) is a view into its bucket across steps, and the reduced gradients are bit-equal to an explicit
 per-parameter average (2 ranks: a sum of two values does not depend on the order, so equality is exact)."""
+import unittest.mock
+
 import pytest
 import torch
 
+from kernels import grad_accumulation
 from parallel import comm
 from tests.distributed import worker_pools
 from tests.test_data_parallel import CURVE, make_trainer
@@ -67,6 +70,13 @@ def test_every_grad_stays_a_view_of_its_bucket_on_two_ranks(pool):
 
 
 def reduced_against_per_parameter(rank, world, precision, micro_batches):
+    """The bucketing alone: the layers' fused weight-gradient accumulation, which rounds a sum over micro-batches
+    differently from autograd's (tests/test_grad_accumulation.py), is off here."""
+    with unittest.mock.patch.object(grad_accumulation, "_fused", lambda weight: False):
+        return _reduced_against_per_parameter(rank, world, precision, micro_batches)
+
+
+def _reduced_against_per_parameter(rank, world, precision, micro_batches):
     trainer = make_trainer(rank, world, with_precision(precision), zero_stage=0, bucket_mb=0.02)
     ddp, chunk = trainer.data_parallel, trainer.chunks[0]
     names = [n for n, _ in trainer.named_params]
@@ -130,3 +140,24 @@ def test_tensor_parallel_partial_gradients_are_summed_in_fp32(pools):
     for unequal, names in pools[4].run(tp_partial_sums_in_fp32):
         assert any("norm" in n for n in names) and any("k_proj" in n for n in names)
         assert unequal == []
+
+
+def fused_step(rank, world, micro_batches):
+    """A training step with the layers adding their weight gradients into the buckets themselves."""
+    trainer = make_trainer(rank, world, CURVE, zero_stage=0, bucket_mb=0.02)
+    ddp = trainer.data_parallel
+    marked_during = []
+    ddp.start_step(micro_batches)
+    marked_during.append(all(p.fuse_grad_accumulation for b in ddp.buckets if b.in_place for p in b.params))
+    for tokens in trainer.loader.next_global_batch()[:micro_batches]:
+        (trainer.chunks[0](tokens[:, :-1], tokens[:, 1:]) / micro_batches).backward()
+    ddp.finish_gradients()
+    marked_after = any(p.fuse_grad_accumulation for b in ddp.buckets if b.in_place for p in b.params)
+    return ddp.launched_in_backward, len(ddp.buckets), marked_during[0], marked_after
+
+
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_fused_accumulation_still_launches_every_bucket_from_backward(pool, micro_batches):
+    for launched, buckets, marked_during, marked_after in pool.run(fused_step, micro_batches):
+        assert launched == buckets > 1  # the post-accumulate hooks fire although the layers return no gradient
+        assert marked_during and not marked_after  # marked for the step's backward passes only
