@@ -62,12 +62,10 @@ class _Embedding(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         ids, weight = ctx.saved_tensors
-        target = weight.grad
-        fresh = target is None
-        if fresh:
-            target = torch.zeros_like(weight)
-        target.index_add_(0, ids.reshape(-1), grad.reshape(-1, grad.shape[-1]))
-        return None, target if fresh else None
+        if weight.grad is None:  # F.embedding's own backward
+            return None, torch.ops.aten.embedding_dense_backward(grad, ids, weight.shape[0], -1, False)
+        weight.grad.index_add_(0, ids.reshape(-1), grad.reshape(-1, grad.shape[-1]))
+        return None, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -105,6 +105,9 @@ class BucketedDDP:
             if current:
                 self._add_bucket(current, torch.float32 if fp32 else current[0].dtype, pad_to)
         self.calls = {p: 0 for b in self.buckets for p in b.params}
+        # parameters whose `.grad` is persistent storage of this object: the layers may add into it themselves
+        self.persistent_grads = [p for b in self.buckets if b.in_place for p in b.params] + \
+            ([self.embedding_rows.weight] if self.embedding_rows else [])
         if self.dp_size > 1:
             for p in self.calls:
                 p.register_post_accumulate_grad_hook(self._on_grad)
@@ -147,12 +150,8 @@ class BucketedDDP:
         self._fuse_accumulation(True)
 
     def _fuse_accumulation(self, on: bool) -> None:
-        for bucket in self.buckets:
-            if bucket.in_place:
-                for p in bucket.params:
-                    p.fuse_grad_accumulation = on
-        if self.embedding_rows:
-            self.embedding_rows.weight.fuse_grad_accumulation = on
+        for p in self.persistent_grads:
+            p.fuse_grad_accumulation = on
 
     def zero_grad(self) -> None:
         """Zero every bucket in place (the views stay the `.grad`s); copied gradients are dropped as usual."""

@@ -146,14 +146,13 @@ def fused_step(rank, world, micro_batches):
     """A training step with the layers adding their weight gradients into the buckets themselves."""
     trainer = make_trainer(rank, world, CURVE, zero_stage=0, bucket_mb=0.02)
     ddp = trainer.data_parallel
-    marked_during = []
     ddp.start_step(micro_batches)
-    marked_during.append(all(p.fuse_grad_accumulation for b in ddp.buckets if b.in_place for p in b.params))
+    marked_during = all(p.fuse_grad_accumulation for b in ddp.buckets if b.in_place for p in b.params)
     for tokens in trainer.loader.next_global_batch()[:micro_batches]:
         (trainer.chunks[0](tokens[:, :-1], tokens[:, 1:]) / micro_batches).backward()
     ddp.finish_gradients()
     marked_after = any(p.fuse_grad_accumulation for b in ddp.buckets if b.in_place for p in b.params)
-    return ddp.launched_in_backward, len(ddp.buckets), marked_during[0], marked_after
+    return ddp.launched_in_backward, len(ddp.buckets), marked_during, marked_after
 
 
 @pytest.mark.parametrize("micro_batches", [1, 3])
