@@ -241,7 +241,8 @@ class Trainer:
             return forward_backward_no_pipeline(self.chunks[0], micro_batches, self.optimizer.scaler.scale)
         # tied embedding gradients are summed over the embedding group by data_parallel.finish_gradients()
         return forward_backward_pipeline(self.cfg.parallel.schedule, self.chunks, micro_batches, self.pipe,
-                                         self.optimizer.scaler.scale, self.schedule_trace)
+                                         self.optimizer.scaler.scale, self.schedule_trace,
+                                         self.cfg.parallel.defer_weight_grads)
 
     def _check_token_ids(self, micro_batches: list) -> None:
         largest = max(int(mb.max()) for mb in micro_batches)

@@ -16,11 +16,61 @@ the matmul adds into the running sum as it goes, which rounds differently (one r
 matmul's inner loop instead of one for the product and one for the sum; tests/test_grad_accumulation.py).
 Unmarked weights, a `.grad` that is None, torch.compile and calls without autograd take the plain functions,
 and so does `torch.autograd.grad` outside a training step: it must return gradients, not add them to `.grad`.
+
+`WeightGradQueue` splits a backward pass in two, as zero-bubble pipeline schedules do (Qi et al., 2023, "B"
+and "W"): inside its `with` block the fused linear layers compute their input gradient only and queue the
+weight-gradient matmul; `run()` adds the queued products afterwards. A pipeline stage sends the input
+gradient in between (parallel/pipeline_schedules.py), so the previous stage starts its backward one
+weight-gradient pass earlier. The same products go into the same `.grad` in the same order: bit-identical.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+
+_queue: WeightGradQueue | None = None  # the active queue, if any
+
+
+class WeightGradQueue:
+    """The weight gradients of the fused linear layers in one backward pass, computed later by `run()`.
+
+    A queued weight's post-accumulate hooks still fire during the backward, before its gradient is complete:
+    `is_pending(weight)` tells a hook so. `run()` adds each queued product into `.grad` and then calls the
+    weight's `on_deferred_grad(weight)`, where its owner set one (parallel/ddp.py counts it ready there)."""
+
+    def __init__(self):
+        self.entries: list = []  # (weight, output gradient [n, out], input [n, in])
+        self.queued: set = set()  # ids of the weights in entries
+
+    def __enter__(self) -> WeightGradQueue:
+        global _queue
+        _queue = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _queue
+        _queue = None
+
+    def add(self, weight: torch.Tensor, flat_grad: torch.Tensor, flat_x: torch.Tensor) -> None:
+        self.entries.append((weight, flat_grad, flat_x))
+        self.queued.add(id(weight))
+
+    @torch.no_grad()  # as inside the backward pass: the queued inputs require grad themselves
+    def run(self) -> None:
+        """Add every queued weight gradient into `.grad`, in queue order (the backward's own order)."""
+        last_use = {id(w): i for i, (w, _, _) in enumerate(self.entries)}
+        entries, self.entries, self.queued = self.entries, [], set()
+        for i, (weight, flat_grad, flat_x) in enumerate(entries):
+            weight.grad.addmm_(flat_grad.t(), flat_x)
+            done = getattr(weight, "on_deferred_grad", None)
+            if done is not None and last_use[id(weight)] == i:
+                done(weight)
+
+
+def is_pending(weight: torch.Tensor) -> bool:
+    """Whether `weight`'s gradient of the running backward pass waits in the active WeightGradQueue."""
+    return _queue is not None and id(weight) in _queue.queued
 
 
 def _fused(weight: torch.Tensor) -> bool:
@@ -46,6 +96,8 @@ class _Linear(torch.autograd.Function):
             flat_x = x.reshape(-1, x.shape[-1])
             if weight.grad is None:
                 grad_weight = flat_grad.t().mm(flat_x)
+            elif _queue is not None:
+                _queue.add(weight, flat_grad, flat_x)
             else:
                 weight.grad.addmm_(flat_grad.t(), flat_x)
         if ctx.has_bias and ctx.needs_input_grad[2]:

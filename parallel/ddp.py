@@ -7,7 +7,8 @@ straight into the buckets, the all-reduce runs on the buffer itself, and a step 
 gradient memory. `zero_grad()` zeroes each buffer (one kernel per bucket) instead of dropping the gradients.
 Between start_step and finish_gradients the linear and embedding layers add their weight gradients into the
 buckets themselves, inside the matmul (kernels/grad_accumulation.py), instead of returning a new tensor
-for autograd to add.
+for autograd to add; a pipeline stage may queue some of them until after it sent its input gradient, and
+those parameters count as ready when the queue has added them.
 
 Each parameter's `register_post_accumulate_grad_hook` counts its backward passes in the step; on the last
 micro-batch it marks itself ready, and a bucket whose parameters are all ready is divided by the group size
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import grad_accumulation
 from parallel import comm
 from parallel.embedding_rows import EmbeddingRows, rows_worth_it
 from parallel.stage_layers import tied_embedding_weights
@@ -111,6 +113,9 @@ class BucketedDDP:
         if self.dp_size > 1:
             for p in self.calls:
                 p.register_post_accumulate_grad_hook(self._on_grad)
+            for p in self.persistent_grads:
+                if p in self.calls:  # its gradient may be completed later, by a WeightGradQueue
+                    p.on_deferred_grad = self._on_grad
 
     def _row_exchange(self, chunks: list, fp32_names, tokens: int) -> EmbeddingRows | None:
         """The untied input embedding of this rank's first chunk, its gradient exchanged by rows
@@ -168,6 +173,8 @@ class BucketedDDP:
             self.embedding_rows.zero_grad()
 
     def _on_grad(self, param: torch.Tensor) -> None:
+        if grad_accumulation.is_pending(param):  # counted when the queue adds it
+            return
         self.calls[param] += 1
         if self.calls[param] != self.num_micro_batches:
             return

@@ -11,8 +11,13 @@ Every micro-batch's mean token loss is backpropagated with weight loss_scale / m
                  shrinks from (p−1)/(m+p−1) to (p−1)/(v·m+p−1) at the cost of v× more messages.
 
 The interleaved schedule follows Megatron-LM's `forward_backward_pipelining_with_interleaving` (facts
-only; the code is ours). A `ScheduleTrace` records every slot (kind, micro-batch, chunk, start, end) and
-the number of live micro-batch activations (forward done, backward not yet). An activation sent to the
+only; the code is ours). With `defer_weight_grads`, GPipe and 1F1B split each backward after which a stage
+would only wait (GPipe's backward phase, 1F1B's cool-down and last steady-state slot) in two, as zero-bubble
+schedules do: the input gradient is computed and sent first, the weight gradients while it travels
+(WeightGradQueue in kernels/grad_accumulation.py), so the previous stage starts its backward earlier. The chain
+of last backwards that ends every step then costs input-gradient passes where it cost whole backwards;
+the gradients are bit-identical. A `ScheduleTrace` records every slot (kind F, B or W, micro-batch, chunk,
+start, end) and the number of live micro-batch activations (forward done, backward not yet). An activation sent to the
 next stage has its values freed at once (`_Steps.release`); `forward_only_pipeline` is the evaluation pass.
 """
 from __future__ import annotations
@@ -24,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.variable import Variable
 
+from kernels.grad_accumulation import WeightGradQueue
 from parallel import comm
 from parallel.comm import named_range
 from parallel.micro_batch import MicroBatch
@@ -56,21 +62,23 @@ def forward_only_no_pipeline(model, micro_batches: list) -> torch.Tensor:
 @dataclass
 class ScheduleTrace:
     """Per-rank record of compute slots; `peak_live` counts (chunk, micro-batch) activations held."""
-    events: list = field(default_factory=list)  # (kind "F" | "B", micro_batch, chunk, t_start, t_end)
+    events: list = field(default_factory=list)  # (kind "F" | "B" | "W", micro_batch, chunk, t_start, t_end)
     live: int = 0
     peak_live: int = 0
 
     def add(self, kind: str, micro_batch: int, chunk: int, start: float, end: float) -> None:
         self.events.append((kind, micro_batch, chunk, start, end))
-        self.live += 1 if kind == "F" else -1
+        self.live += {"F": 1, "B": -1}.get(kind, 0)  # W: the weight gradients of a micro-batch already done
         self.peak_live = max(self.peak_live, self.live)
 
 
 class _Steps:
     """Forward and backward of one (chunk, micro-batch), with the loss bookkeeping of the last chunk."""
 
-    def __init__(self, chunks, micro_batches, loss_scale: float, trace: ScheduleTrace | None):
+    def __init__(self, chunks, micro_batches, loss_scale: float, trace: ScheduleTrace | None,
+                 defer_weight_grads: bool = False):
         self.chunks, self.micro_batches, self.trace = chunks, micro_batches, trace
+        self.defer_weight_grads = defer_weight_grads
         self.weight = loss_scale / len(micro_batches)
         self.losses: list[torch.Tensor] = []
 
@@ -107,6 +115,22 @@ class _Steps:
             self.trace.add("B", mb, chunk_id, start, time.time())
         return None if received is None else received.grad
 
+    def backward_and_send(self, pipe, mb: int, received, output, output_grad) -> None:
+        """The backward of (chunk 0, `mb`) after which this stage would only wait, and the send of its input
+        gradient; with `defer_weight_grads` and a previous stage to send to, the send goes out before the
+        weight gradients are computed."""
+        if not self.defer_weight_grads or pipe.is_first:
+            pipe.send_backward(self.backward(0, mb, received, output, output_grad))
+            return
+        with WeightGradQueue() as queue:
+            input_grad = self.backward(0, mb, received, output, output_grad)
+        pipe.send_backward(input_grad)
+        start = time.time() if self.trace is not None else 0.0
+        with named_range("weight gradients"):
+            queue.run()
+        if self.trace is not None:
+            self.trace.add("W", mb, 0, start, time.time())
+
 
 def _forward_and_send(steps: _Steps, pipe, mb: int, more: bool) -> tuple:
     """A forward of the non-interleaved schedules that waits for no gradient: receive, run, send, release.
@@ -126,7 +150,7 @@ def gpipe(steps: _Steps, pipe) -> None:
     for mb in range(m):
         received, out = saved[mb]
         grad = pipe.recv_backward()
-        pipe.send_backward(steps.backward(0, mb, received, out, grad))
+        steps.backward_and_send(pipe, mb, received, out, grad)
 
 
 def one_f_one_b(steps: _Steps, pipe) -> None:
@@ -151,17 +175,16 @@ def one_f_one_b(steps: _Steps, pipe) -> None:
         if i < remaining - 1:  # the next forward's input arrives during this backward
             pipe.prefetch_forward()
         old_in, old_out = held.popleft()
-        input_grad = steps.backward(0, bwd, old_in, old_out, grad)
-        bwd += 1
         if i == remaining - 1:
-            pipe.send_backward(input_grad)
+            steps.backward_and_send(pipe, bwd, old_in, old_out, grad)
         else:
-            received = pipe.send_backward_recv_forward(input_grad)
+            received = pipe.send_backward_recv_forward(steps.backward(0, bwd, old_in, old_out, grad))
+        bwd += 1
     # Cool-down: the backwards of the warm-up's micro-batches, as their gradients arrive.
     for _ in range(warmup):
         old_in, old_out = held.popleft()
         grad = pipe.recv_backward()
-        pipe.send_backward(steps.backward(0, bwd, old_in, old_out, grad))
+        steps.backward_and_send(pipe, bwd, old_in, old_out, grad)
         bwd += 1
 
 
@@ -265,16 +288,18 @@ SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved}
 
 
 def forward_backward_pipeline(schedule: str, chunks, micro_batches: list, pipe, loss_scale: float = 1.0,
-                              trace: ScheduleTrace | None = None) -> torch.Tensor:
+                              trace: ScheduleTrace | None = None, defer_weight_grads: bool = False
+                              ) -> torch.Tensor:
     """Run one step's schedule; returns each micro-batch's mean token loss ([m], float32, detached),
     broadcast from the last stage. `micro_batches`: MicroBatch objects or plain token tensors [b, s + 1],
-    the same on every stage."""
+    the same on every stage. `defer_weight_grads`: GPipe and 1F1B send a waiting backward's input gradient
+    before computing its weight gradients (parallel.defer_weight_grads)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
     if schedule != "interleaved" and len(chunks) != 1:
         raise ValueError(f"{len(chunks)} model chunks per rank need the interleaved schedule, not {schedule!r}")
     micro_batches = [MicroBatch.of(mb) for mb in micro_batches]
-    steps = _Steps(chunks, micro_batches, loss_scale, trace)
+    steps = _Steps(chunks, micro_batches, loss_scale, trace, defer_weight_grads)
     SCHEDULES[schedule](steps, pipe)
     pipe.finish()
     device = micro_batches[0].tokens.device

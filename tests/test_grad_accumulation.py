@@ -92,3 +92,36 @@ def test_model_step_with_marked_parameters_equals_plain_autograd():
     plain(tokens[:, :-1], tokens[:, 1:]).backward()
     for (name, a), b in zip(fused.named_parameters(), plain.parameters()):
         assert torch.equal(a.grad, b.grad), name
+
+
+def test_queued_weight_gradients_are_bit_identical_and_reported_once_when_added():
+    """WeightGradQueue: inside the block only input gradients are computed; a weight's post-accumulate hook sees
+    it pending; run() adds the same products in the same order as the direct path (bit-identical over several
+    micro-batches) and calls on_deferred_grad once per weight, after its gradient is in."""
+    from kernels.grad_accumulation import WeightGradQueue, is_pending
+    shared, other = marked(16, 16, seed=1), marked(8, 16, seed=2)
+    direct = [marked(16, 16, seed=1), marked(8, 16, seed=2)]
+    seen_in_backward, reported = [], []
+    shared.register_post_accumulate_grad_hook(lambda p: seen_in_backward.append(is_pending(p)))
+    shared.on_deferred_grad = other.on_deferred_grad = lambda p: reported.append((p is shared, p.grad.clone()))
+
+    def loss(x, w1, w2):  # w1 used twice in one pass, as a shared weight would be
+        return linear(linear(linear(x, w1).relu(), w1), w2).pow(2).sum()
+
+    for micro_batch in range(3):
+        x = inputs(micro_batch, 4, 16)
+        x_direct = x.detach().clone().requires_grad_()
+        loss(x_direct, *direct).backward()
+        if micro_batch < 2:
+            loss(x, shared, other).backward()
+        else:
+            with WeightGradQueue() as queue:
+                loss(x, shared, other).backward()
+            assert seen_in_backward[-1] and not reported  # nothing added yet, nothing reported
+            assert not torch.equal(shared.grad, direct[0].grad)
+            queue.run()
+        assert torch.equal(x.grad, x_direct.grad)
+    assert seen_in_backward[:2] == [False, False] and not is_pending(shared)
+    assert torch.equal(shared.grad, direct[0].grad) and torch.equal(other.grad, direct[1].grad)
+    assert sorted(flag for flag, _ in reported) == [False, True]  # once each, with the finished gradient
+    assert all(torch.equal(g, (shared if flag else other).grad) for flag, g in reported)

@@ -317,6 +317,31 @@ def test_trainer_steps_match_single_process_and_tied_copies_stay_equal(pool, lay
         assert len(copies) >= 2 and all(torch.equal(copies[0], w) for w in copies[1:])
 
 
+def trained_parameters(rank, world, overrides):
+    """Every parameter of this rank's chunks after the steps, and which schedule slots the last step ran."""
+    trainer = Trainer(load_config(TINY, overrides), DistEnv(rank, world))
+    for step in range(trainer.cfg.train.steps):
+        if step == trainer.cfg.train.steps - 1:
+            trainer.schedule_trace = ScheduleTrace()
+        trainer.train_step()
+    kinds = sorted({event[0] for event in trainer.schedule_trace.events})
+    return trainer.topo.pp_rank, kinds, [p.detach().clone() for chunk in trainer.chunks for p in chunk.parameters()]
+
+
+@pytest.mark.parametrize("layout", [["parallel.pipeline=2"], ["parallel.pipeline=2", "parallel.schedule=gpipe"],
+                                    ["parallel.pipeline=4"]], ids=["pp2-dp2-1f1b", "pp2-dp2-gpipe", "pp4-1f1b"])
+def test_deferred_weight_gradients_train_bit_identically(pool, layout):
+    """parallel.defer_weight_grads sends the waiting backwards' input gradients before their weight gradients
+    (W slots on every stage but the first) and changes no bit of the trained parameters, the DP buckets
+    (pp2-dp2) still launching once each weight gradient is in."""
+    common = ["train.steps=2"] + layout
+    deferred = sorted(pool.run(trained_parameters, common), key=lambda r: r[0])
+    direct = sorted(pool.run(trained_parameters, common + ["parallel.defer_weight_grads=false"]), key=lambda r: r[0])
+    for (stage, kinds, params), (_, direct_kinds, direct_params) in zip(deferred, direct):
+        assert kinds == (["B", "F"] if stage == 0 else ["B", "F", "W"]) and direct_kinds == ["B", "F"]
+        assert len(params) == len(direct_params) and all(map(torch.equal, params, direct_params))
+
+
 def test_document_masked_packing_matches_single_process_under_tp_sp_pp(pool):
     # vocab 40: the mock data's progressions hit the end-of-document id in most samples.
     docs = ["train.steps=3", "model.vocab_size=40", "data.eod_token_id=5", "data.reset_attention_mask=true",

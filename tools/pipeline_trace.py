@@ -37,7 +37,8 @@ def bubble_fractions(traces: list[list[tuple]]) -> list[float]:
 
 
 def timeline(traces: list[list[tuple]], width: int = 96) -> list[str]:
-    """One line per stage: F slots as the micro-batch digit, B slots as letters a, b, c ... (mod 10/26)."""
+    """One line per stage: F slots as the micro-batch digit, B slots as letters a, b, c ..., W slots (weight
+    gradients computed after the input gradient was sent) as A, B, C ... (mod 10/26)."""
     start = min(e[3] for t in traces for e in t)
     span = max(e[4] for t in traces for e in t) - start
     lines = []
@@ -46,7 +47,7 @@ def timeline(traces: list[list[tuple]], width: int = 96) -> list[str]:
         for kind, mb, _, s, e in t:
             lo = int((s - start) / span * width)
             hi = max(int((e - start) / span * width), lo + 1)
-            mark = str(mb % 10) if kind == "F" else chr(ord("a") + mb % 26)
+            mark = str(mb % 10) if kind == "F" else chr(ord("a" if kind == "B" else "A") + mb % 26)
             for i in range(lo, min(hi, width)):
                 row[i] = mark
         lines.append("".join(row))
