@@ -329,7 +329,9 @@ def trained_parameters(rank, world, overrides):
 
 
 @pytest.mark.parametrize("layout", [["parallel.pipeline=2"], ["parallel.pipeline=2", "parallel.schedule=gpipe"],
-                                    ["parallel.pipeline=4"]], ids=["pp2-dp2-1f1b", "pp2-dp2-gpipe", "pp4-1f1b"])
+                                    ["parallel.pipeline=4", "train.recompute=full"],
+                                    ["parallel.pipeline=2", "parallel.tensor=2", "parallel.sequence_parallel=true"]],
+                         ids=["pp2-dp2-1f1b", "pp2-dp2-gpipe", "pp4-1f1b-recompute", "tp2-sp-pp2-1f1b"])
 def test_deferred_weight_gradients_train_bit_identically(pool, layout):
     """parallel.defer_weight_grads sends the waiting backwards' input gradients before their weight gradients
     (W slots on every stage but the first) and changes no bit of the trained parameters, the DP buckets
