@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     p, m, v = args.pipeline, args.micro_batches, args.virtual
     expected = analytic_bubble(args.schedule, p, m, v)
     print(f"schedule {args.schedule}: p={p} m={m} v={v}; analytic bubble {expected:.3f}; digits = forward, "
-          f"letters = backward of that micro-batch")
+          f"lower-case letters = backward, upper-case = its deferred weight gradients")
     for stage, (line, measured, (_, _, peak)) in enumerate(zip(timeline(traces), bubble_fractions(traces),
                                                                  gathered)):
         print(f"stage {stage}: bubble {measured:.3f} (analytic {expected:.3f})  peak live micro-batches {peak:>2}"
