@@ -18,7 +18,9 @@ this rank's heads) and the log-sum-exp (4·T per head, not under selective recom
 and product (3e·T·f/TP); under full recomputation only each block's input (e·h·Ts). The loss keeps fp32
 log-probabilities when one unsplit chunk holds every token, else the logits (e·T·V/TP), and nothing of size V
 when fused with the output layer. Times the micro-batches a schedule holds at once: one without a pipeline, all under GPipe,
-min(PP - stage, m) under 1F1B, and the interleaved schedule's warm-up (of one chunk each).
+min(PP - stage, m) under 1F1B, and the interleaved schedule's warm-up (of one chunk each). Stages after the first
+that defer weight gradients (parallel.defer_weight_grads) also hold, for one backward, the output gradient of
+every linear layer of their chunk, the output layer's included.
 """
 from __future__ import annotations
 
@@ -172,6 +174,25 @@ def chunk_activation(cfg: Config, layers: int, pre: bool, post: bool, micro_batc
     return saved
 
 
+def defers_weight_grads(cfg: Config, stage: int) -> bool:
+    """Whether `stage` queues weight gradients behind its input gradient (parallel/pipeline_schedules.py)."""
+    p = cfg.parallel
+    return p.defer_weight_grads and stage > 0 and p.schedule in ("gpipe", "1f1b") and p.zero_stage == 0
+
+
+def queued_output_gradients(cfg: Config, layers: int, post: bool, micro_batch: int) -> int:
+    """Bytes of the linear layers' output gradients a deferring backward keeps until its weight gradients:
+    q, k, v, o, gate, up, down per layer, and the output layer's logits gradient unless fused with the loss."""
+    m, t, e = cfg.model, cfg.parallel.tensor, DTYPE_BYTES[cfg.train.precision]
+    tokens = micro_batch * m.seq_length
+    kv = (m.kv_heads // t if m.kv_heads >= t else 1) * m.head_dim
+    per_layer = m.num_attention_heads // t * m.head_dim + 2 * kv + 2 * m.hidden_size + 2 * m.ffn_hidden_size // t
+    queued = layers * e * tokens * per_layer
+    if post and not m.fused_lm_head_loss:
+        queued += e * tokens * padded_vocab_size(m.vocab_size, t) // t
+    return queued
+
+
 def in_flight(cfg: Config, stage: int, micro_batches: int) -> float:
     """Micro-batches (of a whole stage) whose activations the schedule holds at once on pipeline stage `stage`."""
     p = cfg.parallel
@@ -213,6 +234,8 @@ def estimate(cfg: Config, world_size: int, shard_rank: int | None = None) -> lis
             per_mb_constant = 0
         flight = in_flight(cfg, stage, micro_batches)
         activations = int(per_mb * flight) + per_mb_constant
+        if defers_weight_grads(cfg, stage):
+            activations += sum(queued_output_gradients(cfg, layers, post, micro) for layers, _, post in chunks)
         if t.recompute_switch_step > 0:  # the larger of the two phases
             after = dataclasses.replace(cfg, train=dataclasses.replace(
                 t, recompute=t.recompute_after_switch, micro_batch_size=micro))

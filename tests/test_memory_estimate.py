@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from engine.config import load_config, validate
-from engine.memory_estimate import chunk_activation, estimate, in_flight, parse_bytes, report
+from engine.memory_estimate import (chunk_activation, defers_weight_grads, estimate, in_flight, parse_bytes,
+                                    queued_output_gradients, report)
 from engine.model import CausalLM
 from engine.train import Trainer
+from kernels.grad_accumulation import WeightGradQueue
 from parallel import comm
 from parallel.distributed import DistEnv
 from parallel.tensor import TensorParallel
@@ -137,6 +139,33 @@ def test_activations_are_within_10_percent_of_the_bytes_saved_for_backward(recom
              "last": (range(2, 4), False, True)}[part]
     got, want = chunk_saved(cfg, TensorParallel(), *roles)
     assert abs(want / got - 1) <= 0.10, (got, want)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("part", ["middle", "last"])
+def test_queued_output_gradients_are_within_10_percent_of_what_a_deferred_backward_holds(precision, part):
+    cfg = config(1, f"train.precision={precision}", "model.seq_length=64", "model.vocab_size=1000")
+    layer_ids, post = {"middle": (range(1, 3), False), "last": (range(2, 4), True)}[part]
+    chunk = CausalLM(cfg.model, layer_ids=layer_ids, pre_process=False, post_process=post)
+    chunk.init_weights(cfg.train.seed)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.train.precision]
+    chunk.to(dtype=dtype)
+    for param in chunk.parameters():  # as parallel/ddp marks them during a step
+        param.grad, param.fuse_grad_accumulation = torch.zeros_like(param), True
+    b, s, h = cfg.train.micro_batch_size, cfg.model.seq_length, cfg.model.hidden_size
+    hidden = torch.randn(b, s, h, dtype=dtype, requires_grad=True)
+    labels = torch.randint(0, cfg.model.vocab_size, (b, s))
+    with WeightGradQueue() as queue:
+        out = chunk(hidden, labels) if post else chunk(hidden)
+        (out if post else out.float().pow(2).mean()).backward()
+    held = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for _, g, _ in queue.entries}
+    want = queued_output_gradients(cfg, len(layer_ids), post, b)
+    assert abs(want / sum(held.values()) - 1) <= 0.10, (sum(held.values()), want)
+    queue.run()
+    for stage, expected in ((0, False), (1, True)):
+        assert defers_weight_grads(config(2, "parallel.pipeline=2"), stage) == expected
+    assert not defers_weight_grads(config(2, "parallel.pipeline=2", "parallel.schedule=interleaved",
+                                          "parallel.virtual_stages=2"), 1)
 
 
 def tp_saved(rank, world, *overrides):
