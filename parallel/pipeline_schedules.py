@@ -10,15 +10,16 @@ Every micro-batch's mean token loss is backpropagated with weight loss_scale / m
     interleaved  1F1B over v virtual chunks per rank (chunk c of the model on rank c mod p); the bubble
                  shrinks from (p−1)/(m+p−1) to (p−1)/(v·m+p−1) at the cost of v× more messages.
 
-The interleaved schedule follows Megatron-LM's `forward_backward_pipelining_with_interleaving` (facts
-only; the code is ours). With `defer_weight_grads`, GPipe and 1F1B split each backward after which a stage
-would only wait (GPipe's backward phase, 1F1B's cool-down and last steady-state slot) in two, as zero-bubble
+The interleaved schedule follows Megatron-LM's `forward_backward_pipelining_with_interleaving` (facts only;
+the code is ours). With `defer_weight_grads`, GPipe and 1F1B split each backward after which a stage would
+only wait (GPipe's backward phase, 1F1B's cool-down and last steady-state slot) in two, as zero-bubble
 schedules do: the input gradient is computed and sent first, the weight gradients while it travels
-(WeightGradQueue in kernels/grad_accumulation.py), so the previous stage starts its backward earlier. The chain
-of last backwards that ends every step then costs input-gradient passes where it cost whole backwards;
+(WeightGradQueue in kernels/grad_accumulation.py), so the previous stage starts its backward earlier. The
+chain of last backwards that ends every step then costs input-gradient passes where it cost whole backwards;
 the gradients are bit-identical. A `ScheduleTrace` records every slot (kind F, B or W, micro-batch, chunk,
-start, end) and the number of live micro-batch activations (forward done, backward not yet). An activation sent to the
-next stage has its values freed at once (`_Steps.release`); `forward_only_pipeline` is the evaluation pass.
+start, end) and the number of live micro-batch activations (forward done, backward not yet). An activation
+sent to the next stage has its values freed at once (`_Steps.release`); `forward_only_pipeline` is the
+evaluation pass.
 """
 from __future__ import annotations
 
