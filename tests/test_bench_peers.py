@@ -11,8 +11,8 @@ from tools import bench_peers
 
 TINY = ["--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "128", "--vocab", "512",
         "--seq", "32", "--warmup", "1", "--steps", "2", "--rounds", "1", "--lr", "3e-3"]
-ROW = re.compile(r"^\| (\w+) \| ([\d,]+) \| ([\d,]+) \| ([\d.]+)× \| (\d+) \| (\d+) \| ([\d.]+) \| ([\d.]+) \|$",
-                 re.MULTILINE)
+ROW = re.compile(r"^\| (\w+) \| ([\d,]+) \| ([\d,]+) \| ([\d.]+)× \| (\d+) \| (\d+) \| ([\d.]+) \| ([\d.]+) \| "
+                 r"([\d., ]+) \|$", re.MULTILINE)
 ROUND = re.compile(r"^round 1 (\w+) +(trilith|peer) .* loss ([\d.]+) -> ([\d.]+) ", re.MULTILINE)
 
 
@@ -28,7 +28,8 @@ def test_both_sides_train_and_the_table_is_printed(capsys, tmp_path):
     assert "(parallel.stage_balance=compute)" in pp_log.read_text()  # the override reached Trilith's run
     rows = {m.group(1): m.groups()[1:] for m in ROW.finditer(out)}
     assert sorted(rows) == sorted(modes), out
-    for mode, (ours, peer, ratio, ours_calls, peer_calls, ours_mb, peer_mb) in rows.items():
+    for mode, (ours, peer, ratio, ours_calls, peer_calls, ours_mb, peer_mb, rounds) in rows.items():
+        assert rounds == ratio  # one round: its ratio is the median
         assert float(ratio) > 0 and int(ours.replace(",", "")) > 0 and int(peer.replace(",", "")) > 0, mode
         assert int(ours_calls) > 0 and int(peer_calls) > 0 and float(ours_mb) > 0 and float(peer_mb) > 0, mode
     readings = ROUND.findall(out)
@@ -53,6 +54,18 @@ def test_check_trains_needs_a_uniform_start_and_a_fall():
         bench_peers.check_trains("peer", "tp", [math.log(512), math.log(512) - 0.05], 512)  # batch noise
     with pytest.raises(bench_peers.BenchError, match="1 loss readings"):
         bench_peers.check_trains("peer", "tp", [6.2], 512)
+
+
+def test_the_table_gives_the_median_of_the_per_round_ratios_and_each_of_them():
+    def side(tok_s):
+        return {"tokens_per_s": tok_s, "collectives": 4, "bytes": 2e6}
+    runs = {"ddp": [(side(1100), side(1000)), (side(900), side(1000)), (side(1050), side(1000))],
+            "pp": [(side(1300), side(1000)), (side(900), side(1000)), (side(1000), side(1000))]}
+    text, warnings = bench_peers.table(runs)
+    rows = {m.group(1): m.groups()[1:] for m in ROW.finditer(text)}
+    assert rows["ddp"][2] == "1.05" and rows["ddp"][7] == "1.10, 0.90, 1.05"
+    assert rows["pp"][2] == "1.00" and rows["pp"][7] == "1.30, 0.90, 1.00"
+    assert [w.split()[1] for w in warnings] == ["pp"]  # 0.40 apart: more than 20% of the median
 
 
 def test_buffer_bytes_counts_the_full_buffer_of_each_collective():

@@ -13,12 +13,12 @@ Trilith's CPU runs use (train.cpu_allocator=reuse: freed memory kept for reuse),
   tp_sp   ... + parallel.sequence_parallel      ... + SequenceParallel norms
   pp      parallel.pipeline=N, 1F1B             torch.distributed.pipelining Schedule1F1B
 
-Each side's job runs W warm-up steps (the last one under torch.profiler) and S measured steps; tokens/s =
-tokens per step / median measured step time (rank 0's). Rounds interleave the sides (their order alternates
-per round); a mode's ratio is the median of its per-round ratios, with a warning when they spread more than 20%.
+Each side's job runs W warm-up steps (the last one under torch.profiler) and S measured steps; tokens/s = tokens
+per step / median measured step time (rank 0's). Rounds interleave the sides (their order alternates per round); a
+mode's ratio is the median of its per-round ratios (listed too), with a warning when they spread more than 20%.
 Collectives per step count the c10d operators in the profiled step on every rank (summed); bytes are each
-collective's full buffer (an all-gather's output, a reduce-scatter's input). Both sides must train: step-1
-loss within 0.3 of ln V and the last loss lower by 1% of ln V, else the tool stops with status 1 and one line.
+collective's full buffer (an all-gather's output, a reduce-scatter's input). Both sides must train: step-1 loss
+within 0.3 of ln V and the last loss lower by 1% of ln V, else the tool stops with status 1 and one line.
 
     python tools/bench_peers.py [--modes zero3,ddp,tp,tp_sp,pp] [--rounds 3] [--hidden 256 --layers 4 ...]
         [--device cpu|cuda] [--nproc 2] [--trilith-set KEY=VALUE ...] [--workdir DIR]
@@ -199,8 +199,8 @@ def measure(args) -> dict:
 
 def table(runs: dict) -> tuple[str, list[str]]:
     """The markdown table and the warnings about rounds that disagree."""
-    lines = ["| mode | Trilith tok/s | peer tok/s | ratio | collectives/step Trilith | peer | MB/step Trilith | peer |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| mode | Trilith tok/s | peer tok/s | ratio | collectives/step Trilith | peer | MB/step Trilith | peer "
+             "| per-round ratios |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     warnings = []
     for mode, pairs in runs.items():
         ratios = [t["tokens_per_s"] / p["tokens_per_s"] for t, p in pairs]
@@ -212,7 +212,8 @@ def table(runs: dict) -> tuple[str, list[str]]:
         peer = statistics.median(p["tokens_per_s"] for _, p in pairs)
         t_last, p_last = pairs[-1]
         lines.append(f"| {mode} | {ours:,.0f} | {peer:,.0f} | {ratio:.2f}× | {t_last['collectives']} | "
-                     f"{p_last['collectives']} | {t_last['bytes'] / 1e6:.2f} | {p_last['bytes'] / 1e6:.2f} |")
+                     f"{p_last['collectives']} | {t_last['bytes'] / 1e6:.2f} | {p_last['bytes'] / 1e6:.2f} | "
+                     f"{', '.join(f'{r:.2f}' for r in ratios)} |")
     return "\n".join(lines), warnings
 
 
