@@ -113,9 +113,7 @@ class BucketedDDP:
         if self.dp_size > 1:
             for p in self.calls:
                 p.register_post_accumulate_grad_hook(self._on_grad)
-            for p in self.persistent_grads:
-                if p in self.calls:  # its gradient may be completed later, by a WeightGradQueue
-                    p.on_deferred_grad = self._on_grad
+                p.on_deferred_grad = self._on_grad  # when a WeightGradQueue completes its gradient later
 
     def _row_exchange(self, chunks: list, fp32_names, tokens: int) -> EmbeddingRows | None:
         """The untied input embedding of this rank's first chunk, its gradient exchanged by rows
