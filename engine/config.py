@@ -100,6 +100,8 @@ class ParallelConfig:
     unit_process_groups: bool = False  # one DP communicator per sharding unit (zero_stage >= 1)
     zero3_keep_last_gathered: bool = True  # zero_stage 3: the unit run last in forward (final norm + LM head)
         # stays gathered until its backward instead of being freed and gathered again (pipeline: +1 unit per chunk)
+    zero3_embedding_rows: bool = True  # zero_stage 3: look the input embedding's rows up from the shards and send
+        # back only their gradients, when that moves fewer bytes than gathering the table (parallel/embedding_shards.py)
     hsdp_group_size: int = 0  # shard within groups of this many DP ranks, replicate across them; 0 = plain
     hierarchical_node_size: int = 0  # reduce inside groups of this many DP ranks first, then across; 0 = flat
     fp32_reduce: list = field(default_factory=list)  # parameter-name substrings whose gradients are reduced in

@@ -27,8 +27,12 @@ def build_data_parallel(cfg: Config, topo, tp, chunks: list, named_params: list,
         return ddp, MixedPrecisionAdamW(named_params, cfg.optim, topo, cfg.train.precision, ddp)
     hsdp = topo.build_hierarchical_dp(p.hsdp_group_size) if p.hsdp_group_size else None
     unit_groups = topo.build_unit_groups(max_units(cfg)) if p.unit_process_groups else None
+    # the most tokens a rank's micro-batch holds (before and after a micro-batch switch)
+    lookup_tokens = max(cfg.train.micro_batch_size, cfg.train.micro_batch_size_after_switch) * \
+        cfg.model.seq_length if p.zero3_embedding_rows else 0
     sdp = ShardedDataParallel(chunks, p.zero_stage, topo.dp_group, topo.dp_size, tp, dtype,
-                              p.fp32_reduce, unit_groups, hsdp, hierarchy, tied, p.zero3_keep_last_gathered)
+                              p.fp32_reduce, unit_groups, hsdp, hierarchy, tied, p.zero3_keep_last_gathered,
+                              lookup_tokens)
     return sdp, ZeroAdamW(sdp, cfg.optim, topo, cfg.train.precision)
 
 

@@ -182,6 +182,15 @@ def reduce_scatter_into(output: torch.Tensor, flat: torch.Tensor, group, async_o
                  lambda: _reduce_scatter_flat(output, flat, group=group, async_op=async_op), async_op)
 
 
+def all_to_all_into(output: torch.Tensor, chunks: torch.Tensor, group) -> None:
+    """Chunk j of `chunks` (split evenly along dim 0) goes to rank j; chunk i of `output` comes from rank i."""
+    if group is None:
+        output.copy_(chunks)
+        return
+    RECORD.add("all_to_all", group, chunks)
+    issue("all_to_all", group, lambda: dist.all_to_all_single(output, chunks, group=group))
+
+
 def broadcast(tensor: torch.Tensor, src: int, group) -> None:
     if group is None:
         return

@@ -25,6 +25,7 @@ import collections
 import torch
 
 from parallel import comm
+from parallel.embedding_shards import ShardedEmbeddingLookup, lookup_worth_it
 from parallel.fsdp_units import BufferPool, ShardRange, Unit, unit_plan
 from parallel.stage_layers import tied_embedding_weights
 
@@ -44,7 +45,7 @@ class ShardedDataParallel:
 
     def __init__(self, chunks: list, stage: int, dp_group, dp_size: int, tp,
                  compute_dtype: torch.dtype, fp32_names=(), unit_groups=None, hsdp=None, hierarchy=None,
-                 tied_group=None, keep_last: bool = False):
+                 tied_group=None, keep_last: bool = False, lookup_tokens: int = 0):
         if stage not in (1, 2, 3):
             raise ValueError(f"ShardedDataParallel needs zero_stage 1, 2 or 3, got {stage}")
         self.stage, self.tp, self.dp_size = stage, tp, dp_size
@@ -59,6 +60,7 @@ class ShardedDataParallel:
         self.num_micro_batches = 1
         self.peak_gathered_bytes = 0
         tied = tied_embedding_weights(chunks) if tied_group is not None else []
+        self.row_lookups: list[ShardedEmbeddingLookup] = []
         for chunk in chunks:
             names = {p: n for n, p in chunk.named_parameters()}
             mine, seen = [], set()
@@ -72,6 +74,7 @@ class ShardedDataParallel:
                 unit = Unit(i, named, stage, group, shard_size, shard_rank, compute_dtype, fp32_names)
                 unit.tied = [p for _, p in named if any(p is t for t in tied)]
                 unit.backward_reads_params = plan.get("backward_reads_params", True)
+                self._maybe_look_up_rows(unit, plan, lookup_tokens)
                 self.units.append(unit)
                 mine.append(unit)
                 self._install_hooks(unit, plan, mine, final_exit)
@@ -79,6 +82,32 @@ class ShardedDataParallel:
             if missing:
                 raise ValueError(f"parameters {missing} belong to no sharding unit; extend parallel/fsdp_units.unit_plan")
             self.chunk_units.append(mine)
+
+    def _maybe_look_up_rows(self, unit: Unit, plan: dict, tokens: int) -> None:
+        """Stage 3's untied input embedding, when `tokens` per micro-batch make looking it up by rows the smaller
+        exchange (parallel/embedding_shards.py); not under HSDP or hierarchical reduction."""
+        table = plan["modules"][0]
+        if not (tokens and self.stage == 3 and plan.get("backward_reads_params", True) is False
+                and self.replicate_group is None and self.hierarchy is None and unit.fp32_numel == 0
+                and getattr(table, "row_lookup", False) is None and unit.params == [table.weight]
+                and comm.group_size(unit.group) > 1):
+            return
+        rows, width = table.weight.shape
+        if lookup_worth_it(rows, width, table.weight.element_size(), comm.group_size(unit.group), tokens):
+            table.row_lookup = ShardedEmbeddingLookup(unit, self._take_rows)
+            unit.row_lookup = table.row_lookup
+            self.row_lookups.append(table.row_lookup)
+
+    def _take_rows(self, unit: Unit, shard_grad: torch.Tensor) -> None:
+        """A micro-batch's reduced gradient of a unit looked up by rows, added in as a reduce-scatter's."""
+        out = unit.reduce_target(self.pool)
+        out[:shard_grad.numel()].copy_(shard_grad)
+        out[shard_grad.numel():].zero_()
+        unit.reduced = True
+        unit.micro_batches_done += 1
+        unit.take_reduced(out, None)
+        if out is not unit.grad_buffer:
+            self.pool.give(out)
 
     # -- hooks ---------------------------------------------------------------------------------------
     def _install_hooks(self, unit: Unit, plan: dict, chunk_units: list, final_exit) -> None:
@@ -89,7 +118,7 @@ class ShardedDataParallel:
         position = len(chunk_units) - 1
         for k, module in enumerate(plan["entries"]):
             module.register_forward_pre_hook(lambda m, args, u=unit, first=k == 0, i=position, units=chunk_units:
-                                             self._pre_forward(u, units, i, first))
+                                             self._pre_forward(u, units, i, first, m))
         for module in plan["exits"]:
             module.register_forward_hook(lambda m, args, out, u=unit, i=position, units=chunk_units,
                                          last=module is final_exit: self._post_forward(u, units, i, out, last))
@@ -114,9 +143,14 @@ class ShardedDataParallel:
         if following is not None:
             self._gather(following, async_op=True)
 
-    def _pre_forward(self, unit: Unit, units: list, i: int, first: bool) -> None:
+    def _pre_forward(self, unit: Unit, units: list, i: int, first: bool, module) -> None:
         prefetch = first and i + 1 < len(units) and not self._recomputing(unit)
-        self._gather_and_prefetch(unit, units[i + 1] if prefetch else None)
+        following = units[i + 1] if prefetch else None
+        if unit.row_lookup is not None and unit.row_lookup.applies(module):  # nothing to gather
+            if following is not None:
+                self._gather(following, async_op=True)
+            return
+        self._gather_and_prefetch(unit, following)
 
     def _post_forward(self, unit: Unit, units: list, i: int, out, last: bool) -> None:
         if self._recomputing(unit):  # the backward about to run still needs the unit
@@ -138,6 +172,8 @@ class ShardedDataParallel:
         self._gather_and_prefetch(unit, following)
 
     def _on_grad(self, unit: Unit, param: torch.Tensor) -> None:
+        if param.grad is None and unit.row_lookup is not None:  # its lookup reduced it (_take_rows)
+            return
         unit.borrow_full_grad(self.pool)
         unit.add_grad(param)
         unit.arrived += 1
@@ -191,10 +227,14 @@ class ShardedDataParallel:
 
     def start_step(self, num_micro_batches: int) -> None:
         self.num_micro_batches = num_micro_batches
+        for lookup in self.row_lookups:
+            lookup.active = True
 
     def finish_gradients(self) -> None:
         """Reduce what backward did not (parameters without gradients), wait for every reduction, then sum
         the gradient shards of TP-replicated-gradient parameters over the TP group."""
+        for lookup in self.row_lookups:
+            lookup.active = False
         for unit in self.units:
             if unit.tied or not unit.reduced:
                 unit.borrow_full_grad(self.pool)

@@ -159,6 +159,7 @@ class Unit:
         self.tied: list = []  # parameters summed over the pipeline's embedding group before reduction
         self.backward_reads_params = True  # False: stage 3 does not gather it for backward (unit_plan)
         self.in_backward = False  # between its pre-backward gather and its last gradient
+        self.row_lookup = None  # stage 3's input embedding looked up by rows (parallel/embedding_shards.py)
 
     def _shard_ranges(self) -> list[ShardRange]:
         """The parameters (or parts) inside this rank's shard, in buffer order."""

@@ -137,6 +137,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = tp.rank * self.rows_per_rank
         self.weight = describe(nn.Parameter(torch.empty(self.rows_per_rank, hidden_size)), (padded, hidden_size),
                                0 if tp.size > 1 else None, std, valid_rows=vocab_size)
+        self.row_lookup = None  # ZeRO-3: looks rows up from the shards (parallel/embedding_shards.py)
 
     def local_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows of this rank's table that looking up `ids` reads (flat, with repeats)."""
@@ -144,11 +145,12 @@ class VocabParallelEmbedding(nn.Module):
         return local[(local >= 0) & (local < self.rows_per_rank)]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        lookup = self.row_lookup if self.row_lookup is not None and self.row_lookup.applies(self) else embedding
         if self.tp.size == 1:
-            return embedding(ids, self.weight)
+            return lookup(ids, self.weight)
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.rows_per_rank)
-        out = embedding(local.masked_fill(outside, 0), self.weight)
+        out = lookup(local.masked_fill(outside, 0), self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return self.tp.exit(out)
 

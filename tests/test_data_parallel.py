@@ -176,9 +176,10 @@ def test_stage3_with_activation_recomputation(pools, reference):
     results = pools[2].run(recomputed_run, CURVE, {"zero_stage": 3})
     assert_matches_reference([r[:3] for r in results], reference)
     units, micro_batches = CURVE["model"]["num_layers"] + 2, 8 // 2
-    # the recomputation reuses the backward's gather; the final norm + head stays gathered from its forward,
-    # the embedding is not gathered for its backward
-    assert results[0][3] == (2 * units - 2) * micro_batches
+    # the recomputation reuses the backward's gather; the final norm + head stays gathered from its forward;
+    # the embedding is looked up by rows (parallel/embedding_shards.py: its ids all-gathered in forward, its
+    # rows' gradients in backward), never gathered whole
+    assert results[0][3] == (2 * units - 3 + 2) * micro_batches
 
 
 def two_stage_pipeline_step(rank, world, stage):
@@ -315,10 +316,11 @@ def record_step(rank, world, base, parallel, micro_batches):
 
 def test_stage3_gathers_each_unit_once_per_pass_and_reduces_norms_in_fp32(pools):
     m = 2
-    events, units = pools[2].run(record_step, MEMORY, {"zero_stage": 3}, m)[0]
+    events, units = pools[2].run(record_step, MEMORY, {"zero_stage": 3, "zero3_embedding_rows": False}, m)[0]
     gathers = sorted(b for op, _, b, _ in events if op == "all_gather")
     # every unit: once before forward, once before backward, but the last (kept gathered in between) and
-    # the embedding (whose backward does not read it)
+    # the embedding (whose backward does not read it; looked up by rows, tests/test_embedding_shards.py, it
+    # would not be gathered at all)
     assert gathers == sorted((units + units[1:-1]) * m)
     scatters = [(b, d) for op, _, b, d in events if op == "reduce_scatter"]
     assert sorted(b for b, d in scatters if d == "bfloat16") == sorted(units * m)
@@ -330,7 +332,8 @@ def test_stage3_gathers_each_unit_once_per_pass_and_reduces_norms_in_fp32(pools)
 def test_stage3_volume_is_one_and_a_half_times_ddp(pools):
     fp32 = {**MEMORY, "train": dict(MEMORY["train"], precision="fp32")}
     ddp, _ = pools[2].run(record_step, fp32, {"zero_stage": 0, "embedding_row_exchange": False}, 1)[0]  # all dense
-    fsdp, units = pools[2].run(record_step, fp32, {"zero_stage": 3, "zero3_keep_last_gathered": False}, 1)[0]
+    fsdp, units = pools[2].run(record_step, fp32, {"zero_stage": 3, "zero3_keep_last_gathered": False,
+                                                   "zero3_embedding_rows": False}, 1)[0]
     wire = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}  # an all-reduce is a reduce-scatter + all-gather
     ratio = sum(wire[op] * b for op, _, b, _ in fsdp) / sum(wire[op] * b for op, _, b, _ in ddp)
     embedding = units[0]  # not gathered for backward
