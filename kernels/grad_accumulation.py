@@ -2,7 +2,8 @@
 
 Plain autograd has a layer's backward return a new weight-gradient tensor, which AccumulateGrad then adds to
 `.grad`: an allocation of the gradient's size and one more pass over it, every micro-batch. Trilith's data
-parallelism keeps each gradient as a view into a persistent bucket (parallel/ddp.py); for the backward passes
+parallelism keeps each gradient as a view into a persistent bucket (parallel/ddp.py; ZeRO-3: into the unit's
+full-gradient buffer while its backward runs, parallel/fsdp.py); for the backward passes
 of a training step it marks those parameters (`fuse_grad_accumulation`), and these layers then add into
 `.grad` in place — the linear layer inside the weight-gradient matmul (addmm with β = 1), the embedding by
 adding the rows it read (index_add_) — and return no weight gradient. The parameter's post-accumulate hooks

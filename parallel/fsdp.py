@@ -14,7 +14,11 @@ backward when `keep_last` is set (FSDP2's reshard_after_forward=False on the roo
 micro-batch fewer per chunk, for one more unit held between forward and backward. The embedding unit is
 not gathered for backward at all (its backward does not read the weight). A unit's
 gradients are reduce-scattered as soon as all its parameters' gradients are accumulated
-(`register_post_accumulate_grad_hook`), asynchronously, so communication overlaps backward. Stages 2 and
+(`register_post_accumulate_grad_hook`), asynchronously, so communication overlaps backward. At stage 3 the
+unit's backward accumulates straight into its full-gradient buffer: `_pre_backward` points each `.grad` at
+its slice (`Unit.attach_grads`), the linear layers add inside their matmul (kernels/grad_accumulation.py),
+and a pipeline stage may queue those until its input gradient is sent (counted when the queue adds them).
+The untied input embedding may be looked up by rows instead of gathered (parallel/embedding_shards.py). Stages 2 and
 3 reduce every micro-batch into a gradient shard; stage 1 keeps full gradients and reduces on the last.
 Full gradients and reduction outputs come from a BufferPool, so steady-state steps allocate none.
 """
@@ -24,6 +28,7 @@ import collections
 
 import torch
 
+from kernels import grad_accumulation
 from parallel import comm
 from parallel.embedding_shards import ShardedEmbeddingLookup, lookup_worth_it
 from parallel.fsdp_units import BufferPool, ShardRange, Unit, unit_plan
@@ -61,6 +66,7 @@ class ShardedDataParallel:
         self.peak_gathered_bytes = 0
         tied = tied_embedding_weights(chunks) if tied_group is not None else []
         self.row_lookups: list[ShardedEmbeddingLookup] = []
+        self.fusing = False  # stage 3, inside a step: backward accumulates into the full gradient buffers
         for chunk in chunks:
             names = {p: n for n, p in chunk.named_parameters()}
             mine, seen = [], set()
@@ -113,6 +119,8 @@ class ShardedDataParallel:
     def _install_hooks(self, unit: Unit, plan: dict, chunk_units: list, final_exit) -> None:
         for p in unit.params:
             p.register_post_accumulate_grad_hook(lambda param, u=unit: self._on_grad(u, param))
+            # when a pipeline's WeightGradQueue completes its gradient after the hook ran
+            p.on_deferred_grad = lambda param, u=unit: self._on_grad(u, param)
         if self.stage != 3:
             return
         position = len(chunk_units) - 1
@@ -170,9 +178,14 @@ class ShardedDataParallel:
         if following is not None and not following.backward_reads_params:
             following = None
         self._gather_and_prefetch(unit, following)
+        if self.fusing:
+            unit.borrow_full_grad(self.pool)
+            unit.attach_grads()
 
     def _on_grad(self, unit: Unit, param: torch.Tensor) -> None:
         if param.grad is None and unit.row_lookup is not None:  # its lookup reduced it (_take_rows)
+            return
+        if grad_accumulation.is_pending(param):  # counted when the queue adds it
             return
         unit.borrow_full_grad(self.pool)
         unit.add_grad(param)
@@ -226,15 +239,25 @@ class ShardedDataParallel:
         self.pool.give(full, full32, send32, out32, None if out is unit.grad_buffer else out)
 
     def start_step(self, num_micro_batches: int) -> None:
+        """Declare the step's backward passes. Until finish_gradients, stage 3 has each unit's backward
+        accumulate into the unit's full gradient buffer in place (`Unit.attach_grads`)."""
         self.num_micro_batches = num_micro_batches
+        self._fuse_accumulation(self.stage == 3)
+
+    def _fuse_accumulation(self, on: bool) -> None:
+        self.fusing = on
+        for unit in self.units:
+            for p in unit.params:
+                p.fuse_grad_accumulation = on
         for lookup in self.row_lookups:
-            lookup.active = True
+            lookup.active = on
 
     def finish_gradients(self) -> None:
         """Reduce what backward did not (parameters without gradients), wait for every reduction, then sum
         the gradient shards of TP-replicated-gradient parameters over the TP group."""
-        for lookup in self.row_lookups:
-            lookup.active = False
+        self._fuse_accumulation(False)
+        for unit in self.units:
+            unit.detach_grads()
         for unit in self.units:
             if unit.tied or not unit.reduced:
                 unit.borrow_full_grad(self.pool)

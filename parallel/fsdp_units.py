@@ -160,6 +160,7 @@ class Unit:
         self.backward_reads_params = True  # False: stage 3 does not gather it for backward (unit_plan)
         self.in_backward = False  # between its pre-backward gather and its last gradient
         self.row_lookup = None  # stage 3's input embedding looked up by rows (parallel/embedding_shards.py)
+        self.attached: dict = {}  # id(parameter) -> its `.grad`, a view of full_grad (attach_grads)
 
     def _shard_ranges(self) -> list[ShardRange]:
         """The parameters (or parts) inside this rank's shard, in buffer order."""
@@ -197,9 +198,29 @@ class Unit:
             self.full_grad = pool.take(self.padded, self.flat.dtype, self.flat.device, zero=True)
             self.full_grad32 = pool.take(self.fp32_numel, torch.float32, self.flat.device, zero=True)
 
+    def attach_grads(self) -> None:
+        """Point each parameter's `.grad` at its slice of the full gradient buffer (but the fp32 segment's, of
+        another dtype): backward then accumulates there in place, the linear layers inside their weight-gradient
+        matmul (kernels/grad_accumulation.py), and `add_grad` has nothing left to add."""
+        for p in self.params:
+            if self.offsets[p] < self.fp32_start:
+                p.grad = self.full_grad_view(p).view_as(p)
+                self.attached[id(p)] = p.grad
+
+    def detach_grads(self) -> None:
+        """Release the `.grad` views of parameters that received no gradient (their buffer goes back to a pool)."""
+        for p in self.params:
+            if id(p) in self.attached:
+                p.grad = None
+        self.attached.clear()
+
     def add_grad(self, p: torch.Tensor) -> None:
         """Move `p.grad` into this unit's gradient buffers (the parameter's own gradient is released)."""
-        self.full_grad_view(p).add_(p.grad.reshape(-1))
+        view = self.attached.pop(id(p), None)
+        if view is None:
+            self.full_grad_view(p).add_(p.grad.reshape(-1))
+        elif p.grad is not view:  # autograd replaced it (out of place) by the sum it accumulated
+            view.copy_(p.grad)
         p.grad = None
 
     def full_grad_view(self, p: torch.Tensor) -> torch.Tensor:
@@ -252,6 +273,7 @@ class Unit:
         return g
 
     def zero_grad(self) -> None:
+        self.detach_grads()
         if self.stage == 1:
             self.full_grad.zero_()
             self.full_grad32.zero_()

@@ -318,24 +318,28 @@ def test_trainer_steps_match_single_process_and_tied_copies_stay_equal(pool, lay
 
 
 def trained_parameters(rank, world, overrides):
-    """Every parameter of this rank's chunks after the steps, and which schedule slots the last step ran."""
+    """Every parameter of this rank's chunks (ZeRO: its master shards) after the steps, and which schedule slots
+    the last step ran."""
     trainer = Trainer(load_config(TINY, overrides), DistEnv(rank, world))
     for step in range(trainer.cfg.train.steps):
         if step == trainer.cfg.train.steps - 1:
             trainer.schedule_trace = ScheduleTrace()
         trainer.train_step()
     kinds = sorted({event[0] for event in trainer.schedule_trace.events})
+    if trainer.cfg.parallel.zero_stage:
+        return trainer.topo.pp_rank, kinds, [m.clone() for m in trainer.optimizer.master]
     return trainer.topo.pp_rank, kinds, [p.detach().clone() for chunk in trainer.chunks for p in chunk.parameters()]
 
 
 @pytest.mark.parametrize("layout", [["parallel.pipeline=2"], ["parallel.pipeline=2", "parallel.schedule=gpipe"],
                                     ["parallel.pipeline=4", "train.recompute=full"],
-                                    ["parallel.pipeline=2", "parallel.tensor=2", "parallel.sequence_parallel=true"]],
-                         ids=["pp2-dp2-1f1b", "pp2-dp2-gpipe", "pp4-1f1b-recompute", "tp2-sp-pp2-1f1b"])
+                                    ["parallel.pipeline=2", "parallel.tensor=2", "parallel.sequence_parallel=true"],
+                                    ["parallel.pipeline=2", "parallel.zero_stage=3"]],
+                         ids=["pp2-dp2-1f1b", "pp2-dp2-gpipe", "pp4-1f1b-recompute", "tp2-sp-pp2-1f1b", "pp2-dp2-zero3"])
 def test_deferred_weight_gradients_train_bit_identically(pool, layout):
     """parallel.defer_weight_grads sends the waiting backwards' input gradients before their weight gradients
     (W slots on every stage but the first) and changes no bit of the trained parameters, the DP buckets
-    (pp2-dp2) still launching once each weight gradient is in."""
+    (pp2-dp2) and ZeRO-3's unit reductions still launching once each weight gradient is in."""
     common = ["train.steps=2"] + layout
     deferred = sorted(pool.run(trained_parameters, common), key=lambda r: r[0])
     direct = sorted(pool.run(trained_parameters, common + ["parallel.defer_weight_grads=false"]), key=lambda r: r[0])

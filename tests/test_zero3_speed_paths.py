@@ -115,3 +115,44 @@ def test_steady_state_steps_allocate_no_gradient_buffers(pool, stage, precision)
     base = {**CURVE, "train": dict(CURVE["train"], precision=precision)}
     for calls, created in pool.run(steady_state_allocations, base, stage):
         assert calls == [] and created == 0
+
+
+def accumulation_run(rank, world, base, attach: bool):
+    """Stage 3's trained masters, and per step how many parameter gradients backward left in the units' full
+    gradient buffers in place and how many `Unit.add_grad` had to copy in. `attach=False` takes the copying
+    path for every parameter (the unit never points `.grad` at its buffer)."""
+    from parallel.fsdp_units import Unit
+
+    originals = Unit.attach_grads, Unit.add_grad
+    counts = []
+
+    def add_grad(unit, p):
+        counts[-1]["in place" if id(p) in unit.attached else "copied"] += 1
+        originals[1](unit, p)
+
+    Unit.add_grad = add_grad
+    if not attach:
+        Unit.attach_grads = lambda unit: None
+    try:
+        trainer = make_trainer(rank, world, base, zero_stage=3)
+        for _ in range(base["train"]["steps"]):
+            counts.append({"in place": 0, "copied": 0})
+            trainer.train_step()
+    finally:
+        Unit.attach_grads, Unit.add_grad = originals
+    return [m.clone() for m in trainer.optimizer.master], counts
+
+
+def test_stage3_backward_accumulates_into_the_unit_buffers_in_place(pool):
+    """Every gradient but the embedding's (looked up by rows) is left in its unit's buffer by backward itself,
+    and the weights are those of copying each gradient in."""
+    base = {**CURVE, "train": dict(CURVE["train"], steps=3)}
+    fused = pool.run(accumulation_run, base, True)
+    copied = pool.run(accumulation_run, base, False)
+    trainer = make_trainer(0, 1, base, zero_stage=3)
+    per_micro_batch = sum(1 for n, _ in trainer.named_params) - 1  # all but the embedding table
+    micro_batches = CURVE["train"]["global_batch_size"] // (CURVE["train"]["micro_batch_size"] * 2)
+    for (masters, counts), (plain_masters, plain_counts) in zip(fused, copied):
+        assert counts == [{"in place": per_micro_batch * micro_batches, "copied": 0}] * 3
+        assert plain_counts == [{"in place": 0, "copied": per_micro_batch * micro_batches}] * 3
+        assert all(map(torch.equal, masters, plain_masters))
