@@ -88,7 +88,7 @@ class ParallelConfig:
     stage_balance: str = "layers"  # without stage_layers: layers = even layer counts (earlier chunks take the
         # remainder); compute = even estimated compute, the output layer counted on the last chunk
         # (engine/stage_balance.py)
-    defer_weight_grads: bool = True  # gpipe/1f1b with zero_stage 0 or 3: where a stage would then only wait (cool-down),
+    defer_weight_grads: bool = True  # gpipe/1f1b with zero_stage 0, 1 or 3: where a stage would then only wait (cool-down),
         # it sends a backward's input gradient before computing its weight gradients; bit-identical, shorter steps,
         # one backward's output gradients held longer (docs/parallelism.md)
     rank_order: str = "tp-dp-pp"  # fastest-varying dimension first: TP ranks adjacent by default

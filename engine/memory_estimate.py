@@ -177,7 +177,8 @@ def chunk_activation(cfg: Config, layers: int, pre: bool, post: bool, micro_batc
 def defers_weight_grads(cfg: Config, stage: int) -> bool:
     """Whether `stage` queues weight gradients behind its input gradient (parallel/pipeline_schedules.py)."""
     p = cfg.parallel
-    return p.defer_weight_grads and stage > 0 and p.schedule in ("gpipe", "1f1b") and p.zero_stage in (0, 3)
+    # ZeRO-2's gradients are not `.grad` views while a backward runs: nothing is queued
+    return p.defer_weight_grads and stage > 0 and p.schedule in ("gpipe", "1f1b") and p.zero_stage != 2
 
 
 def queued_output_gradients(cfg: Config, layers: int, post: bool, micro_batch: int) -> int:

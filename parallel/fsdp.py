@@ -14,10 +14,11 @@ backward when `keep_last` is set (FSDP2's reshard_after_forward=False on the roo
 micro-batch fewer per chunk, for one more unit held between forward and backward. The embedding unit is
 not gathered for backward at all (its backward does not read the weight). A unit's
 gradients are reduce-scattered as soon as all its parameters' gradients are accumulated
-(`register_post_accumulate_grad_hook`), asynchronously, so communication overlaps backward. At stage 3 the
-unit's backward accumulates straight into its full-gradient buffer: `_pre_backward` points each `.grad` at
-its slice (`Unit.attach_grads`), the linear layers add inside their matmul (kernels/grad_accumulation.py),
-and a pipeline stage may queue those until its input gradient is sent (counted when the queue adds them).
+(`register_post_accumulate_grad_hook`), asynchronously, so communication overlaps backward. At stages 1 and 3
+backward accumulates straight into the units' full-gradient buffers: each `.grad` is a view of its slice
+(`Unit.attach_grads`: stage 1 for the whole step, stage 3 from the unit's `_pre_backward`), the linear layers
+add inside their matmul (kernels/grad_accumulation.py), and a pipeline stage may queue those until its
+input gradient is sent (counted when the queue adds them).
 The untied input embedding may be looked up by rows instead of gathered (parallel/embedding_shards.py). Stages 2 and
 3 reduce every micro-batch into a gradient shard; stage 1 keeps full gradients and reduces on the last.
 Full gradients and reduction outputs come from a BufferPool, so steady-state steps allocate none.
@@ -66,7 +67,7 @@ class ShardedDataParallel:
         self.peak_gathered_bytes = 0
         tied = tied_embedding_weights(chunks) if tied_group is not None else []
         self.row_lookups: list[ShardedEmbeddingLookup] = []
-        self.fusing = False  # stage 3, inside a step: backward accumulates into the full gradient buffers
+        self.fusing = False  # stages 1 and 3, inside a step: backward accumulates into the full gradient buffers
         for chunk in chunks:
             names = {p: n for n, p in chunk.named_parameters()}
             mine, seen = [], set()
@@ -178,7 +179,7 @@ class ShardedDataParallel:
         if following is not None and not following.backward_reads_params:
             following = None
         self._gather_and_prefetch(unit, following)
-        if self.fusing:
+        if self.fusing:  # stage 3
             unit.borrow_full_grad(self.pool)
             unit.attach_grads()
 
@@ -239,10 +240,14 @@ class ShardedDataParallel:
         self.pool.give(full, full32, send32, out32, None if out is unit.grad_buffer else out)
 
     def start_step(self, num_micro_batches: int) -> None:
-        """Declare the step's backward passes. Until finish_gradients, stage 3 has each unit's backward
-        accumulate into the unit's full gradient buffer in place (`Unit.attach_grads`)."""
+        """Declare the step's backward passes. Until finish_gradients, stages 1 and 3 have backward accumulate
+        into the units' full gradient buffers in place (`Unit.attach_grads`): stage 1 into its own buffers,
+        attached here for the whole step, stage 3 into each micro-batch's, attached as a unit's backward begins."""
         self.num_micro_batches = num_micro_batches
-        self._fuse_accumulation(self.stage == 3)
+        self._fuse_accumulation(self.stage in (1, 3))
+        if self.stage == 1:
+            for unit in self.units:
+                unit.attach_grads()
 
     def _fuse_accumulation(self, on: bool) -> None:
         self.fusing = on

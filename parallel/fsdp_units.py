@@ -208,20 +208,29 @@ class Unit:
                 self.attached[id(p)] = p.grad
 
     def detach_grads(self) -> None:
-        """Release the `.grad` views of parameters that received no gradient (their buffer goes back to a pool)."""
+        """Release the `.grad` views still attached: stage 1's at the end of a step, stage 3's of parameters
+        that received no gradient (their buffer goes back to a pool)."""
         for p in self.params:
             if id(p) in self.attached:
                 p.grad = None
         self.attached.clear()
 
     def add_grad(self, p: torch.Tensor) -> None:
-        """Move `p.grad` into this unit's gradient buffers (the parameter's own gradient is released)."""
-        view = self.attached.pop(id(p), None)
+        """Move `p.grad` into this unit's gradient buffers (the parameter's own gradient is released). An
+        attached `.grad` is there already; stage 1's stays attached for the step's next micro-batches (its
+        buffer is the unit's own), stage 3's is released with the micro-batch's buffer."""
+        view = self.attached.get(id(p))
         if view is None:
             self.full_grad_view(p).add_(p.grad.reshape(-1))
-        elif p.grad is not view:  # autograd replaced it (out of place) by the sum it accumulated
+            p.grad = None
+            return
+        if p.grad is not view:  # autograd replaced it (out of place) by the sum it accumulated
             view.copy_(p.grad)
-        p.grad = None
+        if self.stage == 1:
+            p.grad = view
+        else:
+            del self.attached[id(p)]
+            p.grad = None
 
     def full_grad_view(self, p: torch.Tensor) -> torch.Tensor:
         o = self.offsets[p]

@@ -166,6 +166,8 @@ def test_queued_output_gradients_are_within_10_percent_of_what_a_deferred_backwa
         assert defers_weight_grads(config(2, "parallel.pipeline=2"), stage) == expected
     assert not defers_weight_grads(config(2, "parallel.pipeline=2", "parallel.schedule=interleaved",
                                           "parallel.virtual_stages=2"), 1)
+    for zero_stage, expected in ((1, True), (2, False), (3, True)):  # ZeRO-2 has no `.grad` views to queue into
+        assert defers_weight_grads(config(2, "parallel.pipeline=2", f"parallel.zero_stage={zero_stage}"), 1) == expected
 
 
 def tp_saved(rank, world, *overrides):

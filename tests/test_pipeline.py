@@ -334,12 +334,14 @@ def trained_parameters(rank, world, overrides):
 @pytest.mark.parametrize("layout", [["parallel.pipeline=2"], ["parallel.pipeline=2", "parallel.schedule=gpipe"],
                                     ["parallel.pipeline=4", "train.recompute=full"],
                                     ["parallel.pipeline=2", "parallel.tensor=2", "parallel.sequence_parallel=true"],
+                                    ["parallel.pipeline=2", "parallel.zero_stage=1"],
                                     ["parallel.pipeline=2", "parallel.zero_stage=3"]],
-                         ids=["pp2-dp2-1f1b", "pp2-dp2-gpipe", "pp4-1f1b-recompute", "tp2-sp-pp2-1f1b", "pp2-dp2-zero3"])
+                         ids=["pp2-dp2-1f1b", "pp2-dp2-gpipe", "pp4-1f1b-recompute", "tp2-sp-pp2-1f1b", "pp2-dp2-zero1",
+                              "pp2-dp2-zero3"])
 def test_deferred_weight_gradients_train_bit_identically(pool, layout):
     """parallel.defer_weight_grads sends the waiting backwards' input gradients before their weight gradients
     (W slots on every stage but the first) and changes no bit of the trained parameters, the DP buckets
-    (pp2-dp2) and ZeRO-3's unit reductions still launching once each weight gradient is in."""
+    (pp2-dp2) and ZeRO's unit reductions still launching once each weight gradient is in."""
     common = ["train.steps=2"] + layout
     deferred = sorted(pool.run(trained_parameters, common), key=lambda r: r[0])
     direct = sorted(pool.run(trained_parameters, common + ["parallel.defer_weight_grads=false"]), key=lambda r: r[0])

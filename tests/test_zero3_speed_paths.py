@@ -117,8 +117,8 @@ def test_steady_state_steps_allocate_no_gradient_buffers(pool, stage, precision)
         assert calls == [] and created == 0
 
 
-def accumulation_run(rank, world, base, attach: bool):
-    """Stage 3's trained masters, and per step how many parameter gradients backward left in the units' full
+def accumulation_run(rank, world, base, stage: int, attach: bool):
+    """The trained masters, and per step how many parameter gradients backward left in the units' full
     gradient buffers in place and how many `Unit.add_grad` had to copy in. `attach=False` takes the copying
     path for every parameter (the unit never points `.grad` at its buffer)."""
     from parallel.fsdp_units import Unit
@@ -134,7 +134,7 @@ def accumulation_run(rank, world, base, attach: bool):
     if not attach:
         Unit.attach_grads = lambda unit: None
     try:
-        trainer = make_trainer(rank, world, base, zero_stage=3)
+        trainer = make_trainer(rank, world, base, zero_stage=stage)
         for _ in range(base["train"]["steps"]):
             counts.append({"in place": 0, "copied": 0})
             trainer.train_step()
@@ -143,16 +143,22 @@ def accumulation_run(rank, world, base, attach: bool):
     return [m.clone() for m in trainer.optimizer.master], counts
 
 
-def test_stage3_backward_accumulates_into_the_unit_buffers_in_place(pool):
-    """Every gradient but the embedding's (looked up by rows) is left in its unit's buffer by backward itself,
-    and the weights are those of copying each gradient in."""
+@pytest.mark.parametrize("stage", [1, 3])
+def test_backward_accumulates_into_the_unit_buffers_in_place(pool, stage):
+    """Every gradient (at stage 3 but the embedding's, looked up by rows) is left in its unit's buffer by backward
+    itself. The weights are those of copying each gradient in: to the bit at stage 3, whose every micro-batch
+    has a zeroed buffer of its own; within 1e-6 at stage 1, whose buffer accumulates the micro-batches inside the
+    matmul (kernels/grad_accumulation.py)."""
     base = {**CURVE, "train": dict(CURVE["train"], steps=3)}
-    fused = pool.run(accumulation_run, base, True)
-    copied = pool.run(accumulation_run, base, False)
-    trainer = make_trainer(0, 1, base, zero_stage=3)
-    per_micro_batch = sum(1 for n, _ in trainer.named_params) - 1  # all but the embedding table
+    fused = pool.run(accumulation_run, base, stage, True)
+    copied = pool.run(accumulation_run, base, stage, False)
+    trainer = make_trainer(0, 1, base, zero_stage=stage)
+    per_micro_batch = sum(1 for n, _ in trainer.named_params) - (1 if stage == 3 else 0)
     micro_batches = CURVE["train"]["global_batch_size"] // (CURVE["train"]["micro_batch_size"] * 2)
     for (masters, counts), (plain_masters, plain_counts) in zip(fused, copied):
         assert counts == [{"in place": per_micro_batch * micro_batches, "copied": 0}] * 3
         assert plain_counts == [{"in place": 0, "copied": per_micro_batch * micro_batches}] * 3
-        assert all(map(torch.equal, masters, plain_masters))
+        if stage == 3:
+            assert all(map(torch.equal, masters, plain_masters))
+        else:
+            assert max((a - b).abs().max().item() for a, b in zip(masters, plain_masters)) <= 1e-6
