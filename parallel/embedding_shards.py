@@ -69,23 +69,27 @@ class ShardedEmbeddingLookup:
         return every.view(self.size, -1)
 
     def _mine(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(row index into owned_rows, whether I own any of the row) for each id."""
+        """(row index into owned_rows, clamped into it, and whether I own any of the row [.., 1]) for each id;
+        masks rather than boolean indexing, so that a GPU never waits for a count."""
         local = ids - self.first_row
-        return local, (local >= 0) & (local < self.end_row - self.first_row)
+        mine = (local >= 0) & (local < self.end_row - self.first_row)
+        return local.clamp(0, max(self.end_row - self.first_row - 1, 0)), mine.unsqueeze(-1)
 
     def rows(self, every_ids: torch.Tensor) -> torch.Tensor:
         """This rank's looked-up rows [n, width], from the answers of every shard."""
         owned = self.owned_rows()
         local, mine = self._mine(every_ids)
-        answers = torch.zeros(*every_ids.shape, self.width, dtype=owned.dtype, device=owned.device)
         if owned.shape[0]:
-            answers[mine] = owned[local[mine]]
+            answers = torch.where(mine, owned[local], 0.0)
+        else:  # a shard of padding only
+            answers = torch.zeros(*every_ids.shape, self.width, dtype=owned.dtype, device=owned.device)
         received = torch.empty_like(answers)
         comm.all_to_all_into(received, answers, self.unit.group)
         return received.sum(0)
 
     def reduce(self, every_ids: torch.Tensor, grad: torch.Tensor) -> None:
-        """Average the rows' gradients over the group into my shard, rank by rank."""
+        """Average the rows' gradients over the group into my shard, rank by rank. Tokens of rows I do not own
+        add zeros (to a row of mine: x + 0 = x, so the sums are those of my tokens alone)."""
         mine_grad = grad.reshape(-1, self.width).contiguous()
         every = torch.empty(self.size * mine_grad.shape[0], self.width, dtype=grad.dtype, device=grad.device)
         comm.all_gather_into(every, mine_grad, self.unit.group)
@@ -93,9 +97,10 @@ class ShardedEmbeddingLookup:
         local, mine = self._mine(every_ids)
         total = torch.zeros(self.end_row - self.first_row, self.width, dtype=grad.dtype, device=grad.device)
         part = torch.empty_like(total)
-        for rank in range(self.size):
-            part.zero_().index_add_(0, local[rank][mine[rank]], every[rank][mine[rank]])
-            total.add_(part.div_(self.size))
+        if total.shape[0]:
+            for rank in range(self.size):
+                part.zero_().index_add_(0, local[rank], torch.where(mine[rank], every[rank], 0.0))
+                total.add_(part.div_(self.size))
         self.on_reduced(self.unit, total.view(-1)[self.offset:self.offset + self.count])
 
 
