@@ -96,7 +96,8 @@ class ShardedDataParallel:
         table = plan["modules"][0]
         if not (tokens and self.stage == 3 and plan.get("backward_reads_params", True) is False
                 and self.replicate_group is None and self.hierarchy is None and unit.fp32_numel == 0
-                and getattr(table, "row_lookup", False) is None and unit.params == [table.weight]
+                and getattr(table, "row_lookup", False) is None  # a VocabParallelEmbedding, not yet set up
+                and unit.params == [table.weight]
                 and comm.group_size(unit.group) > 1):
             return
         rows, width = table.weight.shape
