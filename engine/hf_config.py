@@ -4,8 +4,13 @@ transformers 4.x (and llama.cpp, vLLM) read `rope_theta` and `rope_scaling` at t
 >= 5 keeps them in `rope_parameters`. `model_from_hf` reads either (and refuses a config whose two forms
 disagree); `hf_config_dict` and `v4_rope_fields` give an export both.
 
-Every field of a config is accounted for: mapped onto `model.*` (MAPPED), known not to change what the model
-computes (IRRELEVANT), accepted only at the value Trilith implements (REQUIRED), or refused with its name.
+Every field of a config falls in one of three classes (`unknown_fields` sorts them):
+- it changes the arithmetic: mapped onto `model.*` (MAPPED), accepted only at the value Trilith implements
+  (REQUIRED), or refused with the reason;
+- metadata or a token id (`is_metadata`): names, versions, dtypes, generation settings, `_`-prefixed
+  bookkeeping and every `*_token_id`, accepted; the token ids (`token_ids`) travel to the export;
+- unknown: refused by name, since it may change the arithmetic, unless the config.json itself lists it under
+  ACCEPT_KEY — the one switch, read by every entry point (checkpoint.load, ckpt_convert, evaluate, generate).
 """
 from __future__ import annotations
 
@@ -26,17 +31,57 @@ MAPPED = {  # config.json field -> model.* key
     "model_type": "hf_model_type", "architectures": "hf_model_type",
 }
 # Fields that do not change the model's function: bookkeeping, generation and serving switches, the
-# tokenizer's special ids (carried by the tokenizer files), the weights' storage dtype (Trilith keeps fp32
-# masters), `pretraining_tp` (only how transformers 4.x split its matmuls) and Llama 1's `max_sequence_length`
-# (a duplicate of max_position_embeddings that transformers never read).
+# tokenizer's special ids (kept for the export, `token_ids`), the weights' storage dtype (Trilith keeps fp32
+# masters), `pretraining_tp` (only how transformers 4.x split its matmuls), Llama 1's `max_sequence_length`
+# (a duplicate of max_position_embeddings that transformers never read), and what transformers 4.x's
+# PretrainedConfig writes for every model: `is_decoder`, `add_cross_attention`, `cross_attention_hidden_size`
+# and `tie_encoder_decoder` (read only by encoder-decoder and BERT-style models; these families are always
+# causal decoders), `torchscript` (clones tied weights instead of sharing them), TensorFlow's `use_bfloat16`
+# and `tf_legacy_loss`.
 IRRELEVANT = {
     "transformers_version", "torch_dtype", "dtype", "use_cache", "_name_or_path", "bos_token_id", "eos_token_id",
     "pad_token_id", "pretraining_tp", "is_llama_config", "output_attentions", "output_hidden_states", "return_dict",
     "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id", "problem_type", "tokenizer_class",
-    "transformers.js_config", "_attn_implementation_autoset", "max_sequence_length",
+    "transformers.js_config", "_attn_implementation_autoset", "max_sequence_length", "name_or_path",
+    "model_name_or_path", "finetuning_task", "prefix", "task_specific_params", "is_decoder", "add_cross_attention",
+    "cross_attention_hidden_size", "tie_encoder_decoder", "torchscript", "use_bfloat16", "tf_legacy_loss",
+}
+# How to pick tokens, not what the model computes: the generation settings transformers 4.x kept in
+# config.json (transformers 5 keeps them in generation_config.json).
+GENERATION = {
+    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups", "diversity_penalty",
+    "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences", "output_scores",
+    "return_dict_in_generate", "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens",
+    "begin_suppress_tokens",
 }
 REQUIRED = {"hidden_act": "silu", "mlp_bias": False, "rope_interleaved": False, "use_mrope": False,
-            "partial_rotary_factor": 1.0}
+            "partial_rotary_factor": 1.0, "pruned_heads": {}}
+# Known to change the arithmetic, and not implemented: refused with the reason.
+REFUSED = {"quantization_config": "the weights are quantized and Trilith reads full-precision ones; save a "
+                                  "dequantized copy (transformers: from_pretrained, dequantize(), save_pretrained)"}
+ACCEPT_KEY = "trilith_accept_keys"  # config.json: unknown fields a user has checked do not change the model
+
+
+def is_metadata(field: str) -> bool:
+    """Names, versions, bookkeeping (`_`-prefixed, e.g. a GGUF import's `_model_name_or_path`), generation
+    settings and token ids (bos/eos/pad/unk/sep/...): nothing the forward pass reads."""
+    return field in IRRELEVANT or field in GENERATION or field == ACCEPT_KEY or field.startswith("_") or \
+        field.endswith("_token_id")
+
+
+def token_ids(hf: dict) -> dict:
+    """Every `*_token_id` field of a config.json that is set: what an export back to Hugging Face repeats."""
+    return {k: v for k, v in hf.items() if k.endswith("_token_id") and v is not None}
+
+
+def unknown_fields(hf: dict) -> list[str]:
+    """The fields that are neither mapped, required, refused nor metadata, less those the file accepts."""
+    accepted = hf.get(ACCEPT_KEY, [])
+    if not isinstance(accepted, list) or not all(isinstance(k, str) for k in accepted):
+        raise _refuse(ACCEPT_KEY, accepted, 'must be a list of field names, e.g. ["rope_foo"]')
+    known = set(MAPPED) | set(REQUIRED) | set(REFUSED)
+    return sorted(k for k in hf if k not in known and not is_metadata(k) and k not in accepted)
 
 
 def _refuse(field: str, value, why: str) -> ConfigError:
@@ -105,10 +150,15 @@ def model_from_hf(hf: dict, seq_length: int = 0) -> ModelConfig:
                           f"model_type {', '.join(ARCHITECTURES)} ({', '.join(ARCHITECTURES.values())})")
     if hf.get("architectures") not in (None, [ARCHITECTURES[model_type]]):
         raise _refuse("architectures", hf["architectures"], f"only {ARCHITECTURES[model_type]} converts")
-    unknown = sorted(set(hf) - set(MAPPED) - IRRELEVANT - set(REQUIRED))
+    for field, why in REFUSED.items():
+        if hf.get(field) is not None:
+            raise _refuse(field, hf[field], why)
+    unknown = unknown_fields(hf)
     if unknown:
-        raise ConfigError(f"config.json field(s) {', '.join(unknown)} are not implemented by Trilith's model; "
-                          f"converting would silently drop them")
+        listed = ", ".join(f'"{k}"' for k in unknown)
+        raise ConfigError(f"config.json field(s) {', '.join(unknown)} are unknown to Trilith and may change what "
+                          f"the model computes, which an import would silently ignore; if you have checked that "
+                          f"they do not, accept them in that config.json: \"{ACCEPT_KEY}\": [{listed}]")
     for field, wanted in REQUIRED.items():
         if hf.get(field, wanted) != wanted:
             raise _refuse(field, hf[field], f"Trilith implements only {field}={wanted!r}")

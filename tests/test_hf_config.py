@@ -1,6 +1,7 @@
-"""engine/hf_config.py: every field of transformers' Llama, Mistral and Qwen2 configs is mapped, known to be
-irrelevant or refused by name; both RoPE forms read, disagreements refused; continued pretraining from a
-Hugging Face directory refuses what does not fit, in one line."""
+"""engine/hf_config.py: every field of transformers' Llama, Mistral and Qwen2 configs (as transformers 4 and 5
+write them, from the hub or from a GGUF file) is mapped, metadata, or refused by name with the fix; token ids
+travel to the export; both RoPE forms read, disagreements refused; continued pretraining from a Hugging Face
+directory refuses what does not fit, in one line."""
 import json
 
 import pytest
@@ -9,24 +10,48 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, Qwen2Conf
 from engine.checkpoint_io import CheckpointError
 from engine.config import Config, ConfigError, ModelConfig
 from engine.hf_checkpoint import HFWeights, fill_model_from_hf
-from engine.hf_config import IRRELEVANT, MAPPED, REQUIRED, hf_config_dict, model_from_hf, v4_rope_fields
-from tests.hf_family_configs import LLAMA_3_2_1B, MISTRAL_7B, QWEN2_5_0_5B
-
-# Fields PretrainedConfig itself writes into every to_dict(), whatever the family.
-GENERIC = {"output_hidden_states", "return_dict", "dtype", "chunk_size_feed_forward", "is_encoder_decoder",
-           "id2label", "label2id", "problem_type", "_name_or_path", "transformers_version", "output_attentions",
-           "architectures", "model_type", "tie_word_embeddings"}
+from engine.hf_config import ACCEPT_KEY, hf_config_dict, model_from_hf, unknown_fields, v4_rope_fields
+from engine.model_source import ModelSource
+from tests.hf_family_configs import (GGUF_LLAMA_V4, GGUF_LLAMA_V5, LLAMA_3_2_1B, LLAMA_TO_DICT_V4, MISTRAL_7B,
+                                     QWEN2_5_0_5B)
+from tools.ckpt_convert import main as convert
 
 
 @pytest.mark.parametrize("cls", [LlamaConfig, MistralConfig, Qwen2Config])
 def test_every_field_of_the_transformers_config_classes_is_accounted_for(cls):
-    fields = set(cls().to_dict())
-    assert fields - set(MAPPED) - IRRELEVANT - set(REQUIRED) <= GENERIC
-    assert GENERIC - {"architectures", "model_type", "tie_word_embeddings"} <= IRRELEVANT
+    assert unknown_fields(cls().to_dict()) == []
+    model_from_hf(cls().to_dict())
+
+
+def test_configs_as_transformers_4_and_5_write_them_import_alike():
+    assert model_from_hf(LLAMA_TO_DICT_V4) == model_from_hf(LlamaConfig(**LLAMA_TO_DICT_V4).to_dict())
+    from_gguf = model_from_hf(GGUF_LLAMA_V5)
+    assert model_from_hf(GGUF_LLAMA_V4) == from_gguf
+    assert (from_gguf.vocab_size, from_gguf.ffn_hidden_size, from_gguf.num_kv_heads, from_gguf.rope_theta,
+            from_gguf.tie_embeddings) == (320, 96, 2, 50000.0, False)
+
+
+@pytest.mark.parametrize("config", [GGUF_LLAMA_V5, LLAMA_TO_DICT_V4], ids=["gguf-v5", "to_dict-v4"])
+def test_metadata_and_token_ids_are_accepted_unknown_fields_refused_by_name_with_the_fix(config):
+    model_from_hf({**config, "_commit_hash": "abc", "cls_token_id": 5, "mask_token_id": 6, "temperature": 0.7})
+    with pytest.raises(ConfigError, match=r"field\(s\) logit_scale, rope_foo are unknown to Trilith and may "
+                                          r"change what the model computes.*accept them in that config\.json: "
+                                          r'"trilith_accept_keys": \["logit_scale", "rope_foo"\]'):
+        model_from_hf({**config, "rope_foo": 2, "logit_scale": 0.5})
+    accepted = {**config, "rope_foo": 2, "logit_scale": 0.5, ACCEPT_KEY: ["rope_foo"]}
+    with pytest.raises(ConfigError, match=r"field\(s\) logit_scale are unknown"):
+        model_from_hf(accepted)
+    assert model_from_hf({**accepted, ACCEPT_KEY: ["rope_foo", "logit_scale"]}) == model_from_hf(config)
+    # accepting is for unknown fields only: one Trilith knows to change the arithmetic stays refused
+    with pytest.raises(ConfigError, match=r"hidden_act='gelu'"):
+        model_from_hf({**config, "hidden_act": "gelu", ACCEPT_KEY: ["hidden_act"]})
+    with pytest.raises(ConfigError, match=r"trilith_accept_keys='rope_foo': must be a list of field names"):
+        model_from_hf({**config, ACCEPT_KEY: "rope_foo"})
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("quantization_config", {"quant_method": "gptq"}, r"field\(s\) quantization_config are not implemented"),
+    ("quantization_config", {"quant_method": "gptq"}, r"quantization_config=.*: the weights are quantized"),
+    ("pruned_heads", {"0": [1]}, r"pruned_heads=\{'0': \[1\]\}: Trilith implements only pruned_heads=\{\}"),
     ("hidden_act", "gelu", r"hidden_act='gelu': Trilith implements only hidden_act='silu'"),
     ("mlp_bias", True, r"mlp_bias=True"),
     ("attention_bias", True, r"attention_bias=True: a Llama with attention_bias also biases o_proj"),
@@ -107,3 +132,55 @@ def test_continued_pretraining_from_a_directory_that_does_not_fit(tmp_path):
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match=r"has no model\.safetensors"):
         HFWeights(tmp_path, cfg.model)
+
+
+@pytest.mark.parametrize("config", [GGUF_LLAMA_V4, GGUF_LLAMA_V5], ids=["transformers4", "transformers5"])
+def test_a_llama_converted_from_gguf_loads_everywhere_and_its_token_ids_reach_the_export(tmp_path, config):
+    src = tmp_path / "hf"
+    LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if not k.startswith("_")})).save_pretrained(src)
+    (src / "config.json").write_text(json.dumps(config))  # as transformers wrote it from the GGUF file
+    source = ModelSource(src)  # tools/evaluate.py, tools/generate.py
+    assert source.model == model_from_hf(config)
+    source.close()
+    cfg = Config()
+    cfg.checkpoint.load = str(src)
+    fill_model_from_hf(cfg)  # checkpoint.load
+    assert cfg.model.vocab_size == 320
+    assert convert(["--load-dir", str(src), "--save-dir", str(tmp_path / "tri"), "--from", "hf"]) == 0
+    assert convert(["--load-dir", str(tmp_path / "tri"), "--save-dir", str(tmp_path / "back"), "--to", "hf"]) == 0
+    back = json.loads((tmp_path / "back" / "config.json").read_text())
+    ids = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
+    assert [back[k] for k in ids] == [1, 1, 2, 0]
+    generation = json.loads((tmp_path / "back" / "generation_config.json").read_text())
+    assert [generation[k] for k in ids[:3]] == [1, 1, 2]
+    assert LlamaConfig.from_pretrained(tmp_path / "back").unk_token_id == 0
+
+    (src / "config.json").write_text(json.dumps({**config, "attn_logit_softcapping": 50.0}))
+    fix = r'attn_logit_softcapping are unknown.*"trilith_accept_keys": \["attn_logit_softcapping"\]'
+    with pytest.raises(ConfigError, match=fix):
+        ModelSource(src)
+    with pytest.raises(ConfigError, match=fix):
+        fill_model_from_hf(cfg)
+    with pytest.raises(SystemExit, match=fix):
+        convert(["--load-dir", str(src), "--save-dir", str(tmp_path / "tri2"), "--from", "hf"])
+    (src / "config.json").write_text(json.dumps({**config, "attn_logit_softcapping": 50.0,
+                                                 ACCEPT_KEY: ["attn_logit_softcapping"]}))
+    ModelSource(src).close()
+
+
+def test_every_token_id_an_import_records_is_written_where_transformers_reads_it(tmp_path):
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=2)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
+    hf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    ids = {"bos_token_id": 5, "eos_token_id": [6, 7], "sep_token_id": 8, "decoder_start_token_id": 9,
+           "forced_eos_token_id": 7, "pad_token_id": None}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**hf, **ids}))
+    assert convert(["--load-dir", str(tmp_path / "hf"), "--save-dir", str(tmp_path / "tri"), "--from", "hf"]) == 0
+    assert convert(["--load-dir", str(tmp_path / "tri"), "--save-dir", str(tmp_path / "back"), "--to", "hf"]) == 0
+    back = json.loads((tmp_path / "back" / "config.json").read_text())
+    generation = json.loads((tmp_path / "back" / "generation_config.json").read_text())
+    kept = ("bos_token_id", "eos_token_id", "sep_token_id", "decoder_start_token_id", "pad_token_id")
+    assert [back[k] for k in kept] == [5, [6, 7], 8, 9, None]
+    assert (generation["eos_token_id"], generation["decoder_start_token_id"], generation["forced_eos_token_id"]) \
+        == ([6, 7], 9, 7)

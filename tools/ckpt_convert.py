@@ -33,7 +33,7 @@ from engine.checkpoint_manifest import (FORMAT, KEYS, MANIFEST, METADATA, VERSIO
                                         global_shape, local_from_global, merge_entries, open_verified, rank_file,
                                         tensor_entry)
 from engine.config import Config, ConfigError, ModelConfig, from_dict, to_dict, validate  # noqa: E402
-from engine.hf_config import hf_config_dict, model_from_hf, v4_rope_fields  # noqa: E402
+from engine.hf_config import hf_config_dict, model_from_hf, token_ids, v4_rope_fields  # noqa: E402
 from engine.model import CausalLM  # noqa: E402
 from parallel.tensor import TensorParallel  # noqa: E402
 from tools._hf_tokenizer import export_tokenizer  # noqa: E402
@@ -125,14 +125,15 @@ def retarget(cfg: Config, tp: int, pp: int) -> dict:
 
 # ---- Hugging Face ---------------------------------------------------------------------------------------
 def hf_config(model: ModelConfig, tokens: dict):
-    """The transformers config of the model's family (engine/hf_config.py), with the tokenizer's special ids."""
+    """The transformers config of the model's family (engine/hf_config.py), with the special ids: bos/eos/pad
+    always (null when unknown), any other `*_token_id` (unk, sep, ...) when the import recorded one."""
     from transformers import AutoConfig
     try:
         fields = hf_config_dict(model)
     except ConfigError as exc:
         raise SystemExit(f"ckpt_convert: {exc}")
-    return AutoConfig.for_model(**fields, bos_token_id=tokens.get("bos_token_id"),
-                                eos_token_id=tokens.get("eos_token_id"), pad_token_id=tokens.get("pad_token_id"))
+    return AutoConfig.for_model(**fields, **{"bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+                                             **tokens})
 
 
 def save_hf_config(config, model: ModelConfig, out: Path) -> None:
@@ -178,22 +179,22 @@ def save_hf_weights(tensors: dict[str, torch.Tensor], out: Path, max_bytes: int)
 
 
 def export_tokens(meta: dict, tokenizer: str, out: Path, model: ModelConfig) -> dict:
-    """bos/eos/pad ids for config.json. With a tokenizer: its files are written to `out` and its own roles used,
-    eos being data.eod_token_id when set (what training ended documents with); without one: the ids a
-    Hugging Face import recorded in the checkpoint's metadata."""
+    """The `*_token_id` fields for config.json: those a Hugging Face import recorded in the checkpoint's
+    metadata (unk, sep, ...), with bos/eos/pad from the tokenizer when there is one (its files are written to
+    `out`), and eos data.eod_token_id when set (what training ended documents with)."""
     eod = meta["config"]["data"].get("eod_token_id", -1)
+    recorded = dict(meta.get("special_tokens") or {})
     if not tokenizer:
-        tokens = dict(meta.get("special_tokens") or {})
-        return tokens | ({"eos_token_id": eod} if eod >= 0 else {})
+        return recorded | ({"eos_token_id": eod} if eod >= 0 else {})
     try:
         tokens = export_tokenizer(tokenizer, out, eod, model.max_position_embeddings or model.seq_length)
     except (OSError, ValueError) as exc:
         raise SystemExit(f"ckpt_convert: {exc}; pass --tokenizer FILE (or --tokenizer '' for none)")
     # An imported model may stop on several ids (Llama 3 Instruct: end_of_text, eom, eot); keep that list.
-    recorded = (meta.get("special_tokens") or {}).get("eos_token_id")
-    if eod < 0 and isinstance(recorded, list) and tokens["eos_token_id"] in recorded:
-        tokens["eos_token_id"] = recorded
-    return tokens
+    stops = recorded.get("eos_token_id")
+    if eod < 0 and isinstance(stops, list) and tokens["eos_token_id"] in stops:
+        tokens["eos_token_id"] = stops
+    return recorded | tokens
 
 
 def to_hf(args) -> None:
@@ -209,7 +210,10 @@ def to_hf(args) -> None:
     tensors = {n: reader.global_tensor(n, "master").to(DTYPES[args.dtype]) for n in reader.tensors}
     files = save_hf_weights(tensors, out, parse_size(args.max_shard_size))
     save_hf_config(config, model, out)
-    GenerationConfig.from_model_config(config).save_pretrained(out)
+    generation = GenerationConfig.from_model_config(config)
+    # transformers 5 keeps generation ids (forced_eos_token_id, ...) out of config.json: they go here
+    generation.update(**{k: v for k, v in tokens.items() if hasattr(generation, k)})
+    generation.save_pretrained(out)
     print(f"ckpt_convert: wrote {out} ({len(tensors)} tensors in {len(files)} file(s), step "
           f"{reader.metadata['step']})")
 
@@ -263,8 +267,9 @@ def from_hf(args) -> None:
     if not (src / "config.json").is_file():
         raise SystemExit(f"ckpt_convert: {src} has no config.json; --from hf needs a Hugging Face model directory")
     try:
-        model = model_from_hf(json.loads((src / "config.json").read_text()), args.seq_length)
-    except ConfigError as exc:
+        hf = json.loads((src / "config.json").read_text())
+        model = model_from_hf(hf, args.seq_length)
+    except ValueError as exc:  # ConfigError, or not JSON
         raise SystemExit(f"ckpt_convert: {src / 'config.json'}: {exc}")
     weights = {k: v for k, v in load_hf_weights(src).items() if not k.endswith("rotary_emb.inv_freq")}
     if model.tie_embeddings:
@@ -281,16 +286,16 @@ def from_hf(args) -> None:
             "lr_schedule": {"step": 0}, "layout": retarget(cfg, args.tensor, args.pipeline),
             "config": to_dict(cfg), "source": str(src.resolve())}
     meta["config"]["parallel"].update(tensor=args.tensor, pipeline=args.pipeline)
-    record_tokens(meta, src)
+    record_tokens(meta, hf, src)
     path = write_trilith(Path(args.save_dir), model, lambda n, k: weights[n].float(), ("master",), meta,
                          args.tensor, args.pipeline)
     print(f"ckpt_convert: wrote {path} (TP={args.tensor}, PP={args.pipeline}, weights only: optimizer starts fresh)")
 
 
-def record_tokens(meta: dict, src: Path) -> None:
-    """Keep a Hugging Face model's special ids (and its tokenizer, as data.tokenizer) for the export back."""
-    hf = json.loads((src / "config.json").read_text())
-    meta["special_tokens"] = {k: hf.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+def record_tokens(meta: dict, hf: dict, src: Path) -> None:
+    """Keep a Hugging Face model's special ids, every `*_token_id` of its config.json (and its tokenizer, as
+    data.tokenizer), for the export back."""
+    meta["special_tokens"] = token_ids(hf)
     tokenizer = next((src / n for n in ("tokenizer.json", "tokenizer.model") if (src / n).is_file()), None)
     if tokenizer is not None:
         meta["config"]["data"]["tokenizer"] = str(tokenizer.resolve())
