@@ -2,7 +2,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# CPU build by default; on a GPU machine: make TORCH_SPEC="torch==<version>" (a CUDA build)
+# The build pip picks depends on its index: the public PyPI serves CUDA builds on Linux x86_64; for the CPU-only
+# build, install torch==2.13.0 from https://download.pytorch.org/whl/cpu into $(VENV) first (README.md).
 TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: venv demo test bench clean

@@ -11,7 +11,7 @@ setup(
     packages=find_packages(include=["engine", "engine.*", "parallel", "parallel.*", "kernels", "kernels.*",
                                     "data", "data.*"]),
     python_requires=">=3.10",
-    # torch is pinned by the Makefile for CPU installs (a bare requirement would pull a CUDA build).
+    # torch's exact version is pinned by the Makefile (TORCH_SPEC); which build pip installs depends on its index.
     install_requires=["torch>=2.4", "numpy", "pyyaml", "safetensors", "tokenizers", "sentencepiece", "pyarrow",
                       "zstandard", "tqdm"],
     extras_require={

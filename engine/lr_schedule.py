@@ -1,7 +1,7 @@
 """Learning-rate schedules: linear warmup, then cosine / linear / constant / warmup-stable-decay / two-phase.
 
-two_phase is a 7B field report's schedule: cosine for the first (1 - decay_fraction) of the post-warmup steps, then
-a straight line to min_lr_ratio × peak (0.8 / 0.2 and 15% of peak in that report).
+two_phase: cosine for the first (1 - decay_fraction) of the post-warmup steps, then a straight line to
+min_lr_ratio × peak (e.g. 0.8 / 0.2 and 15% of peak).
 """
 import math
 

@@ -4,7 +4,9 @@
 
 Same launcher, parallel layout, precision, optimizer, schedule shape and data (a slice of it: the first
 steps × global-batch samples) as the real run; only the model is shrunk (head dimension 16, the fewest
-layers and heads the layout allows) and the step count cut. Checks, reported as PASS/FAIL lines on rank 0:
+layers and heads the layout allows) and the step count cut. Run on fewer ranks than the real run (a 64-GPU
+recipe with --nproc 8), settings sized for its world are scaled to the pre-flight's or turned off, each
+with a line saying so (scale_to_world). Checks, reported as PASS/FAIL lines on rank 0:
 finite loss and gradient norm, gradient norm neither vanishing nor exploding relative to the first step,
 loss falling, and memory (max over ranks) not growing from the early steps to the last ones. A run that
 switches recomputation and micro batch mid-run (`train.recompute_switch_step`) switches half-way through
@@ -25,9 +27,11 @@ import torch.distributed as dist
 
 from engine.config import Config, ConfigError, data_parallel_size, load_config, validate
 from engine.memory_estimate import device_memory, report
+from engine.rank_sniff import sniff
 from engine.stop import final_failure
 from engine.train import Trainer, configure_logging, log, setup_run_dir
 from parallel import comm
+from parallel.device import DeviceUnavailable
 from parallel.distributed import DistEnv, exit_now, init_distributed, shutdown, world_group
 
 STEPS = 100
@@ -36,8 +40,45 @@ EXPLODING_RATIO = 100.0  # ... or above this multiple of it
 MEMORY_SLACK_MB, MEMORY_SLACK_FRACTION = 32.0, 0.10  # allowed growth from the early to the late steps
 
 
+def scale_to_world(cfg: Config, world_size: int) -> list[str]:
+    """Scale in place the settings sized for the real run's world to the one of `world_size` ranks, or turn
+    them off: the global batch (a few micro-batches per rank, as the pre-flight's slice of data), the groups
+    of data-parallel ranks, the batch ramp. One line for each setting changed that the user set."""
+    p, t, notes = cfg.parallel, cfg.train, []
+    dp = data_parallel_size(cfg, world_size)
+    for key in ("hierarchical_node_size", "hsdp_group_size"):
+        size = getattr(p, key)
+        if size and dp % size:
+            scaled = math.gcd(size, dp)  # the largest group that divides both: the same blocks, fewer ranks
+            scaled = scaled if scaled > 1 else 0
+            setattr(p, key, scaled)
+            notes.append(f"parallel.{key}={size} → {scaled or '0 (off)'}: the pre-flight's data-parallel size "
+                         f"is {dp}")
+    real_batch = t.global_batch_size
+    micro = math.lcm(t.micro_batch_size, t.micro_batch_size_after_switch or 1)
+    t.global_batch_size = micro * dp * (p.pipeline if p.pipeline > 1 else 2)
+    if t.batch_size_ramp:
+        notes.append(f"train.batch_size_ramp={t.batch_size_ramp} → off: it ramps to the real run's global batch "
+                     f"of {real_batch}, the pre-flight's is {t.global_batch_size}")
+        t.batch_size_ramp = []
+    return notes
+
+
+def preflight_config(cfg: Config, world_size: int, steps: int) -> tuple[Config, Config, list[str]]:
+    """The real run's configuration with its world-sized settings scaled to `world_size` ranks
+    (scale_to_world), the shrunk one the pre-flight trains, both validated at that world size, and the lines
+    saying what scale_to_world changed."""
+    real = copy.deepcopy(cfg)
+    notes = scale_to_world(real, world_size)
+    validate(real, world_size)
+    small = shrink(cfg, world_size, steps)
+    validate(small, world_size)
+    return real, small, notes
+
+
 def shrink(cfg: Config, world_size: int, steps: int) -> Config:
-    """The run's config with a tiny model of the same family and layout, trained for `steps` steps."""
+    """The run's config with a tiny model of the same family and layout, trained for `steps` steps on
+    `world_size` ranks."""
     small = copy.deepcopy(cfg)
     m, p, t = small.model, small.parallel, small.train
     heads = p.tensor * max(1, 4 // p.tensor)
@@ -48,11 +89,9 @@ def shrink(cfg: Config, world_size: int, steps: int) -> Config:
     p.stage_layers = []  # the user's split was for the full depth; the shrunk model splits evenly
     seq_cap = max(p.tensor, 64 // p.tensor * p.tensor)
     m.seq_length = min(m.seq_length, seq_cap) if m.seq_length % p.tensor == 0 else seq_cap
-    dp = data_parallel_size(small, world_size)
     t.micro_batch_size = min(t.micro_batch_size, 4)
     t.micro_batch_size_after_switch = min(t.micro_batch_size_after_switch, 4)
-    micro = math.lcm(t.micro_batch_size, t.micro_batch_size_after_switch or 1)
-    t.global_batch_size = micro * dp * (p.pipeline if p.pipeline > 1 else 2)
+    scale_to_world(small, world_size)
     if t.recompute_switch_step > 0:
         t.recompute_switch_step = max(1, steps // 2)
     t.steps, t.log_interval = steps, max(1, steps // 10)
@@ -103,17 +142,19 @@ def verdicts(history: list[dict], growth_mb: float, base_mb: float) -> list[tupl
 
 
 def preflight(cfg: Config, env: DistEnv, steps: int = STEPS) -> bool:
-    small = shrink(cfg, env.world_size, steps)
-    validate(small, env.world_size)
+    real, small, notes = preflight_config(cfg, env.world_size, steps)
     run_dir = setup_run_dir(small, env.rank)
     configure_logging(run_dir, env.rank)
-    log.info(f"the real run's {report(cfg, env.world_size, device_memory(env.device))}")
+    for note in notes:
+        log.info(f"pre-flight: {note}")
+    log.info(f"the real run's {report(real, env.world_size, device_memory(env.device))}")
     m = small.model
     log.info(f"pre-flight: {env.world_size} ranks, TP {small.parallel.tensor} × PP {small.parallel.pipeline}, "
              f"model {m.num_layers}×{m.hidden_size} (heads {m.num_attention_heads}/{m.num_kv_heads}), seq "
              f"{m.seq_length}, global batch {small.train.global_batch_size}, {steps} steps, {small.train.precision}"
              + (f", recompute switch at step {small.train.recompute_switch_step}"
                 if small.train.recompute_switch_step > 0 else ""))
+    sniffed = sniff(env.device)  # engine/rank_sniff.py: the same matmul and all-reduce timed on every rank
     trainer = Trainer(small, env)
     history, memory = [], []
     try:
@@ -129,7 +170,7 @@ def preflight(cfg: Config, env: DistEnv, steps: int = STEPS) -> bool:
         memory = memory[small.train.recompute_switch_step:]
     numbers = torch.tensor([memory_growth(memory), memory[0]], dtype=torch.float64, device=env.device)
     comm.all_reduce(numbers, world_group(), op=dist.ReduceOp.MAX)  # the worst rank decides
-    checks = verdicts(history, numbers[0].item(), numbers[1].item())
+    checks = verdicts(history, numbers[0].item(), numbers[1].item()) + sniffed
     passed = all(ok for ok, _ in checks)
     log.info("pre-flight report:\n" + "\n".join(f"  {'PASS' if ok else 'FAIL'}  {text}" for ok, text in checks)
              + f"\nPRE-FLIGHT {'PASSED' if passed else 'FAILED'}")
@@ -146,11 +187,10 @@ def main(argv=None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         env = init_distributed(cfg.train.device, cfg.parallel.backend, cfg.parallel.timeout_minutes)
-        validate(cfg, env.world_size)  # the real run's configuration must be valid too
         passed = preflight(cfg, env, args.steps)
         clean = True
         return 0 if passed else final_failure(1)
-    except ConfigError as exc:
+    except (ConfigError, DeviceUnavailable) as exc:
         print(f"trilith: configuration error: {exc}", file=sys.stderr)
         return final_failure(2)
     finally:

@@ -1,4 +1,4 @@
-"""Loss spikes, and rolling back past the data that caused them (a 7B field report's recovery recipe).
+"""Loss spikes, and rolling back past the data that caused them (as PaLM's training did, Chowdhery et al., 2022, §5.1).
 
 A step's loss is a *spike* when it lies more than `run.spike_zscore` standard deviations above the mean of
 the last `run.spike_window` sound steps (judged once that many exist; spikes and non-finite steps never enter

@@ -1,8 +1,10 @@
 """What launch/run_pretrain.sh checks before it starts any rank: the configuration loads and validates for
-the world size, and (--lock) no live training holds run.dir. A failure is one line and exit status 2 (1 for
-an unreadable Hugging Face checkpoint.load), as from a rank, without torchrun's report of a failed child.
+the world size (--preflight: the pre-flight's scaled-down one, engine/preflight.py), CUDA is usable if GPUs
+were asked for (parallel/device.py), and (--lock) no live training holds run.dir. A failure is one line and
+exit status 2 (1 for an unreadable Hugging Face checkpoint.load), as from a rank, without torchrun's report
+of a failed child.
 
-    python launch/check.py --world-size 8 [--lock] --config FILE [section.key=value ...]
+    python launch/check.py --world-size 8 [--lock | --preflight [--steps N]] --config FILE [section.key=value ...]
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import sys
 
 from engine.config import ConfigError, load_config, validate
 from engine.run_lock import check_free
+from parallel.device import DeviceUnavailable, check_requested_device
 
 
 def fill_model_from_checkpoint(cfg) -> bool:
@@ -31,17 +34,23 @@ def main(argv=None) -> int:
     parser.add_argument("--world-size", type=int, required=True, help="ranks the launch will start")
     parser.add_argument("--lock", action="store_true", help="also refuse a run.dir that a live training holds")
     parser.add_argument("--config", required=True, help="YAML run configuration")
-    parser.add_argument("--steps", help="engine.preflight's option, checked there")
+    parser.add_argument("--preflight", action="store_true", help="check the pre-flight's configuration")
+    parser.add_argument("--steps", type=int, help="the pre-flight's steps (engine.preflight's option)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
         if cfg.checkpoint.load and not fill_model_from_checkpoint(cfg):
             return 1
-        validate(cfg, args.world_size)
+        if args.preflight:
+            from engine.preflight import STEPS, preflight_config  # imports torch: only for a pre-flight
+            preflight_config(cfg, args.world_size, args.steps or STEPS)
+        else:
+            validate(cfg, args.world_size)
+        check_requested_device(cfg.train.device)
         if args.lock:
             check_free(cfg.run.dir)
-    except ConfigError as exc:
+    except (ConfigError, DeviceUnavailable) as exc:
         print(f"trilith: configuration error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -15,11 +15,13 @@
 # anything else: failure.
 #
 # SLURM defaults: edit, or override on the sbatch command line (sbatch --nodes=4 ...).
+# One rank per task, one task per GPU. Only --ntasks-per-node is set here: sbatch --nodes=N gives N × 8 ranks,
+# --ntasks-per-node=K K per node, sbatch -n M M ranks on as many nodes as they need. A --ntasks here would
+# win over a command line's --nodes × --ntasks-per-node, and a --nodes would refuse an -n that needs more.
 #SBATCH --job-name=trilith
-#SBATCH --nodes=1
-#SBATCH --ntasks=8                   # one rank per task (per GPU); multi-node: --nodes=N --ntasks-per-node=8
-##SBATCH --gpus-per-node=8        # GPU clusters: remove one # (one rank per GPU)
-#SBATCH --cpus-per-task=8
+#SBATCH --ntasks-per-node=8
+##SBATCH --gpus-per-node=8        # GPU clusters: remove one # (each rank picks its GPU by local rank)
+#SBATCH --cpus-per-task=8            # per rank: data-loading threads and OMP_NUM_THREADS; × tasks ≤ cores per node
 #SBATCH --time=24:00:00
 #SBATCH --signal=USR1@180
 #SBATCH --requeue

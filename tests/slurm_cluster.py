@@ -8,8 +8,9 @@
 installed. The first node is this machine's real host name; a second node is a second slurmd (its own port,
 spool and log) named `localhost`, another name of this machine that every rank can resolve, so that a job
 spans two SLURM nodes as on a real cluster: one srun task set per node, SLURM_NODEID 0 and 1, the
-rendezvous host taken from the node list. Each node declares the machine's CPU count; jobs run more tasks
-than cores with `--overcommit`.
+rendezvous host taken from the node list. Each node declares at least 8 CPUs, as a GPU node has for its 8
+ranks, so that run_pretrain.sh's `#SBATCH --ntasks-per-node=8` fits (slurmd accepts more than the machine has
+with `SlurmdParameters=config_overrides`); jobs run more tasks than cores with `--overcommit`.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import time
 from pathlib import Path
 
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
+NODE_CPUS = 8  # declared per node at least: run_pretrain.sh's 8 tasks per node need 8 CPUs with -c 1
 BINARIES = ("slurmctld", "slurmd", "munged", "sbatch", "scontrol", "squeue", "scancel", "sacct")
 
 
@@ -75,6 +77,7 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 ReturnToService=2
+SlurmdParameters=config_overrides
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool-%n
 SlurmctldPidFile={root}/slurmctld.pid
@@ -107,7 +110,8 @@ class SlurmCluster:
         ensure_installed()
         for d in ("state", "munge"):
             (self.root / d).mkdir(parents=True, exist_ok=True)
-        node_lines = "\n".join(f"NodeName={n} CPUs={os.cpu_count()} Port={_free_port()} State=UNKNOWN" for n in self.nodes)
+        cpus = max(os.cpu_count() or 1, NODE_CPUS)
+        node_lines = "\n".join(f"NodeName={n} CPUs={cpus} Port={_free_port()} State=UNKNOWN" for n in self.nodes)
         self.conf.write_text(SLURM_CONF.format(host=self.host, root=self.root, ctld_port=_free_port(),
                                                slurmd_port=_free_port(), node_lines=node_lines,
                                                node_names=",".join(self.nodes)))

@@ -1,9 +1,13 @@
 """The documentation stays true: the configuration reference is the generated one, every relative link in
-README.md and docs/ points at a file that exists, every code path and `Class.member` they name exists, and
-README stays an entry page."""
+README.md and docs/ points at a file that exists, every code path and `Class.member` they name exists,
+README stays an entry page, its test count is the suite's, and the memory estimate docs/memory.md shows is
+what the tool prints today."""
 import ast
 import functools
 import re
+import shlex
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -172,3 +176,29 @@ def test_the_code_check_sees_a_renamed_function(tmp_path):
     assert missing_code(page, code_index()) == ["engine/train.py:no_such_function", "engine/nowhere.py",
                                                 "engine/train.py:Trainer.gone", "Trainer.no_such_method",
                                                 "NoSuchClass.step"]
+
+
+def test_readme_test_count_is_the_suites():
+    """The number README gives is what `pytest --collect-only` collects (about 8 s on 2 cores)."""
+    stated = re.findall(r"([\d,]+) tests\b", (ROOT / "README.md").read_text())
+    assert len(stated) == 1, f"README.md should state the test count once, as 'N tests'; found {stated}"
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "tests"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    collected = re.search(r"^(\d+) tests? collected", done.stdout, flags=re.M)
+    assert collected, f"pytest --collect-only failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
+    assert int(stated[0].replace(",", "")) == int(collected.group(1)), \
+        f"README.md says {stated[0]} tests, the suite collects {collected.group(1)}: update README.md"
+
+
+MEMORY_EXAMPLE = re.compile(r"```bash\n(python tools/estimate_memory\.py [^\n]+)\n```\n\nprints[^\n]*\n\n```\n(.*?)```", re.S)
+
+
+def test_memory_example_is_what_the_tool_prints():
+    """docs/memory.md's example output is generated: the command above it, run now, prints exactly it."""
+    example = MEMORY_EXAMPLE.search((ROOT / "docs" / "memory.md").read_text())
+    assert example, "docs/memory.md lost its example: a bash block with the command, 'prints', the output block"
+    command, shown = example.groups()
+    done = subprocess.run([sys.executable, *shlex.split(command)[1:]], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == shown, f"docs/memory.md's example is stale; paste what `{command}` prints now:\n{done.stdout}"

@@ -206,7 +206,7 @@ def test_preflight_passes_a_sound_config_and_fails_an_exploding_one(tmp_path):
                          f"run.dir={tmp_path / 'good'}", "--steps", "40"], cwd=ROOT, env=ENV, capture_output=True,
                         text=True, timeout=300)
     assert ok.returncode == 0 and "PRE-FLIGHT PASSED" in ok.stdout, ok.stdout[-3000:] + ok.stderr[-3000:]
-    assert ok.stdout.count("  PASS  ") == 5 and "2 ranks" in ok.stdout
+    assert ok.stdout.count("  PASS  ") == 7 and "2 ranks" in ok.stdout and "PASS  matmul alike on 2 ranks" in ok.stdout
     bad = subprocess.run(["bash", "launch/run_pretrain.sh", "--preflight", "--config", TINY, "--steps", "40",
                           f"run.dir={tmp_path / 'bad'}", "optim.lr=30", "optim.clip_grad=0"], cwd=ROOT, env=ENV,
                          capture_output=True, text=True, timeout=300)

@@ -19,9 +19,10 @@ from tests.slurm_cluster import SlurmCluster, SlurmUnavailable
 
 BIN = Path(sys.executable).parent
 ENV = {"TRILITH_PYTHON": sys.executable, "PATH": f"{BIN}:/usr/bin:/bin:/usr/sbin", "OMP_NUM_THREADS": "1"}
-# Four ranks, two per node, on this machine's cores: override the script's GPU-node #SBATCH defaults
-# (its --open-mode=append stays: a requeued job's output keeps the first attempt's lines).
-FOUR_RANKS = ["-N", "2", "-n", "4", "--ntasks-per-node=2", "-c", "1", "--overcommit"]
+# Four ranks, two per node, as the README and docs/launching.md write it (--nodes × --ntasks-per-node, no -n:
+# a --ntasks among the script's #SBATCH defaults would override the product), one CPU each on this machine's
+# cores (the script's --open-mode=append stays: a requeued job's output keeps the first attempt's lines).
+FOUR_RANKS = ["--nodes=2", "--ntasks-per-node=2", "-c", "1", "--overcommit"]
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +65,8 @@ def wait_for_steps(cluster, job: str, run_dir: Path, out: Path, steps: int) -> P
 
 
 def test_sbatch_on_two_nodes_trains_and_names_a_split_tensor_group(cluster, tmp_path):
-    """TP 2 × DP 2 over two nodes with SLURM's cyclic task distribution: ranks 0 and 1 (a TP pair) land on
-    different nodes. The run says where every rank is, warns about the split group, and still follows the
+    """sbatch --nodes=2 --ntasks-per-node=2: four ranks, TP 2 × DP 2 over two nodes with SLURM's cyclic task
+    distribution: ranks 0 and 1 (a TP pair) land on different nodes. The run says where every rank is, warns about the split group, and still follows the
     single-process loss curve."""
     out = tmp_path / "job.out"
     job = cluster.sbatch([*FOUR_RANKS, "--distribution=cyclic", f"--output={out}", "launch/run_pretrain.sh",

@@ -1,7 +1,10 @@
-"""The GPU recipes in launch/configs: each is valid at the world size it is written for, and a 7B field
-report's recipe (TP 2 + SP × PP 2 × ZeRO-1 DP with hierarchical reduction, two-phase schedule, the mid-run recompute
+"""The recipes in launch/configs: each GPU recipe is valid at the world size it is written for and asks for
+CUDA; every recipe's pre-flight configuration is valid on 8 ranks as documented (launch/run_pretrain.sh
+--preflight --nproc 8), settings sized for a larger world scaled by the pre-flight; and the 7B
+recipe (TP 2 + SP × PP 2 × ZeRO-1 DP with hierarchical reduction, two-phase schedule, the mid-run recompute
 switch, document masking, weighted datasets, per-dataset validation) passes its pre-flight on 8 CPU ranks
-with the model shrunk by the pre-flight itself, the vocabulary cut to 4096 and compilation off."""
+with the model shrunk by the pre-flight itself, and on the CPU: train.device=cpu, the vocabulary cut to 4096
+and compilation off (minutes per rank on a CPU)."""
 import subprocess
 import sys
 from pathlib import Path
@@ -11,19 +14,53 @@ import pytest
 
 from data.indexed import IndexedDatasetBuilder
 from engine.config import data_parallel_size, load_config, validate
+from engine.preflight import preflight_config
 from tests.helpers import ROOT
 
 BIN = Path(sys.executable).parent
 ENV = {"TRILITH_PYTHON": sys.executable, "PATH": f"{BIN}:/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
 
 
-@pytest.mark.parametrize("name, world, dp, accumulation", [("llama3_1b", 8, 8, 16), ("llama_7b_seed", 64, 16, 32)])
+RECIPES = sorted(p.name for p in (ROOT / "launch" / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name, world, dp, accumulation", [("llama3_1b", 8, 8, 16), ("llama_7b_64gpu", 64, 16, 32)])
 def test_recipe_is_valid_at_its_world_size(name, world, dp, accumulation):
     cfg = load_config(ROOT / "launch" / "configs" / f"{name}.yaml", [])
     validate(cfg, world)
+    assert cfg.train.device == "cuda"  # no silent fallback to the CPU on a cluster
     assert data_parallel_size(cfg, world) == dp
     assert cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp) == accumulation
-    assert cfg.train.global_batch_size * cfg.model.seq_length == 512 * 4096  # the field report's 2M-token batch
+    assert cfg.train.global_batch_size * cfg.model.seq_length == 512 * 4096  # 2M tokens per step
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_every_recipes_preflight_passes_the_launch_check_on_eight_ranks(name):
+    """What `launch/run_pretrain.sh --preflight --nproc 8 --config RECIPE` checks before any rank starts (the
+    data paths are only opened by the ranks). A GPU recipe runs here with train.device=cpu, the documented
+    way to train on the CPU on purpose."""
+    recipe = f"launch/configs/{name}"
+    device = ["train.device=cpu"] if load_config(ROOT / recipe, []).train.device == "cuda" else []
+    done = subprocess.run([sys.executable, "launch/check.py", "--world-size", "8", "--preflight", "--config", recipe,
+                           *device], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_preflight_scales_settings_sized_for_a_larger_world():
+    seven_b = load_config(ROOT / "launch" / "configs" / "llama_7b_64gpu.yaml", [])
+    real, small, notes = preflight_config(seven_b, 8, 40)
+    assert real.parallel.hierarchical_node_size == small.parallel.hierarchical_node_size == 2
+    assert notes == ["parallel.hierarchical_node_size=4 → 2: the pre-flight's data-parallel size is 2"]
+    assert seven_b.parallel.hierarchical_node_size == 4  # the real run's configuration is left as it was
+    hsdp = load_config(ROOT / "launch" / "configs" / "tiny.yaml", ["parallel.zero_stage=1", "parallel.hsdp_group_size=3",
+                                                                   "train.global_batch_size=16", "train.batch_size_ramp=[4,4,64]"])
+    real, small, notes = preflight_config(hsdp, 2, 10)
+    assert small.parallel.hsdp_group_size == 0 and not small.train.batch_size_ramp
+    assert notes == ["parallel.hsdp_group_size=3 → 0 (off): the pre-flight's data-parallel size is 2",
+                     "train.batch_size_ramp=[4, 4, 64] → off: it ramps to the real run's global batch of 16, the "
+                     "pre-flight's is 8"]
+    fits = load_config(ROOT / "launch" / "configs" / "tiny.yaml", ["parallel.zero_stage=1", "parallel.hsdp_group_size=2"])
+    assert preflight_config(fits, 4, 10)[2] == [] and preflight_config(fits, 4, 10)[1].parallel.hsdp_group_size == 2
 
 
 def write_documents(prefix: Path, seed: int) -> None:
@@ -36,18 +73,19 @@ def write_documents(prefix: Path, seed: int) -> None:
     builder.finalize()
 
 
-def test_seed_recipe_preflight_passes_on_eight_cpu_ranks(tmp_path):
+def test_7b_recipe_preflight_passes_on_eight_cpu_ranks(tmp_path):
     paths = []
     for i, (weight, domain) in enumerate((("0.55", "web"), ("0.25", "papers"), ("0.12", "code"), ("0.08", "domain"))):
         write_documents(tmp_path / domain, seed=i)
         paths += [weight, str(tmp_path / domain)]
     done = subprocess.run(
         ["bash", "launch/run_pretrain.sh", "--preflight", "--steps", "40", "--nproc", "8", "--config",
-         "launch/configs/llama_7b_seed.yaml", f"data.paths=[{','.join(paths)}]", "data.tokenizer=",
-         "data.eod_token_id=0", "model.vocab_size=4096", "train.compile=false", "parallel.hierarchical_node_size=2",
+         "launch/configs/llama_7b_64gpu.yaml", f"data.paths=[{','.join(paths)}]", "data.tokenizer=",
+         "data.eod_token_id=0", "train.device=cpu", "model.vocab_size=4096", "train.compile=false",
          f"run.dir={tmp_path / 'run'}"],
         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     out = done.stdout + done.stderr
     assert done.returncode == 0 and "PRE-FLIGHT PASSED" in out, out[-4000:]
     assert "8 ranks, TP 2 × PP 2" in out and "bf16, recompute switch at step 20" in out
+    assert "pre-flight: parallel.hierarchical_node_size=4 → 2: the pre-flight's data-parallel size is 2" in out
     assert "PASS  memory steady" in out and "PASS  loss falls" in out

@@ -1,13 +1,15 @@
 # Sourced by launch/run_pretrain.sh: the stop file the ranks write, the pre-start check, and the one loop that
-# starts the ranks again after a failure (--max-restarts). Uses ROOT, PY, MODULE, NODE_RANK, ARGS, MAX_RESTARTS.
+# starts the ranks again after a failure (--max-restarts). Uses ROOT, PY, MODULE, MODE, NODE_RANK, ARGS,
+# MAX_RESTARTS.
 
-# Before any rank starts: the configuration, for the world size, and (training, on the node of rank 0,
-# which takes the lock) that no live run holds run.dir. A failure is launch/check.py's one line and status
-# 2, not a line per rank and torchrun's report of a failed child.
+# Before any rank starts: the configuration, for the world size (a pre-flight's, scaled down), CUDA where GPUs
+# were asked for, and (training, on the node of rank 0, which takes the lock) that no live run holds run.dir.
+# A failure is launch/check.py's one line and status 2, not a line per rank and torchrun's report of a failed
+# child.
 check_launch() {  # check_launch WORLD_SIZE
   local lock=()
   [[ "$MODULE" == engine.train && "$NODE_RANK" -eq 0 ]] && lock=(--lock)
-  "$PY" "$ROOT/launch/check.py" --world-size "$1" "${lock[@]}" "${ARGS[@]}" || exit "$?"
+  "$PY" "$ROOT/launch/check.py" --world-size "$1" "${lock[@]}" "${MODE[@]}" "${ARGS[@]}" || exit "$?"
 }
 
 # The ranks' stop file (engine/stop.py): a code on the first line, after a GPU-health stop a second line
