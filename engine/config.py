@@ -97,7 +97,10 @@ class ParallelConfig:
     bucket_mb: float = 25.0  # zero_stage 0: size of each gradient all-reduce bucket (MB)
     embedding_row_exchange: bool = True  # zero_stage 0: send only the input-embedding rows the step read,
         # when that moves fewer bytes than all-reducing the table (parallel/embedding_rows.py; untied only)
-    unit_process_groups: bool = False  # one DP communicator per sharding unit (zero_stage >= 1)
+    unit_process_groups: bool = False  # zero_stage >= 1: the units' collectives on their own DP communicators,
+        # so one unit's reduce-scatter does not queue behind another's gather
+    unit_group_count: int = 4  # with unit_process_groups: that many DP communicators, shared by the units
+        # round-robin (each is a real NCCL communicator: memory and start-up time per rank)
     zero3_keep_last_gathered: bool = True  # zero_stage 3: the unit run last in forward (final norm + LM head)
         # stays gathered until its backward instead of being freed and gathered again (pipeline: +1 unit per chunk)
     zero3_embedding_rows: bool = True  # zero_stage 3: look the input embedding's rows up from the shards and send
@@ -235,7 +238,7 @@ class RunConfig:
     timing_interval: int = 100  # steps between gathers of every rank's step time split (data wait, compute,
         # communication wait, optimizer) into that step's record, naming stragglers (engine/stragglers.py); 0 = off
     straggler_threshold: float = 1.2  # a rank busy (step less communication wait) longer than this × the median
-        # over ranks is logged with its host as a straggler
+        # of the ranks doing the same work, or × its own recent median, is logged with its host as a straggler
 
 
 @dataclass

@@ -48,6 +48,7 @@ RANGES = {
     ("parallel", "zero_stage"): Interval(0, 3),
     ("parallel", "timeout_minutes"): Interval(0, 10**6, open_low=True),  # ~2 years; far beyond, timedelta overflows
     ("parallel", "bucket_mb"): POSITIVE,
+    ("parallel", "unit_group_count"): AT_LEAST_ONE,
     **{("train", k): AT_LEAST_ONE for k in ("micro_batch_size", "global_batch_size", "steps", "log_interval",
                                              "eval_iters")},
     ("train", "seed"): Interval(0, 2**32 - 1),

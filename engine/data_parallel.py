@@ -26,7 +26,7 @@ def build_data_parallel(cfg: Config, topo, tp, chunks: list, named_params: list,
                           tokens)
         return ddp, MixedPrecisionAdamW(named_params, cfg.optim, topo, cfg.train.precision, ddp)
     hsdp = topo.build_hierarchical_dp(p.hsdp_group_size) if p.hsdp_group_size else None
-    unit_groups = topo.build_unit_groups(max_units(cfg)) if p.unit_process_groups else None
+    unit_groups = topo.build_unit_groups(max_units(cfg), p.unit_group_count) if p.unit_process_groups else None
     # the most tokens a rank's micro-batch holds (before and after a micro-batch switch)
     lookup_tokens = max(cfg.train.micro_batch_size, cfg.train.micro_batch_size_after_switch) * \
         cfg.model.seq_length if p.zero3_embedding_rows else 0

@@ -1,7 +1,7 @@
-"""Training health beyond the loss curve (a 7B field report's monitoring list).
+"""Training health beyond the loss curve.
 
-  - gradient-norm alarm: a warning when the global norm exceeds `run.grad_norm_alarm` (the report: healthy
-    0.8–1.2, alarm above 2);
+  - gradient-norm alarm: a warning when the global norm exceeds `run.grad_norm_alarm` (default 2, twice the
+    default clipping threshold);
   - non-finite losses traced to their samples: when a micro-batch's loss (or, outside fp16's loss
     scaling, the gradient norm) is NaN/Inf, the step is skipped and rank 0 writes
     `run.dir/nonfinite/step_00000012.json` (the step, 8 digits) naming the global sample indices, their
@@ -10,12 +10,15 @@
     `run.max_nonfinite_steps` such steps in a row stop the run (it is not learning any more);
   - attention entropy per layer (every `run.monitor_interval` steps): a no-gradient probe forward of the
     step's first micro-batch, averaged over heads, queries, TP/PP/DP ranks, with a warning outside
-    [`run.attention_entropy_min`, `run.attention_entropy_max`] (the report: healthy about 2–5 nats);
+    [`run.attention_entropy_min`, `run.attention_entropy_max`] (a fall toward 0 nats is attention entropy
+    collapse: Zhai et al., 2023);
   - per-head gradient-variance ratio per layer (same interval): the variance of each query head's slice of
     the reduced q_proj gradient, max over min within the layer, with a warning above
-    `run.head_grad_variance_alarm` (the report: about 1 when heads learn evenly; a head 5× off has failed);
+    `run.head_grad_variance_alarm` (about 1 when heads learn evenly; the default 5 is a rule of thumb);
   - GPU memory fragmentation, 1 − peak allocated / peak reserved over the step: above
-    `run.max_memory_fragmentation` the caching allocator's free blocks are released (`empty_cache`).
+    `run.max_memory_fragmentation` the caching allocator's free blocks are released (`empty_cache`), at most
+    once every RELEASE_INTERVAL steps, and that interval doubles after each release that freed less than
+    RELEASE_HELPED of what was reserved (a step that needs the memory back would cudaMalloc it again).
 
 Every rank runs the same checks (they share collectives); only rank 0 writes and warns.
 """
@@ -30,6 +33,9 @@ import torch
 from engine.config import Config
 from parallel.placement import compact_ranges
 
+RELEASE_INTERVAL = 100  # steps between releases of cached blocks, at least
+RELEASE_HELPED = 0.05  # a release that freed less than this fraction of the reserved memory did not help
+
 
 class NonFiniteTraining(RuntimeError):
     """Too many consecutive steps with NaN/Inf: training is not progressing."""
@@ -41,6 +47,8 @@ class TrainingMonitor:
         self.is_reporter = rank == 0
         self.dp_size = dp_size
         self.nonfinite_streak = 0  # consecutive steps skipped for non-finite losses or gradients
+        self.release_interval = RELEASE_INTERVAL  # doubled after a release that did not help
+        self.next_release_step = 0  # the first step at which cached blocks may be released again
 
     # -- gradient norm ---------------------------------------------------------------------------------
     def grad_norm_alarm(self, step: int, grad_norm: float) -> bool:
@@ -146,11 +154,24 @@ class TrainingMonitor:
             return {}
         allocated, reserved = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
         fragmentation = 1.0 - allocated / reserved if reserved else 0.0
+        out = {"memory_reserved_gb": reserved / 2**30, "memory_fragmentation": fragmentation}
         limit = self.cfg.run.max_memory_fragmentation
-        if limit > 0 and fragmentation > limit:
-            torch.cuda.empty_cache()
-            if self.is_reporter:
-                self.console(f"WARNING step {step}: memory fragmentation {fragmentation:.2f} above "
-                             f"run.max_memory_fragmentation={limit}; released the allocator's cached blocks")
+        if limit > 0 and fragmentation > limit and step >= self.next_release_step:
+            out["memory_released_gb"] = self._release_cached_blocks(step, device, fragmentation, limit)
         torch.cuda.reset_peak_memory_stats(device)
-        return {"memory_reserved_gb": reserved / 2**30, "memory_fragmentation": fragmentation}
+        return out
+
+    def _release_cached_blocks(self, step: int, device: torch.device, fragmentation: float, limit: float) -> float:
+        """empty_cache(), then the next release no sooner than the interval allows; returns the GiB freed."""
+        before = torch.cuda.memory_reserved(device)
+        torch.cuda.empty_cache()
+        after = torch.cuda.memory_reserved(device)
+        helped = before - after >= RELEASE_HELPED * before
+        self.release_interval = RELEASE_INTERVAL if helped else 2 * self.release_interval
+        self.next_release_step = step + self.release_interval
+        if self.is_reporter:
+            self.console(f"WARNING step {step}: memory fragmentation {fragmentation:.2f} above "
+                         f"run.max_memory_fragmentation={limit}; released the allocator's cached blocks: reserved "
+                         f"{before / 2**30:.2f} -> {after / 2**30:.2f} GiB; next release at step "
+                         f"{self.next_release_step} at the earliest")
+        return (before - after) / 2**30

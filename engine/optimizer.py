@@ -155,12 +155,29 @@ class MixedPrecisionAdamW:
 
     @torch.no_grad()
     def load_owned_state(self, read) -> None:
+        """Adam's state from flat fp32 ranges, handed to torch's own load_state_dict: it puts each tensor where
+        the implementation keeps it (the fused kernel's `step` on the parameter's device, foreach's on the
+        host), which a state built here by hand would have to guess."""
+        index = {id(m): i for i, m in enumerate(m for group in self.inner.param_groups for m in group["params"])}
+        state = self.inner.state_dict()
+        state["state"] = {}
         for name, p, m in zip(self.names, self.params, self.master):
             n = m.numel()
             m.copy_(read(name, "master", 0, n).view_as(m))
-            self.inner.state[m] = {
-                "step": torch.tensor(float(self._adam_step), dtype=torch.float32),
-                "exp_avg": read(name, "exp_avg", 0, n).view_as(m).to(m.device),
-                "exp_avg_sq": read(name, "exp_avg_sq", 0, n).view_as(m).to(m.device)}
+            state["state"][index[id(m)]] = {"step": torch.tensor(float(self._adam_step), dtype=torch.float32),
+                                            "exp_avg": read(name, "exp_avg", 0, n).view_as(m),
+                                            "exp_avg_sq": read(name, "exp_avg_sq", 0, n).view_as(m)}
             if p is not m:
                 p.copy_(m)
+        self.inner.load_state_dict(state)
+        self.check_state_devices()
+
+    def check_state_devices(self) -> None:
+        """Every moment sits with its parameter, and a fused kernel's step too (the first step on a GPU would
+        otherwise fail, or copy the state over every step)."""
+        fused = any(group.get("fused") or group.get("capturable") for group in self.inner.param_groups)
+        for name, m in zip(self.names, self.master):
+            for key, value in self.inner.state.get(m, {}).items():
+                if torch.is_tensor(value) and (key != "step" or fused) and value.device != m.device:
+                    raise RuntimeError(f"optimizer state {key} of {name} is on {value.device}, its parameter on "
+                                       f"{m.device}: the state was built off the parameter's device")

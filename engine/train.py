@@ -45,10 +45,11 @@ from engine.run_lock import hold_run_dir
 from engine.stage_balance import chunk_layers
 from engine.step_probes import StepProbes
 from engine.stop import StopControl, StopRun, exit_status, final_failure
-from engine.stragglers import StepTimer
+from engine.stragglers import StepTimer, work_of
 from engine.trackers import Trackers
 from engine.validation import evaluation_due, validation_loss
-from parallel import comm, heartbeat
+from parallel import comm, heartbeat, nccl_semantics
+from parallel.device import DeviceUnavailable
 from parallel.distributed import DistEnv, describe_failure, exit_now, init_distributed, shutdown, world_group
 from parallel.micro_batch import MicroBatch
 from parallel.p2p import PipelineComm
@@ -199,9 +200,9 @@ class Trainer:
                                  self.micro_batch)
         self.profiler = StepProfiler(cfg.run, env.rank, env.device, log.info)  # run.profile_steps
         self.step_timer = StepTimer(cfg.run, env.rank, env.world_size, env.device, env.nodes,
-                                    log.warning)  # run.timing_interval: stragglers
+                                    log.warning, work_of(self.chunks))  # run.timing_interval: stragglers
         self.tasks = InRunTasks(cfg, self.topo, self.chunks, self.dtype, env.device)  # train.eval_tasks
-        self.diary = Diary(cfg, env.rank, env.device, self.dtype)  # train.diary_prompts, at each save
+        self.diary = Diary(cfg, env.rank, self.dtype)  # train.diary_prompts, at each save, on rank 0's CPU
         self.light_snapshots = LightSnapshots(self.checkpointer)  # checkpoint.light_interval
         self.loss_guard = LossGuard(cfg, Path(cfg.run.dir), env.rank, log.warning, resumed)
         self.checkpointer.extra_metadata = self.loss_guard.metadata
@@ -245,11 +246,13 @@ class Trainer:
                                          self.cfg.parallel.defer_weight_grads)
 
     def _check_token_ids(self, micro_batches: list) -> None:
-        largest = max(int(mb.max()) for mb in micro_batches)
+        """On the loader's host tensors, before the copy: read on the device, each bound would stall the host
+        until the copy lands (.numpy() refuses a device tensor, so this cannot regress unseen)."""
+        largest = max(int(mb.numpy().max()) for mb in micro_batches)
         if largest >= self.cfg.model.vocab_size:
             raise ConfigError(f"the data holds token id {largest} but model.vocab_size={self.cfg.model.vocab_size}; "
                               f"set model.vocab_size to at least the tokenizer's vocabulary ({largest + 1}+)")
-        smallest = min(int(mb.min()) for mb in micro_batches)
+        smallest = min(int(mb.numpy().min()) for mb in micro_batches)
         if smallest < 0:  # a signed shard dtype can hold them; the embedding would read out of bounds
             raise ConfigError(f"the data holds token id {smallest}; token ids are never negative, so a shard in "
                               f"data.paths is damaged: regenerate it with tools/preprocess_data.py")
@@ -306,6 +309,7 @@ class Trainer:
                                               self.describe_sample))
         record.update(self.step_timer.step_ends(self.step, elapsed, data_wait))
         self.profiler.step_ends(self.step)
+        nccl_semantics.assert_drained(f"step {self.step}")
         return record
 
     def next_micro_batches(self) -> tuple[list, float]:
@@ -313,10 +317,10 @@ class Trainer:
         (the loader prefetches)."""
         start = time.perf_counter()
         with comm.named_range("data wait"):
-            micro_batches = [mb.to(self.env.device, non_blocking=True) for mb in self.loader.next_global_batch()]
+            host = self.loader.next_global_batch()
         waited = time.perf_counter() - start
-        self._check_token_ids(micro_batches)
-        return micro_batches, waited
+        self._check_token_ids(host)
+        return [mb.to(self.env.device, non_blocking=True) for mb in host], waited
 
     def losses_by_rank(self, micro_losses: torch.Tensor) -> tuple[torch.Tensor, object]:
         """[dp, m]: every data-parallel rank's micro-batch losses, so that a non-finite loss is traced to its rank
@@ -433,6 +437,7 @@ class Trainer:
                 elif self._checkpoint_after_step():
                     break
             self.checkpointer.wait()
+            self.diary.wait()  # the background generation of the last save's diary entries
         except (ConfigError, NonFiniteTraining, ReplicaMismatch):  # every rank stops, for the reason it prints
             raise
         except Exception as exc:
@@ -479,7 +484,8 @@ def run(cfg: Config, env: DistEnv) -> list[dict]:
     configure_logging(run_dir, env.rank)
     dp = data_parallel_size(cfg, env.world_size)
     log.info(f"Trilith: {env.world_size} ranks = TP {cfg.parallel.tensor} × PP {cfg.parallel.pipeline} × DP {dp} "
-             f"on {env.device} ({env.backend}); model {num_parameters(cfg.model) / 1e6:.2f}M parameters")
+             f"on {env.device} ({env.backend}{'; ' + env.device_note if env.device_note else ''}); model "
+             f"{num_parameters(cfg.model) / 1e6:.2f}M parameters")
     if env.world_size > 1 and env.nodes:
         log.info(f"placement: {describe_placement(list(env.nodes))}")
         p = cfg.parallel
@@ -517,7 +523,7 @@ def main(argv=None) -> int:
         with hold_run_dir(cfg.run.dir, env):  # one training per run.dir (engine/run_lock.py)
             run(cfg, env)
         clean = True
-    except ConfigError as exc:
+    except (ConfigError, DeviceUnavailable) as exc:
         print(f"trilith: configuration error: {exc}", file=sys.stderr)
         return final_failure(2)
     except CheckpointError as exc:  # names the file and the fix; nothing was overwritten

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
+from parallel import nccl_semantics as nccl
+
 _GROUP_NAMES: dict = {}
 
 
@@ -109,10 +111,19 @@ def issue(op: str, group, call, async_op: bool = False):
         return work
 
 
+def _name(op: str, group) -> str:
+    return f"{op}[{_GROUP_NAMES.get(group, '?')}]"
+
+
 def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = False):
     if group is None:
         return None
     RECORD.add("all_reduce", group, tensor)
+    nccl.check("all_reduce", [tensor], op)
+    if async_op and nccl.ENABLED:
+        return issue("all_reduce", group, lambda: nccl.deferred(
+            _name("all_reduce", group), lambda _, out: [dist.all_reduce(out[0], op=op, group=group, async_op=True)],
+            [], [], in_place=[tensor]), async_op)
     return issue("all_reduce", group, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op),
                  async_op)
 
@@ -144,6 +155,7 @@ def all_gather(tensor: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     moved = tensor.movedim(dim, 0).contiguous()
     out = torch.empty((world * moved.shape[0],) + moved.shape[1:], dtype=tensor.dtype, device=tensor.device)
     RECORD.add("all_gather", group, out)
+    nccl.check("all_gather", [moved])
     issue("all_gather", group, lambda: _all_gather_flat(out, moved, group=group))
     return out.movedim(0, dim).contiguous()
 
@@ -154,6 +166,11 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group, async_op: 
         output.copy_(shard)
         return None
     RECORD.add("all_gather", group, output)
+    nccl.check("all_gather", [shard])
+    if async_op and nccl.ENABLED:
+        return issue("all_gather", group, lambda: nccl.deferred(
+            _name("all_gather", group), lambda inp, out: [_all_gather_flat(out[0], inp[0], group=group, async_op=True)],
+            [shard], [output]), async_op)
     return issue("all_gather", group,
                  lambda: _all_gather_flat(output, shard, group=group, async_op=async_op), async_op)
 
@@ -168,6 +185,7 @@ def reduce_scatter(tensor: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
         raise ValueError(f"reduce_scatter: dimension {dim} of size {moved.shape[0]} not divisible by {world}")
     out = torch.empty((moved.shape[0] // world,) + moved.shape[1:], dtype=tensor.dtype, device=tensor.device)
     RECORD.add("reduce_scatter", group, moved)
+    nccl.check("reduce_scatter", [moved])
     issue("reduce_scatter", group, lambda: _reduce_scatter_flat(out, moved, group=group))
     return out.movedim(0, dim)
 
@@ -178,6 +196,12 @@ def reduce_scatter_into(output: torch.Tensor, flat: torch.Tensor, group, async_o
         output.copy_(flat)
         return None
     RECORD.add("reduce_scatter", group, flat)
+    nccl.check("reduce_scatter", [flat])
+    if async_op and nccl.ENABLED:
+        return issue("reduce_scatter", group, lambda: nccl.deferred(
+            _name("reduce_scatter", group),
+            lambda inp, out: [_reduce_scatter_flat(out[0], inp[0], group=group, async_op=True)],
+            [flat], [output]), async_op)
     return issue("reduce_scatter", group,
                  lambda: _reduce_scatter_flat(output, flat, group=group, async_op=async_op), async_op)
 
@@ -188,6 +212,7 @@ def all_to_all_into(output: torch.Tensor, chunks: torch.Tensor, group) -> None:
         output.copy_(chunks)
         return
     RECORD.add("all_to_all", group, chunks)
+    nccl.check("all_to_all", [chunks])
     issue("all_to_all", group, lambda: dist.all_to_all_single(output, chunks, group=group))
 
 
@@ -195,7 +220,69 @@ def broadcast(tensor: torch.Tensor, src: int, group) -> None:
     if group is None:
         return
     RECORD.add("broadcast", group, tensor)
+    nccl.check("broadcast", [tensor])
     issue("broadcast", group, lambda: dist.broadcast(tensor, src=src, group=group))
+
+
+def batch_isend_irecv(ops: list[tuple[str, torch.Tensor, int, int]], group) -> list:
+    """Post ("send" | "recv", tensor, peer global rank, tag) operations as one batch. Returns what torch returns:
+    one work handle per operation where the backend runs them separately (gloo), ONE for the whole batch where
+    it coalesces them (NCCL) — callers must accept either."""
+    if not ops:
+        return []
+    for kind, tensor, _, _ in ops:
+        RECORD.add(kind, group, tensor)
+    nccl.check("send/recv", [tensor for _, tensor, _, _ in ops])
+
+    def post(tensors):
+        return dist.batch_isend_irecv([dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, peer, group,
+                                                  tag) for (kind, _, peer, tag), tensor in zip(ops, tensors)])
+
+    if not nccl.ENABLED:
+        return issue("send/recv", group, lambda: _Works(post([t for _, t, _, _ in ops])), async_op=True).works
+    sends = [t for kind, t, _, _ in ops if kind == "send"]
+    recvs = [t for kind, t, _, _ in ops if kind == "recv"]
+
+    def post_private(sent, received):
+        sent, received = iter(sent), iter(received)
+        return post([next(sent) if kind == "send" else next(received) for kind, _, _, _ in ops])
+
+    return [issue("send/recv", group, lambda: nccl.deferred(_name("send/recv", group), post_private, sends, recvs),
+                  async_op=True)]
+
+
+class _Once:
+    """A work handle waited for at most once: a second wait on a gloo send or receive would wait for another
+    transfer on its buffer and never return (issue waits on timed steps, the caller again later)."""
+
+    def __init__(self, work):
+        self.work = work
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+
+
+class _Works:
+    """Several work handles that issue can wait for as one (on timed or profiled steps)."""
+
+    def __init__(self, works):
+        self.works = [_Once(work) for work in works]
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
+def barrier(group) -> None:
+    nccl.require_bound_device("barrier")
+    dist.barrier(group=group)
+
+
+def all_gather_object(out: list, obj, group) -> None:
+    nccl.require_bound_device("all_gather_object")
+    dist.all_gather_object(out, obj, group=group)
 
 
 def split_along(tensor: torch.Tensor, group, dim: int) -> torch.Tensor:

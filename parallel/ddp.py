@@ -21,8 +21,9 @@ so their sum over ranks is taken in fp32. Their low-precision `.grad` cannot be 
 those (few, small) gradients are copied in at launch and back after the reduction.
 The untied input embedding leaves the buckets when exchanging the rows a step read is the cheaper exchange
 (parallel/embedding_rows.py). With `hierarchy=(intra, inter)` an all-reduce becomes reduce-scatter inside the
-node group, all-reduce across nodes, all-gather inside the node group (NCCL grouping); it then runs
-synchronously, stage after stage.
+node group, all-reduce across nodes, all-gather inside the node group (NCCL grouping), each stage issued
+asynchronously once the one before is done: every bucket launch advances the buckets in flight by one stage
+(parallel/staged_reduction.py), and finish_gradients issues what is left.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from kernels import grad_accumulation
 from parallel import comm
 from parallel.embedding_rows import EmbeddingRows, rows_worth_it
 from parallel.stage_layers import tied_embedding_weights
+from parallel.staged_reduction import StagedReduction
 from parallel.tensor import TensorParallel, allreduce_replicated_grads
 
 
@@ -39,12 +41,13 @@ def reduces_in_fp32(name: str, fp32_names) -> bool:
     return "norm" in name or any(s in name for s in fp32_names)
 
 
-def hierarchical_all_reduce(flat: torch.Tensor, intra, inter) -> None:
-    """Sum `flat` (numel divisible by the intra size) over intra × inter groups, in three stages."""
+def hierarchical_all_reduce(flat: torch.Tensor, intra, inter) -> StagedReduction:
+    """Sum `flat` (numel divisible by the intra size) over intra × inter groups, in three stages, the first
+    issued now; `flat` holds the sum once the returned reduction's wait() returns."""
     part = torch.empty(flat.numel() // comm.group_size(intra), dtype=flat.dtype, device=flat.device)
-    comm.reduce_scatter_into(part, flat, intra)
-    comm.all_reduce(part, inter)
-    comm.all_gather_into(flat, part, intra)
+    return StagedReduction([lambda: comm.reduce_scatter_into(part, flat, intra, async_op=True),
+                            lambda: comm.all_reduce(part, inter, async_op=True),
+                            lambda: comm.all_gather_into(flat, part, intra, async_op=True)], flat.device)
 
 
 class _Bucket:
@@ -83,6 +86,7 @@ class BucketedDDP:
         self.dp_size = comm.group_size(dp_group)
         self.num_micro_batches = 1
         self.launched_in_backward = 0
+        self.staged: list[StagedReduction] = []  # hierarchical reductions with stages not yet issued, oldest first
         pad_to = comm.group_size(hierarchy[0]) if hierarchy else 1
         self.embedding_rows = self._row_exchange(chunks, fp32_names, row_exchange_tokens) \
             if row_exchange_tokens and self.dp_size > 1 and hierarchy is None else None
@@ -192,7 +196,10 @@ class BucketedDDP:
         bucket.buffer.div_(self.dp_size)
         bucket.launched = True
         if self.hierarchy:
-            hierarchical_all_reduce(bucket.buffer, *self.hierarchy)
+            for staged in self.staged:  # the same order on every rank: launch order
+                staged.advance()
+            bucket.handle = hierarchical_all_reduce(bucket.buffer, *self.hierarchy)
+            self.staged = [r for r in self.staged if r.stages_left] + [bucket.handle]
         else:
             bucket.handle = comm.all_reduce(bucket.buffer, self.dp_group, async_op=True)
 
@@ -219,6 +226,7 @@ class BucketedDDP:
                         else:
                             p.grad.copy_(view)
                 bucket.launched, bucket.handle, bucket.ready = False, None, 0
+            self.staged = []
             if self.embedding_rows:
                 self.embedding_rows.reduce()
         for chunk in self.chunks:

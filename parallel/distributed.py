@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from parallel import comm, heartbeat
+from parallel import comm, heartbeat, nccl_semantics
+from parallel.device import DeviceUnavailable, choose_device
 
 SCHEDULERS = (  # (name, rank, world size, local rank) in priority order
     ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK"),
@@ -63,6 +64,7 @@ class DistEnv:
     backend: str = "gloo"
     source: str = "single"
     nodes: tuple = ()  # node_name() of every rank, gathered at start (parallel/placement.py)
+    device_note: str = ""  # why this device, when the run's first log line should say (parallel/device.py)
 
 
 def _int(env, name: str) -> int:
@@ -200,13 +202,29 @@ def node_name() -> str:
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
-def pick_device(requested: str, local_rank: int) -> torch.device:
-    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise RuntimeError("train.device=cuda but no CUDA device is visible; use train.device=cpu")
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def pick_device(requested: str, local_rank: int) -> tuple[torch.device, str]:
+    """This rank's device and the note for the first log line (parallel/device.py); one GPU per rank, by
+    local rank, whether the rank sees every GPU of its node or only its own."""
+    kind, note = choose_device(requested, torch.cuda.is_available())
+    device = torch.device("cpu")
+    if kind == "cuda":
+        torch.cuda.set_device(gpu_for_local_rank(local_rank, torch.cuda.device_count()))
+        device = torch.device("cuda", torch.cuda.current_device())
+    nccl_semantics.bind_device(device)
+    return device, note
+
+
+def gpu_for_local_rank(local_rank: int, visible: int) -> int:
+    """The GPU index of the rank with `local_rank` among `visible` GPUs: its own when it sees only one (SLURM's
+    per-task binding), else the local rank's. More ranks than GPUs on a node is refused: two ranks would share
+    a GPU (and NCCL refuses two ranks of one communicator on one device)."""
+    if visible == 1:
+        return 0
+    if local_rank >= visible:
+        raise DeviceUnavailable(f"local rank {local_rank} sees only {visible} GPUs: a node runs more ranks than it "
+                                "has GPUs; start one rank per GPU (sbatch --ntasks-per-node equal to "
+                                "--gpus-per-node, or --nproc at most the node's GPU count)")
+    return local_rank
 
 
 def init_distributed(device: str = "auto", backend: str = "auto", timeout_minutes: float = 10.0) -> DistEnv:
@@ -215,7 +233,7 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_minute
     # and a rank whose parent (the MPI proxy) exits first at the end of a finished run must not die of it.
     if launch.source not in ("single", "openmpi", "mpich"):
         die_with_launcher()
-    dev = pick_device(device, launch.local_rank)
+    dev, note = pick_device(device, launch.local_rank)
     chosen = backend if backend != "auto" else ("nccl" if dev.type == "cuda" else "gloo")
     global _TIMEOUT
     if launch.world_size > 1 and not dist.is_initialized():
@@ -224,18 +242,36 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_minute
         os.environ.update(MASTER_ADDR=addr, MASTER_PORT=port)
         # NCCL otherwise hangs on a dead peer; with async error handling the watchdog aborts at the timeout.
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        dump = nccl_dump_on_timeout() if chosen == "nccl" else ""
         dist.init_process_group(chosen, rank=launch.rank,
                                 world_size=launch.world_size, timeout=_TIMEOUT,
                                 device_id=dev if dev.type == "cuda" else None)
         comm.register_group(dist.group.WORLD, "world")
-        heartbeat.start(launch.rank, node_name())  # lets a rank whose collective fails name a dead or frozen peer
+        # lets a rank whose collective fails name a dead or frozen peer; under NCCL the watchdog ends the rank
+        # before Python sees the failure, so the heartbeat thread reports a stall itself, before the timeout
+        heartbeat.start(launch.rank, node_name(), launch.world_size, STALL_FRACTION * _TIMEOUT.total_seconds(), dump)
     nodes = [node_name()] * launch.world_size
     if dist.is_initialized():
-        dist.all_gather_object(nodes, node_name())
-    return DistEnv(launch.rank, launch.world_size, launch.local_rank, dev, chosen, launch.source, tuple(nodes))
+        comm.all_gather_object(nodes, node_name(), None)
+    return DistEnv(launch.rank, launch.world_size, launch.local_rank, dev, chosen, launch.source, tuple(nodes), note)
 
 
 _TIMEOUT: datetime.timedelta | None = None
+STALL_FRACTION = 0.75  # of the collective timeout without a finished step, before the heartbeat thread reports
+
+
+def nccl_dump_on_timeout() -> str:
+    """Have NCCL's flight recorder (on by default in torch 2.13, TORCH_NCCL_TRACE_BUFFER_SIZE=2000 entries)
+    write each rank's last collectives when the watchdog finds a timeout, and say where: a sentence for the
+    heartbeat's stall report. The dump goes to the prefix in TORCH_NCCL_DEBUG_INFO_TEMP_FILE (or its newer
+    name TORCH_FR_DUMP_TEMP_FILE; torch's default /tmp/nccl_trace_rank_) followed by the rank."""
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or os.environ.setdefault(
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/tmp/nccl_trace_rank_")
+    if os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] in ("0", "false", "False"):
+        return ""
+    return (f"At the timeout NCCL's flight recorder writes this rank's last collectives to {prefix}<rank> on its "
+            "node (torchfrtrace DIR --prefix NAME compares the ranks' dumps)")
 
 
 def collective_timeout() -> datetime.timedelta | None:

@@ -14,7 +14,9 @@ backward when `keep_last` is set (FSDP2's reshard_after_forward=False on the roo
 micro-batch fewer per chunk, for one more unit held between forward and backward. The embedding unit is
 not gathered for backward at all (its backward does not read the weight). A unit's
 gradients are reduce-scattered as soon as all its parameters' gradients are accumulated
-(`register_post_accumulate_grad_hook`), asynchronously, so communication overlaps backward. At stages 1 and 3
+(`register_post_accumulate_grad_hook`), asynchronously, so communication overlaps backward; so are the later
+stages of hierarchical reduction and HSDP's all-reduce across replicas, each reduction advanced by one stage
+whenever another unit's starts (parallel/staged_reduction.py). At stages 1 and 3
 backward accumulates straight into the units' full-gradient buffers: each `.grad` is a view of its slice
 (`Unit.attach_grads`: stage 1 for the whole step, stage 3 from the unit's `_pre_backward`), the linear layers
 add inside their matmul (kernels/grad_accumulation.py), and a pipeline stage may queue those until its
@@ -34,16 +36,18 @@ from parallel import comm
 from parallel.embedding_shards import ShardedEmbeddingLookup, lookup_worth_it
 from parallel.fsdp_units import BufferPool, ShardRange, Unit, unit_plan
 from parallel.stage_layers import tied_embedding_weights
+from parallel.staged_reduction import StagedReduction
 
 
-def hierarchical_reduce_scatter(out: torch.Tensor, flat: torch.Tensor, intra, inter) -> None:
-    """Reduce-scatter in two stages (inside the node group, then across), rank r of the whole DP group still
-    receiving chunk r: the chunks are first reordered so that node-group member i collects chunks i, i+k, ..."""
+def hierarchical_reduce_scatter(out: torch.Tensor, flat: torch.Tensor, intra, inter) -> list:
+    """The two stages of a reduce-scatter inside the node group, then across (for a StagedReduction), rank r
+    of the whole DP group still receiving chunk r: the chunks are first reordered so that node-group member i
+    collects chunks i, i+k, ..."""
     k, m = comm.group_size(intra), comm.group_size(inter)
     staged = flat.view(m, k, -1).transpose(0, 1).contiguous().view(-1)
     part = torch.empty(flat.numel() // k, dtype=flat.dtype, device=flat.device)
-    comm.reduce_scatter_into(part, staged, intra)
-    comm.reduce_scatter_into(out, part, inter)
+    return [lambda: comm.reduce_scatter_into(part, staged, intra, async_op=True),
+            lambda: comm.reduce_scatter_into(out, part, inter, async_op=True)]
 
 
 class ShardedDataParallel:
@@ -212,31 +216,34 @@ class ShardedDataParallel:
         send32 = unit.fp32_send_buffer(self.pool).div_(self.dp_size) if unit.fp32_numel else None
         if send32 is not None:
             out32 = self.pool.take(unit.fp32_width, torch.float32, full.device)
-        handles = []
-        if self.hierarchy:
-            hierarchical_reduce_scatter(out, full, *self.hierarchy)
-            if send32 is not None:
-                hierarchical_reduce_scatter(out32, send32, *self.hierarchy)
-        else:
-            handles.append(comm.reduce_scatter_into(out, full, unit.group, async_op=True))
-            if send32 is not None:
-                handles.append(comm.reduce_scatter_into(out32, send32, unit.group, async_op=True))
+        for _, _, _, in_flight, *_ in self.pending:  # the same order on every rank: the order of the reductions
+            for staged in in_flight:
+                staged.advance()
+        reductions = [StagedReduction(self._stages(unit.group, target, source), full.device)
+                      for target, source in ((out, full), (out32, send32)) if source is not None]
         full32 = None
         if self.stage >= 2:  # the pending item keeps the inputs until the collective is done, then pools them
             full32, unit.full_grad, unit.full_grad32 = unit.full_grad32, None, None
         else:
             full = None  # stage 1 keeps its own full gradient buffers
-        self.pending.append((unit, out, out32, [h for h in handles if h is not None], full, full32, send32))
+        self.pending.append((unit, out, out32, reductions, full, full32, send32))
         while len(self.pending) > 2:  # bound the memory held by in-flight reductions
             self._complete(self.pending.popleft())
 
+    def _stages(self, group, out: torch.Tensor, full: torch.Tensor) -> list:
+        """The collectives that reduce `full` into this rank's shard `out`: one reduce-scatter over `group` (the
+        unit's), or two under hierarchical reduction; HSDP then all-reduces the shard across the replicas."""
+        if self.hierarchy:
+            return hierarchical_reduce_scatter(out, full, *self.hierarchy)
+        stages = [lambda: comm.reduce_scatter_into(out, full, group, async_op=True)]
+        if self.replicate_group is not None:
+            stages.append(lambda: comm.all_reduce(out, self.replicate_group, async_op=True))
+        return stages
+
     def _complete(self, item) -> None:
-        unit, out, out32, handles, full, full32, send32 = item
-        for h in handles:
-            h.wait()
-        comm.all_reduce(out, self.replicate_group)
-        if out32 is not None:
-            comm.all_reduce(out32, self.replicate_group)
+        unit, out, out32, reductions, full, full32, send32 = item
+        for staged in reductions:
+            staged.wait()
         unit.take_reduced(out, out32)
         self.pool.give(full, full32, send32, out32, None if out is unit.grad_buffer else out)
 

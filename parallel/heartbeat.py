@@ -6,10 +6,16 @@ A rank waiting in a collective keeps beating (the C++ wait releases the GIL); a 
 stopped (SIGSTOP) or froze holding the GIL goes silent. When a collective fails, `peer_report` reads every
 beat and says which peers are silent or, when all are alive, which ones are at a different step than the
 rest. Silence is judged against this host's clock: the hosts' clocks must agree within a few seconds.
+
+The thread also reports on its own deadline: NCCL's watchdog ends a rank whose collective timed out (async error
+handling) before Python sees an error, so the report at the failure would never print on GPUs. When training
+has made no progress (`set_step`) for `stall_after_s`, less than the collective timeout, the thread prints the
+same report itself, once per stalled step, while the collective still waits.
 """
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import time
 from collections import Counter
@@ -43,17 +49,30 @@ class Beat:
 
 
 class _Beater(threading.Thread):
-    def __init__(self, store, rank: int, host: str):
+    def __init__(self, store, rank: int, host: str, world_size: int, stall_after_s: float, note: str):
         super().__init__(name="trilith-heartbeat", daemon=True)
         self.store, self.rank, self.host = store, rank, host
+        self.world_size, self.stall_after_s, self.note = world_size, stall_after_s, note
         self.step = 0  # training steps done; the Trainer sets it, this thread only reads it
+        self.progress = time.monotonic()  # when the Trainer last set the step
+        self.reported_step: int | None = None  # the stalled step already reported
         self.stopped = threading.Event()
 
     def run(self) -> None:
         while not self.stopped.is_set():
             with contextlib.suppress(RuntimeError):  # store unreachable: its host is gone, and the job with it
                 self.store.set(key(self.rank), Beat(time.time(), self.host, self.step).encode())
+            stalled = time.monotonic() - self.progress
+            if self.stall_after_s and stalled > self.stall_after_s and self.reported_step != self.step:
+                self.reported_step = self.step
+                # on a thread of its own: reading the store may take READ_TIMEOUT_S, and the beats must go on
+                threading.Thread(target=self.report_stall, args=(self.step, stalled), name="trilith-stall-report",
+                                 daemon=True).start()
             self.stopped.wait(INTERVAL_S)
+
+    def report_stall(self, step: int, stalled: float) -> None:
+        print(f"trilith: rank {self.rank}: {stall_report(step, stalled, self.world_size, self.rank, self.note)}",
+              file=sys.stderr, flush=True)
 
 
 _beater: _Beater | None = None
@@ -64,17 +83,20 @@ def _default_store():
     return distributed_c10d._get_default_store()
 
 
-def start(rank: int, host: str) -> None:
-    """Beat for this rank, running on `host`, until stop(); needs an initialized default process group."""
+def start(rank: int, host: str, world_size: int = 1, stall_after_s: float = 0.0, note: str = "") -> None:
+    """Beat for this rank, running on `host`, until stop(); needs an initialized default process group. With
+    `stall_after_s`, report who is silent when no step has ended for that long, adding `note`."""
     global _beater
     # Its own connection to the store, so a beat never waits behind the process group's store traffic.
-    _beater = _Beater(_default_store().clone(), rank, host)
+    _beater = _Beater(_default_store().clone(), rank, host, world_size, stall_after_s, note)
     _beater.start()
 
 
 def set_step(step: int) -> None:
+    """Training has reached `step` (also after a resume or a rollback): progress, for the stall deadline."""
     if _beater is not None:
         _beater.step = step
+        _beater.progress = time.monotonic()
 
 
 def stop() -> None:
@@ -154,7 +176,22 @@ def peer_report(world_size: int, me: int) -> str:
             time.sleep(SILENT_AFTER_S)
             beats = read_within(READ_TIMEOUT_S, world_size)
     except Exception as exc:
-        first_line = (str(exc).strip().splitlines() or [""])[0]
-        return (f"heartbeats: the store could not be read ({type(exc).__name__}: {first_line}); its host "
-                "(rank 0 under srun/mpirun) may be the rank that died or hung")
+        return _unreadable(exc)
     return describe(beats, time.time(), me)
+
+
+def _unreadable(exc: Exception) -> str:
+    first_line = (str(exc).strip().splitlines() or [""])[0]
+    return (f"heartbeats: the store could not be read ({type(exc).__name__}: {first_line}); its host "
+            "(rank 0 under srun/mpirun) may be the rank that died or hung")
+
+
+def stall_report(step: int, stalled: float, world_size: int, me: int, note: str = "") -> str:
+    """The heartbeat thread's own report of a stall: how long, then who is silent (one read, no second look:
+    a peer that stopped when this rank did has been silent for about as long)."""
+    try:
+        beats = describe(read_within(READ_TIMEOUT_S, world_size), time.time(), me)
+    except Exception as exc:
+        beats = _unreadable(exc)
+    return (f"no training progress for {stalled:.0f} s (after step {step}); a collective may be waiting on a peer "
+            f"(collectives time out after parallel.timeout_minutes). {beats}" + (f". {note}" if note else ""))

@@ -9,7 +9,9 @@ exchange; a send of any other shape is refused.
 
 An exchange waits for its receives only: its sends stay in flight while the stage computes (as
 torch.distributed.pipelining does), holding the sent tensors, and are waited for at the next exchange or at
-`finish`, which a schedule calls before the step's loss broadcast. A sent activation's own storage may be
+`finish`, which a schedule calls before the step's loss broadcast. That holds where the backend returns one
+handle per operation (gloo); NCCL coalesces a batch into one handle, so a batch that receives is waited for
+whole (a stream wait on the GPU, not a host stall). A sent activation's own storage may be
 released meanwhile (`_Steps.release` swaps the tensor's data): the send holds a detached alias of the old
 storage, whose values nothing modifies.
 
@@ -29,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from parallel import comm
+from parallel import nccl_semantics
 
 # With two stages in an interleaved ring the next and the previous stage are the same rank: the tags keep
 # activations (forward direction) and gradients (backward direction) from matching each other's receives,
@@ -36,42 +39,6 @@ from parallel import comm
 FORWARD_TAG, BACKWARD_TAG = 0, 1
 # The waits happen after comm.issue's range (the posting) has closed: a profile shows them under this name.
 WAIT_RANGE = "comm:wait[pp]"
-
-
-class _Once:
-    """A work handle waited for at most once: a second wait on a gloo send or receive would wait for another
-    transfer on its buffer and never return (comm.issue waits on timed steps, the exchange again later)."""
-
-    def __init__(self, work):
-        self.work = work
-
-    def wait(self) -> None:
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
-
-
-class _Posted:
-    """The work handles of one posted batch; `wait` waits for all of them (what comm.issue calls)."""
-
-    def __init__(self, works):
-        self.works = [_Once(work) for work in works]
-
-    def wait(self) -> None:
-        for work in self.works:
-            work.wait()
-
-
-def batch_isend_irecv(ops: list[tuple[str, torch.Tensor, int, int]], group) -> list:
-    """Post ("send" | "recv", tensor, peer global rank, tag) operations as one batch; returns one work handle
-    per operation, in order (on timed or profiled steps, all already waited for by comm.issue)."""
-    if not ops:
-        return []
-    batch = []
-    for kind, tensor, peer, tag in ops:
-        comm.RECORD.add(kind, group, tensor)
-        batch.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, peer, group, tag))
-    return comm.issue("send/recv", group, lambda: _Posted(dist.batch_isend_irecv(batch)), async_op=True).works
 
 
 class PipelineComm:
@@ -84,7 +51,7 @@ class PipelineComm:
         self.pp_rank, self.pp_size = topo.pp_rank, topo.pp_size
         self.next_rank, self.prev_rank = topo.pp_neighbour(1), topo.pp_neighbour(-1)
         self.last_rank = topo.group_ranks["pp"][-1]
-        self.early_receives = dist.get_backend(self.group) == dist.Backend.GLOO
+        self.early_receives = dist.get_backend(self.group) == dist.Backend.GLOO and not nccl_semantics.ENABLED
         self._sending: list = []  # (work, tensor) of sends not yet waited for
         self._prefetched = None  # (work, buffer) of the next activation's receive, posted early
         # Later batches involve only neighbour pairs; NCCL wants the group's first operation to include all.
@@ -124,8 +91,8 @@ class PipelineComm:
         `ring`: the interleaved schedule, where the first stage too receives (its later chunks' inputs)."""
         if self.early_receives and (ring or not self.is_first) and self._prefetched is None:
             buffer = self._buffer()
-            self._prefetched = (batch_isend_irecv([("recv", buffer, self.prev_rank, FORWARD_TAG)], self.group)[0],
-                                buffer)
+            self._prefetched = (comm.batch_isend_irecv([("recv", buffer, self.prev_rank, FORWARD_TAG)],
+                                                       self.group)[0], buffer)
 
     def communicate(self, send_next=None, send_prev=None, recv_prev: bool = False, recv_next: bool = False):
         """One batched exchange; returns (activation from previous stage, gradient from next stage) once both
@@ -145,13 +112,19 @@ class PipelineComm:
         if recv_next:
             from_next = self._buffer()
             ops.append(("recv", from_next, self.next_rank, BACKWARD_TAG))
-        works = batch_isend_irecv(ops, self.group)
+        works = comm.batch_isend_irecv(ops, self.group)
         with comm.named_range(WAIT_RANGE):
-            for op, work in zip(ops, works):
-                if op[0] == "send":
-                    self._sending.append((work, op[1]))
-                else:
+            if len(works) == len(ops):  # one handle per operation: sends stay in flight, receives are waited for
+                for op, work in zip(ops, works):
+                    if op[0] == "send":
+                        self._sending.append((work, op[1]))
+                    else:
+                        work.wait()
+            elif from_prev is not None or from_next is not None:  # one handle for the batch (NCCL): it holds the
+                for work in works:                                 # receives, so it is waited for now
                     work.wait()
+            else:
+                self._sending.extend((work, None) for work in works)
             if prefetched is not None:
                 prefetched[0].wait()
                 from_prev = prefetched[1]

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.variable import Variable
@@ -60,17 +59,47 @@ def forward_only_no_pipeline(model, micro_batches: list) -> torch.Tensor:
     return torch.stack(losses).mean()
 
 
-@dataclass
 class ScheduleTrace:
-    """Per-rank record of compute slots; `peak_live` counts (chunk, micro-batch) activations held."""
-    events: list = field(default_factory=list)  # (kind "F" | "B" | "W", micro_batch, chunk, t_start, t_end)
-    live: int = 0
-    peak_live: int = 0
+    """Per-rank record of compute slots; `peak_live` counts (chunk, micro-batch) activations held.
 
-    def add(self, kind: str, micro_batch: int, chunk: int, start: float, end: float) -> None:
-        self.events.append((kind, micro_batch, chunk, start, end))
+    On CUDA a slot's ends are CUDA events recorded on the compute stream, so a slot lasts as long as its
+    kernels ran, not as long as the host took to queue them; the events are read (one synchronisation) when
+    `events` is first asked for. On the CPU the host clock is the compute's clock."""
+
+    def __init__(self, device: torch.device | None = None):
+        self.cuda = device is not None and torch.device(device).type == "cuda"
+        self._slots: list = []  # (kind, micro_batch, chunk, start mark, end mark)
+        self._origin = None  # (wall-clock seconds, CUDA event) of the first mark, on CUDA
+        self.live = 0
+        self.peak_live = 0
+
+    def mark(self):
+        """A point in the compute stream's time, to give `add`."""
+        if not self.cuda:
+            return time.time()
+        event = torch.cuda.Event(enable_timing=True)
+        if self._origin is None:  # wall-clock time of the first event, so that ranks' traces line up
+            torch.cuda.synchronize()
+            event.record()
+            self._origin = (time.time(), event)
+        else:
+            event.record()
+        return event
+
+    def add(self, kind: str, micro_batch: int, chunk: int, start, end) -> None:
+        self._slots.append((kind, micro_batch, chunk, start, end))
         self.live += {"F": 1, "B": -1}.get(kind, 0)  # W: the weight gradients of a micro-batch already done
         self.peak_live = max(self.peak_live, self.live)
+
+    @property
+    def events(self) -> list:
+        """(kind "F" | "B" | "W", micro_batch, chunk, t_start, t_end) in wall-clock seconds."""
+        if not self.cuda:
+            return list(self._slots)
+        torch.cuda.synchronize()
+        wall, origin = self._origin if self._origin else (0.0, None)
+        return [(kind, mb, chunk, wall + origin.elapsed_time(start) / 1e3, wall + origin.elapsed_time(end) / 1e3)
+                for kind, mb, chunk, start, end in self._slots]
 
 
 class _Steps:
@@ -85,7 +114,7 @@ class _Steps:
 
     def forward(self, chunk_id: int, mb: int, received):
         chunk = self.chunks[chunk_id]
-        start = time.time() if self.trace is not None else 0.0
+        start = self.trace.mark() if self.trace is not None else None
         args, kwargs = self.micro_batches[mb].forward_args(chunk.pre_process, chunk.post_process, received)
         with named_range("forward"):
             out = chunk(*args, **kwargs)
@@ -93,7 +122,7 @@ class _Steps:
             self.losses.append(out.detach().float())
             out = out * self.weight
         if self.trace is not None:
-            self.trace.add("F", mb, chunk_id, start, time.time())
+            self.trace.add("F", mb, chunk_id, start, self.trace.mark())
         return out
 
     def release(self, chunk_id: int, output) -> None:
@@ -104,7 +133,7 @@ class _Steps:
             output.data = torch.empty(1, dtype=output.dtype, device=output.device)
 
     def backward(self, chunk_id: int, mb: int, received, output, output_grad):
-        start = time.time() if self.trace is not None else 0.0
+        start = self.trace.mark() if self.trace is not None else None
         with named_range("backward"):
             if output_grad is None:  # the last chunk: the output is the scaled loss
                 torch.autograd.backward(output)
@@ -113,7 +142,7 @@ class _Steps:
                                                        keep_graph=False, create_graph=False, inputs=(),
                                                        allow_unreachable=True, accumulate_grad=True)
         if self.trace is not None:
-            self.trace.add("B", mb, chunk_id, start, time.time())
+            self.trace.add("B", mb, chunk_id, start, self.trace.mark())
         return None if received is None else received.grad
 
     def backward_and_send(self, pipe, mb: int, received, output, output_grad) -> None:
@@ -126,11 +155,11 @@ class _Steps:
         with WeightGradQueue() as queue:
             input_grad = self.backward(0, mb, received, output, output_grad)
         pipe.send_backward(input_grad)
-        start = time.time() if self.trace is not None else 0.0
+        start = self.trace.mark() if self.trace is not None else None
         with named_range("weight gradients"):
             queue.run()
         if self.trace is not None:
-            self.trace.add("W", mb, 0, start, time.time())
+            self.trace.add("W", mb, 0, start, self.trace.mark())
 
 
 def _forward_and_send(steps: _Steps, pipe, mb: int, more: bool) -> tuple:

@@ -118,17 +118,21 @@ class Topology:
             lists.append(sorted({ranks[0], ranks[-1]}))
         return lists
 
-    def build_unit_groups(self, num_units: int) -> list:
-        """One data-parallel communicator per FSDP sharding unit, so units' collectives need not queue."""
-        mine = []
-        for unit in range(num_units):
+    def build_unit_groups(self, num_units: int, count: int) -> list:
+        """The data-parallel communicator of each of `num_units` FSDP sharding units, so that one unit's
+        collectives need not queue behind another's: `count` communicators (at most one per unit), unit i using
+        number i mod count. Only a few units communicate at once (a reduction or two and a prefetched gather),
+        and each communicator is created now, eagerly (NCCL splits one when the job's device is bound), costing
+        device memory and start-up time: a pool bounded by the config, not one per layer."""
+        from parallel.comm import register_group
+        pool = []
+        for k in range(min(count, num_units)):
             for ranks in self.layout.groups_along("dp"):
                 group = self._new_group(ranks)
                 if self.rank in ranks:
-                    mine.append(group)
-                    from parallel.comm import register_group
-                    register_group(group, f"dp_unit{unit}")
-        return mine
+                    pool.append(group)
+                    register_group(group, f"dp_unit{k}")
+        return [pool[unit % len(pool)] for unit in range(num_units)]
 
     def build_hierarchical_dp(self, node_size: int) -> tuple:
         """(intra, inter) groups splitting each DP group into blocks of `node_size` ranks (NCCL grouping)."""

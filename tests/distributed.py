@@ -4,6 +4,8 @@
     results = pool.run(some_module_level_function, arg)   # fn(rank, world_size, arg) on every rank
 
 A failure on any rank raises here with that rank's traceback; a rank that hangs raises after `timeout`.
+The ranks run collectives under NCCL's semantics (parallel/nccl_semantics.py: one handle per p2p batch,
+async outputs poisoned until waited for, inputs checked untouched), so that gloo's leniency hides nothing.
 """
 from __future__ import annotations
 
@@ -23,11 +25,15 @@ def free_port() -> int:
 
 
 def _worker_main(rank: int, world_size: int, port: int, tasks, results):
+    os.environ.setdefault("TRILITH_COMM_SEMANTICS", "nccl")  # read when parallel/ is first imported, below
     import torch
     import torch.distributed as dist
+
+    from parallel import nccl_semantics
     torch.set_num_threads(1)
     os.environ.setdefault("TRILITH_TEST_WORKER", "1")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    nccl_semantics.bind_device(torch.device("cpu"))  # as the launcher's pick_device does
     while True:
         job = tasks.get()
         if job is None:
@@ -79,6 +85,18 @@ class WorkerPool:
             p.join(timeout=0 if force else 20)
             if p.is_alive():
                 p.kill()
+
+
+@contextlib.contextmanager
+def gloo_semantics():
+    """Inside a task: gloo's own semantics, for a test of what this project does on gloo alone (the early
+    pipeline receives). Objects built inside read the switch when they are built."""
+    from parallel import nccl_semantics
+    saved, nccl_semantics.ENABLED = nccl_semantics.ENABLED, False
+    try:
+        yield
+    finally:
+        nccl_semantics.ENABLED = saved
 
 
 @contextlib.contextmanager

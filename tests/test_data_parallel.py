@@ -4,6 +4,7 @@ import tempfile
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from engine.config import ConfigError, from_dict, validate
 from engine.train import Trainer
@@ -128,10 +129,76 @@ def test_single_process_zero3(reference, tie):
 @pytest.mark.parametrize("parallel", [{"zero_stage": 3, "hsdp_group_size": 2},
                                       {"zero_stage": 2, "hierarchical_node_size": 2},
                                       {"zero_stage": 0, "hierarchical_node_size": 2, "bucket_mb": 0.01},
-                                      {"zero_stage": 3, "unit_process_groups": True}],
-                         ids=["hsdp", "hierarchical-zero2", "hierarchical-ddp", "unit-groups"])
+                                      {"zero_stage": 3, "unit_process_groups": True},
+                                      {"zero_stage": 3, "unit_process_groups": True, "unit_group_count": 3}],
+                         ids=["hsdp", "hierarchical-zero2", "hierarchical-ddp", "unit-groups", "unit-groups-shared"])
 def test_hybrid_hierarchical_and_unit_groups_equal_flat(pools, reference, parallel):
     assert_matches_reference(pools[4].run(train_run, CURVE, parallel), reference)
+
+
+def stages_not_issued(data_parallel) -> int:
+    """Stages of hierarchical or HSDP reductions that backward left for later (issued after its hooks returned)."""
+    if hasattr(data_parallel, "staged"):  # BucketedDDP
+        return sum(r.stages_left for r in data_parallel.staged)
+    return sum(r.stages_left for item in data_parallel.pending for r in item[3])
+
+
+def staged_and_synchronous_runs(rank, world, base, parallel):
+    """3 steps with the reductions' stages issued as backward goes on, and again with each reduction finished
+    where it starts (the synchronous path): (stages left at the end of each backward, whether the losses and
+    weights of the two runs are bit-identical)."""
+    from parallel.staged_reduction import StagedReduction
+
+    def run(steps=3):
+        trainer = make_trainer(rank, world, base, **parallel)
+        left, finish = [], trainer.data_parallel.finish_gradients
+        trainer.data_parallel.finish_gradients = lambda: (left.append(stages_not_issued(trainer.data_parallel)),
+                                                          finish())
+        losses = [trainer.train_step()["loss"] for _ in range(steps)]
+        return left, losses, final_weights(trainer)[1]
+
+    left, losses, weights = run()
+    staged_init = StagedReduction.__init__
+
+    def synchronous(self, stages, device):
+        staged_init(self, stages, device)
+        self.wait()
+    StagedReduction.__init__ = synchronous
+    try:
+        _, sync_losses, sync_weights = run()
+    finally:
+        StagedReduction.__init__ = staged_init
+    same = losses == sync_losses and all(torch.equal(a[2], b[2]) for name in weights
+                                         for a, b in zip(weights[name][1], sync_weights[name][1]))
+    return left, same
+
+
+@pytest.mark.parametrize("parallel", [{"zero_stage": 3, "hsdp_group_size": 2},
+                                      {"zero_stage": 2, "hierarchical_node_size": 2},
+                                      {"zero_stage": 0, "hierarchical_node_size": 2, "bucket_mb": 0.01}],
+                         ids=["hsdp", "hierarchical-zero2", "hierarchical-ddp"])
+def test_staged_reductions_overlap_backward_and_equal_the_synchronous_path(pools, parallel):
+    for left, same in pools[4].run(staged_and_synchronous_runs, CURVE, parallel):
+        assert all(n > 0 for n in left), left  # backward's hooks returned with later stages still to issue
+        assert same
+
+
+def unit_group_pool(rank, world, count):
+    """(new_group calls, units, distinct communicators) of build_unit_groups for 10 units over 2 DP groups."""
+    from parallel.topology import Layout, Topology
+    topo = Topology(Layout(tp=2, dp=2), rank)
+    created, new_group = [], dist.new_group
+    dist.new_group = lambda *args, **kwargs: created.append(args) or new_group(*args, **kwargs)
+    try:
+        groups = topo.build_unit_groups(10, count)
+    finally:
+        dist.new_group = new_group
+    return len(created), len(groups), len({id(g) for g in groups}), groups[0] is groups[count]
+
+
+def test_unit_process_groups_are_a_bounded_pool_shared_round_robin(pools):
+    # every rank takes part in creating each DP group's communicators: 3 per DP group, not one per unit
+    assert pools[4].run(unit_group_pool, 3) == [(6, 10, 3, True)] * 4
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -270,8 +337,9 @@ def held_bytes(tensors) -> int:
 def measure_memory(rank, world, stage):
     trainer = make_trainer(rank, world, MEMORY, zero_stage=stage)
     trainer.train_step()  # Adam state exists from here on
-    trainer.data_parallel.start_step(1)
-    trainer.forward_backward([mb for mb in trainer.loader.next_global_batch()])
+    micro_batches = trainer.loader.next_global_batch()
+    trainer.data_parallel.start_step(len(micro_batches))  # else a reduction starts before the last one's backward
+    trainer.forward_backward(micro_batches)
     trainer.data_parallel.finish_gradients()
     if stage == 0:
         opt = trainer.optimizer

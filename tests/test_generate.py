@@ -1,5 +1,6 @@
 """Generation (engine/generate.py, tools/generate.py) and the generation diary (engine/diary.py)."""
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -104,3 +105,32 @@ def test_diary_and_generate_refuse_bad_input_in_one_line(tmp_path, capsys):
     assert generate_tool.main(["--model", str(tmp_path), "--prompt", "x"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("generate: ") and "neither a Trilith checkpoint" in err and "\n" not in err
+
+
+def test_the_diary_generates_on_the_host_in_the_background(tmp_path, monkeypatch):
+    """Rank 0 hands the save's continuations to a worker and trains on: its peers never wait in a collective
+    for the generation, and the whole model goes to host memory, not next to the sharded one on the GPU."""
+    import threading
+
+    from engine import diary as diary_module
+    tokenizer = make_tokenizer(tmp_path / "tok")
+    cfg = load_config(TINY, [f"model.vocab_size={VOCAB}", f"data.tokenizer={tokenizer}",
+                             f"run.dir={tmp_path / 'run'}", "train.diary_prompts=[\"def \"]", "train.diary_max_tokens=3"])
+    (tmp_path / "run").mkdir()
+    release, loaded_on = threading.Event(), []
+
+    def load_slowly(source, device, dtype):
+        loaded_on.append((device, threading.current_thread().name))
+        release.wait(30)  # a big model still loading
+        return tiny_model(vocab_size=VOCAB)
+
+    monkeypatch.setattr(diary_module, "load_single_model", load_slowly)
+    monkeypatch.setattr(diary_module, "ModelSource", lambda path, verify: SimpleNamespace(close=lambda: None))
+    diary = diary_module.Diary(cfg, 0, torch.bfloat16)
+    assert diary.write(2, tmp_path / "checkpoint") == 1  # returns while the model is still loading
+    assert diary.write(2, tmp_path / "checkpoint") == 0  # queued already: not again
+    assert read_entries(diary.path) == []
+    release.set()
+    diary.wait()
+    assert loaded_on == [(torch.device("cpu"), "trilith-diary")]
+    assert [(e["step"], e["prompt"], e["mode"]) for e in read_entries(diary.path)] == [(2, "def ", "greedy")]

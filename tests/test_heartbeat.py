@@ -1,4 +1,5 @@
 """parallel/heartbeat.py in-process: beats read from a store, and the sentence that names silent peers."""
+import os
 import re
 import threading
 import time
@@ -83,3 +84,46 @@ def test_a_store_host_that_never_answers_is_given_up_on(monkeypatch):
     start = time.monotonic()
     assert peer_report(2, me=0).startswith("heartbeats: the store could not be read (TimeoutError")
     assert time.monotonic() - start < 2
+
+
+def test_the_heartbeat_thread_names_a_silent_peer_itself_when_no_step_ends(monkeypatch, capsys):
+    """What a GPU rank needs: NCCL's watchdog ends it at the timeout before Python sees an error, so the thread
+    reports on its own deadline. No collective runs here at all."""
+    store = dist.HashStore()
+    monkeypatch.setattr(heartbeat, "_default_store", lambda: store)
+    monkeypatch.setattr(heartbeat, "INTERVAL_S", 0.05)
+    monkeypatch.setattr(heartbeat, "SILENT_AFTER_S", 0.3)
+    store.set(key(1), Beat(time.time(), "node1", 6).encode())  # rank 1's last beat: then it died or froze
+    heartbeat.start(0, "node0", world_size=2, stall_after_s=1.0, note="NCCL dumps to /tmp/x_<rank>")
+    err = ""
+    try:
+        for step in range(1, 8):  # steps ending in time: nothing to report
+            heartbeat.set_step(step)
+            time.sleep(0.1)
+        assert "no training progress" not in capsys.readouterr().err
+        deadline = time.monotonic() + 10  # step 8 never ends
+        while "no training progress" not in err and time.monotonic() < deadline:
+            time.sleep(0.05)
+            err += capsys.readouterr().err
+        time.sleep(0.5)  # still stalled, still beating: the stall is reported once
+        err += capsys.readouterr().err
+        assert Beat.decode(store.get(key(0)).decode()).step == 7
+    finally:
+        heartbeat.stop()
+    (line,) = [text for text in err.splitlines() if "no training progress" in text]
+    assert re.fullmatch(r"trilith: rank 0: no training progress for \d+ s \(after step 7\); a collective may be "
+                        r"waiting on a peer \(collectives time out after parallel\.timeout_minutes\)\. heartbeats: "
+                        r"rank 1 on host node1 silent for \d+ s \(last beat after step 6\)\. NCCL dumps to "
+                        r"/tmp/x_<rank>", line), line
+
+
+def test_nccl_runs_dump_their_flight_recorder_at_a_timeout_and_say_where(monkeypatch):
+    from parallel.distributed import nccl_dump_on_timeout
+    for name in ("TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_DUMP_TEMP_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    assert "/tmp/nccl_trace_rank_<rank>" in nccl_dump_on_timeout()
+    assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", "/scratch/fr_")  # the user's choice is kept and named
+    assert "/scratch/fr_<rank>" in nccl_dump_on_timeout()
+    monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
+    assert nccl_dump_on_timeout() == ""

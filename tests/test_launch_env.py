@@ -9,6 +9,7 @@ from engine.config import RunConfig
 from engine.health import EccWindow, HealthMonitor, throttle_names
 from engine.preflight import memory_growth, verdicts
 from engine.stop import HEALTH_EXIT, PREEMPTED_EXIT, StopControl, exit_status
+from parallel.device import DeviceUnavailable
 from parallel.distributed import DistEnv, LaunchError, discover, expand_nodelist, pick_device, rendezvous
 
 
@@ -168,7 +169,16 @@ def test_memory_growth_ignores_warmup_and_sees_a_leak():
 
 
 def test_device_cpu_by_default():
-    assert pick_device("cpu", 3) == torch.device("cpu")
+    assert pick_device("cpu", 3) == (torch.device("cpu"), "")
     if not torch.cuda.is_available():
-        with pytest.raises(RuntimeError, match="train.device=cuda"):
+        with pytest.raises(DeviceUnavailable, match="train.device=cuda"):
             pick_device("cuda", 0)
+
+
+def test_a_local_rank_without_a_gpu_of_its_own_is_refused():
+    """One GPU per rank: a rank that sees only its own GPU takes it; local rank 3 on a node whose ranks see 2
+    GPUs would have shared one (the modulo it used to take wrapped silently)."""
+    from parallel.distributed import gpu_for_local_rank
+    assert gpu_for_local_rank(3, 8) == 3 and gpu_for_local_rank(5, 1) == 0
+    with pytest.raises(DeviceUnavailable, match="local rank 3 sees only 2 GPUs"):
+        gpu_for_local_rank(3, 2)

@@ -12,7 +12,7 @@ import torch
 
 from engine.config import ConfigError, load_config, validate
 from engine.metrics import MetricsLog
-from engine.monitor import NonFiniteTraining
+from engine.monitor import RELEASE_INTERVAL, NonFiniteTraining, TrainingMonitor
 from engine.train import Trainer
 from parallel.distributed import DistEnv
 from parallel.placement import compact_ranges
@@ -163,6 +163,59 @@ def test_memory_fragmentation_is_reported_on_cuda(tmp_path):
     trainer = Trainer(cfg, DistEnv(0, 1, device=torch.device("cuda", torch.cuda.current_device())))
     record = trainer.train_step()
     assert 0.0 <= record["memory_fragmentation"] < 1.0 and record["memory_reserved_gb"] > 0
+
+
+class FakeAllocator:
+    """The CUDA allocator functions the fragmentation monitor reads, on CPU: peaks of 4 GiB allocated out of 10
+    GiB reserved every step, and an empty_cache() that frees `frees` GiB of what is reserved."""
+
+    def __init__(self, monkeypatch, frees: float):
+        self.reserved, self.frees, self.releases = 10 * 2**30, frees * 2**30, 0
+        for name, value in (("max_memory_allocated", lambda d: 4 * 2**30),
+                            ("max_memory_reserved", lambda d: 10 * 2**30),
+                            ("memory_reserved", lambda d: self.reserved), ("empty_cache", self.empty_cache),
+                            ("reset_peak_memory_stats", lambda d: None)):
+            monkeypatch.setattr(torch.cuda, name, value)
+
+    def empty_cache(self):
+        self.releases += 1
+        self.reserved -= self.frees
+
+    def steps(self, monitor: TrainingMonitor, first: int, last: int) -> list[int]:
+        """The steps in [first, last] at which cached blocks were released; the next step re-reserves them."""
+        released = []
+        for step in range(first, last + 1):
+            if "memory_released_gb" in monitor.memory(step, torch.device("cuda", 0)):
+                released.append(step)
+            self.reserved = 10 * 2**30
+        return released
+
+
+def fragmentation_monitor(tmp_path, warnings: list) -> TrainingMonitor:
+    cfg = load_config(TINY, [f"run.dir={tmp_path}"])
+    return TrainingMonitor(cfg, tmp_path, 0, 1, warnings.append)
+
+
+def test_fragmentation_releases_are_rate_limited_and_logged_with_their_figures(tmp_path, monkeypatch):
+    allocator, warnings = FakeAllocator(monkeypatch, frees=3.0), []
+    monitor = fragmentation_monitor(tmp_path, warnings)
+    # fragmentation 0.6 > 0.3 every step: one release per RELEASE_INTERVAL steps, not one per step
+    assert allocator.steps(monitor, 1, 2 * RELEASE_INTERVAL + 1) == [1, 1 + RELEASE_INTERVAL, 1 + 2 * RELEASE_INTERVAL]
+    assert allocator.releases == 3
+    assert warnings[0] == ("WARNING step 1: memory fragmentation 0.60 above run.max_memory_fragmentation=0.3; "
+                           "released the allocator's cached blocks: reserved 10.00 -> 7.00 GiB; next release at "
+                           f"step {1 + RELEASE_INTERVAL} at the earliest")
+
+
+def test_a_release_that_frees_nothing_doubles_the_wait_for_the_next(tmp_path, monkeypatch):
+    allocator, warnings = FakeAllocator(monkeypatch, frees=0.0), []
+    monitor = fragmentation_monitor(tmp_path, warnings)
+    first, second = 1, 1 + 2 * RELEASE_INTERVAL
+    assert allocator.steps(monitor, 1, second + 4 * RELEASE_INTERVAL) == [first, second, second + 4 * RELEASE_INTERVAL]
+    assert "reserved 10.00 -> 10.00 GiB" in warnings[0]
+    allocator.frees = 3 * 2**30  # a release that helps brings the interval back down
+    assert allocator.steps(monitor, second + 12 * RELEASE_INTERVAL, second + 13 * RELEASE_INTERVAL) == [
+        second + 12 * RELEASE_INTERVAL, second + 13 * RELEASE_INTERVAL]
 
 
 def test_ranges_and_validation():

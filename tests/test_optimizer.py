@@ -65,3 +65,44 @@ def test_fp16_overflow_skips_step_and_halves_scale():
     _grads(params, scale=opt.scaler.scale * 1e-3)   # small gradients of a scaled loss
     norm, skipped = opt.step(1e-3)
     assert not skipped and math.isfinite(norm)
+
+
+def test_owned_state_reload_continues_exactly_with_state_where_torch_keeps_it():
+    """load_owned_state (checkpoint resume, HF load) goes through torch's load_state_dict, so each state tensor
+    lands where the implementation keeps it (fused: `step` on the parameter's device), and the run continues
+    bit for bit."""
+    for implementation in ("fused", "foreach"):
+        cfg = OptimConfig(lr=0.1, weight_decay=0.1, clip_grad=0.5, implementation=implementation)
+        ran, resumed = _params(), _params()
+        opt = MixedPrecisionAdamW(ran, cfg, single_process(), "fp32")
+        for _ in range(2):
+            _grads(ran)
+            opt.step(0.1)
+        saved = {name: {key: t.clone() if torch.is_tensor(t) else t for key, t in entry.items()}
+                 for name, entry in opt.owned_state().items()}
+        again = MixedPrecisionAdamW(resumed, cfg, single_process(), "fp32")
+        again.adam_step = opt.adam_step
+        again.load_owned_state(lambda name, key, start, end: saved[name][key][start:end])
+        for m, n in zip(opt.master, again.master):
+            for key, value in opt.inner.state[m].items():
+                assert again.inner.state[n][key].device == value.device, (implementation, key)
+        for optimizer, params in ((opt, ran), (again, resumed)):
+            _grads(params)
+            optimizer.step(0.1)
+        for (_, a), (_, b) in zip(ran, resumed):
+            assert torch.equal(a, b), implementation
+
+
+def test_state_away_from_its_parameter_is_named():
+    params = _params()
+    opt = MixedPrecisionAdamW(params, OptimConfig(lr=0.1), single_process(), "fp32")
+    _grads(params)
+    opt.step(0.1)
+    opt.check_state_devices()
+    opt.inner.state[opt.master[0]]["exp_avg"] = torch.empty(opt.master[0].shape, device="meta")
+    try:
+        opt.check_state_devices()
+    except RuntimeError as exc:
+        assert "exp_avg of layer.weight is on meta" in str(exc)
+    else:
+        raise AssertionError("a moment on another device was not named")

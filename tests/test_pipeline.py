@@ -29,7 +29,7 @@ from parallel.stage_layers import (balanced_layer_counts, chunk_layer_counts, st
                                    tied_embedding_weights)
 from parallel.tensor import TensorParallel
 from parallel.topology import Layout, Topology
-from tests.distributed import WorkerPool
+from tests.distributed import WorkerPool, gloo_semantics
 from tests.helpers import ROOT, TINY, launch, tiny_trainer
 from tools.pipeline_trace import analytic_bubble, bubble_fractions, timeline
 
@@ -182,6 +182,11 @@ def _done_before_receive(pipe, first_stage: bool, action, key: str, sent) -> boo
 
 
 def exchange_overlaps(rank, world, run: int):
+    with gloo_semantics():
+        return _exchange_overlaps(rank, world, run)
+
+
+def _exchange_overlaps(rank, world, run: int):
     topo = Topology(Layout(pp=2, dp=world // 2), rank)
     pipe = PipelineComm.for_model(topo, ModelConfig(**MODEL), MICRO, False, torch.float32, torch.device("cpu"))
     sent = torch.arange(torch.Size(pipe.shape).numel(), dtype=torch.float32).reshape(pipe.shape)
@@ -214,7 +219,8 @@ def prefetched_receives(rank, world):
         return communicate(self, send_next, send_prev, recv_prev, recv_next)
     PipelineComm.communicate = recording
     try:
-        pipeline_step(rank, world, 4, "interleaved", virtual=2, tie=True)
+        with gloo_semantics():
+            pipeline_step(rank, world, 4, "interleaved", virtual=2, tie=True)
     finally:
         PipelineComm.communicate = communicate
     return used
@@ -437,3 +443,32 @@ def test_pipeline_trace_tool_runs(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("stage ")]
     assert len(lines) == 2 and "analytic 0.200" in lines[0] and "peak live micro-batches  2" in lines[0]
+
+
+def test_trace_on_cuda_times_slots_with_events_on_the_compute_stream(monkeypatch):
+    """On CUDA a slot's ends are events on the stream, read after one synchronisation: the slot lasts as long
+    as its kernels ran (here 5 ms of fake GPU time each), however quickly the host queued them."""
+    clock = {"gpu_ms": 0.0, "synchronised": 0}
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.at = None
+
+        def record(self):
+            clock["gpu_ms"] += 5.0
+            self.at = clock["gpu_ms"]
+
+        def elapsed_time(self, other):
+            return other.at - self.at
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: clock.__setitem__("synchronised",
+                                                                              clock["synchronised"] + 1))
+    trace = ScheduleTrace(torch.device("cuda", 0))
+    for mb in range(2):
+        trace.add("F", mb, 0, trace.mark(), trace.mark())
+    events = trace.events
+    assert [round(end - start, 6) for _, _, _, start, end in events] == [0.005, 0.005]
+    assert round(events[1][3] - events[0][3], 6) == 0.01 and trace.peak_live == 2
+    assert clock["synchronised"] == 2  # at the first mark (the wall-clock origin) and when read

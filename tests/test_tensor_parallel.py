@@ -128,7 +128,7 @@ def test_layout_errors_name_the_numbers():
 
 def topology_groups(rank, world):
     topo = Topology(Layout(tp=2, pp=2, dp=1), rank, dp_node_size=0)
-    units = topo.build_unit_groups(3)
+    units = topo.build_unit_groups(3, 3)
     return topo.group_ranks, len(units), topo.is_first_stage, topo.is_last_stage, topo.pp_neighbour(1)
 
 

@@ -145,3 +145,22 @@ def test_a_config_error_in_the_first_batch_leaves_no_prefetch_thread(tmp_path):
     trainer.train_step()
     assert trainer.loader is not first and first._thread is None  # replaced at the switch, and stopped
     trainer.loader.close()
+
+
+def test_preparing_a_step_reads_no_tensor_back_to_the_host(monkeypatch):
+    """The token-id check runs on the loader's host arrays before the copy: on a GPU, reading a bound from a
+    device tensor would stall the host once per micro-batch until the copy landed."""
+    import torch
+
+    from tests.helpers import tiny_trainer
+
+    trainer = tiny_trainer("train.global_batch_size=8", "train.micro_batch_size=2")
+    reads = []
+    for name in ("item", "tolist", "__int__", "__float__", "__bool__", "__index__"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name,
+                            lambda self, *a, _name=name, _original=original: reads.append(_name) or _original(self, *a))
+    micro_batches, _ = trainer.next_micro_batches()
+    monkeypatch.undo()
+    trainer.loader.close()
+    assert len(micro_batches) == 4 and reads == []

@@ -69,7 +69,7 @@ def _worker(rank: int, world: int, port: int, args, results) -> None:
         trainer = Trainer(cfg, DistEnv(rank, world))
         for step in range(args.steps):
             if step == args.steps - 1:
-                trainer.schedule_trace = ScheduleTrace()
+                trainer.schedule_trace = ScheduleTrace(trainer.env.device)
             trainer.train_step()
         trace = trainer.schedule_trace
         results.put((trainer.topo.pp_rank, trace.events, trace.peak_live))
