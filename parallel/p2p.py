@@ -5,7 +5,9 @@ Activations travel to the next stage, their gradients back to the previous one. 
 its neighbour's matching receive are always in the same batch on both sides (the condition NCCL needs to
 never deadlock). Shapes are fixed by the configuration — [micro_batch, seq_length (/tp under sequence
 parallelism), hidden] in the compute dtype — so receive buffers are allocated without any per-step shape
-exchange; a send of any other shape is refused.
+exchange; a send of any other shape is refused. Evaluation, whose micro-batches are only as long as their
+longest request, sets each one's shape with `reshape` on every stage (the shape follows from the same
+requests there, so it needs no exchange either).
 
 An exchange waits for its receives only: its sends stay in flight while the stage computes (as
 torch.distributed.pipelining does), holding the sent tensors, and are waited for at the next exchange or at
@@ -61,6 +63,12 @@ class PipelineComm:
     def for_model(cls, topo, model_cfg, micro_batch_size: int, sequence_parallel: bool, dtype, device):
         seq = model_cfg.seq_length // (topo.tp_size if sequence_parallel and topo.tp_size > 1 else 1)
         return cls(topo, (micro_batch_size, seq, model_cfg.hidden_size), dtype, device)
+
+    def reshape(self, shape: tuple[int, ...]) -> None:
+        """Exchange activations of `shape` from now on; between schedules only, with nothing in flight."""
+        if self._sending or self._prefetched is not None:
+            raise RuntimeError("a pipeline reshape while exchanges are in flight: reshape between schedules")
+        self.shape = tuple(shape)
 
     def _checked(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.shape != self.shape or tensor.dtype != self.dtype:
