@@ -94,3 +94,11 @@ def eod_id_from_tokenizer(path: str | Path) -> int:
     raise ValueError(f"tokenizer {file} has no tokenizer_config.json and none of the end-of-document tokens "
                      f"{', '.join(FALLBACK_NAMES['eos_token'])}; add a tokenizer_config.json with eos_token or "
                      f"set data.eod_token_id / --eod-token")
+
+
+def eod_id_or_none(path: str | Path) -> int | None:
+    """eod_id_from_tokenizer, or None for a tokenizer without an end-of-document token."""
+    try:
+        return eod_id_from_tokenizer(path)
+    except (OSError, ValueError):
+        return None

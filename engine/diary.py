@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from data.eod import eod_id_from_tokenizer
+from data.eod import eod_id_or_none
 from engine.config import ConfigError
 from engine.generate import Sampling, generate
 from engine.model_source import ModelSource, load_single_model
@@ -50,13 +50,6 @@ def read_entries(path: Path) -> list[dict]:
     return entries
 
 
-def eod_or_none(tokenizer: str) -> int | None:
-    try:
-        return eod_id_from_tokenizer(tokenizer)
-    except (OSError, ValueError):  # a tokenizer without an end-of-document token: stop at the length limit
-        return None
-
-
 class Diary:
     def __init__(self, cfg, rank: int, dtype):
         t = cfg.train
@@ -74,7 +67,8 @@ class Diary:
                 self.tokenizer = TextTokenizer(cfg.data.tokenizer)
             except ValueError as exc:
                 raise ConfigError(f"train.diary_prompts: {exc}") from exc
-            self.eod_id = cfg.data.eod_token_id if cfg.data.eod_token_id >= 0 else eod_or_none(cfg.data.tokenizer)
+            # None (no end-of-document token): generation stops at the length limit
+            self.eod_id = cfg.data.eod_token_id if cfg.data.eod_token_id >= 0 else eod_id_or_none(cfg.data.tokenizer)
 
     def modes(self, step: int) -> list[tuple[str, Sampling]]:
         greedy = [("greedy", Sampling(self.max_tokens))]
