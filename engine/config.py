@@ -139,6 +139,8 @@ class TrainConfig:
     eval_tasks: list = field(default_factory=list)  # multiple-choice task files (JSONL: context, choices, gold)
         # scored as lm-evaluation-harness does; logged as <task>/acc, <task>/acc_norm (engine/evaluation_tasks.py)
     eval_tasks_interval: int = 0  # steps between task evaluations (and at the last step); 0 = never
+    eval_window: int = 0  # most tokens a task request is scored with (longer ones lose their start, as
+        # lm-evaluation-harness truncates); 0 = model.seq_length. Each request costs only its own length
     diary_prompts: list = field(default_factory=list)  # prompts continued at every checkpoint save into
         # run.dir/diary.jsonl (engine/diary.py); needs data.tokenizer
     diary_max_tokens: int = 32  # new tokens per diary continuation (fewer at the end-of-document token)
@@ -526,6 +528,11 @@ def validate(cfg: Config, world_size: int) -> None:
                           "text into tokens and back")
     if t.eval_tasks and t.eval_tasks_interval == 0:
         raise ConfigError("train.eval_tasks needs train.eval_tasks_interval > 0 (steps between task evaluations)")
+    context = m.max_position_embeddings or m.seq_length
+    if t.eval_window > context:
+        raise ConfigError(f"train.eval_window={t.eval_window} is longer than the model's context ({context}: "
+                          f"model.max_position_embeddings, else model.seq_length); set at most {context}, or 0 for "
+                          f"model.seq_length")
     if t.eval_per_dataset and (t.eval_interval == 0 or cfg.data.mock):
         raise ConfigError("train.eval_per_dataset=true needs train.eval_interval > 0 and data.paths (not data.mock)")
     if p.schedule == "interleaved" and p.pipeline > 1 and micro_batches % p.pipeline:

@@ -4,7 +4,11 @@ scores its `multiple_choice` tasks on a causal model:
 - a task file is JSONL, one item per line: {"context": str, "choices": [str, ...], "gold": int};
 - choice i is the continuation target_delimiter + choices[i] of the context; the pair is split into
   tokens as lm-eval's `_encode_pair` does (trailing spaces of the context move to the continuation, the
-  whole string is encoded, and the continuation is what follows the context's own encoding);
+  whole string is encoded, and the continuation is what follows the context's own encoding), each string
+  encoded as its Hugging Face backend does (TextTokenizer.encode_as_harness: the tokenizer's own special
+  tokens);
+- a request longer than train.eval_window + 1 tokens keeps its last ones, as lm-eval truncates to its
+  max_length, and costs only its own length, not the window's;
 - its log-likelihood is the sum over the continuation's tokens (engine/scoring.py);
 - acc: the most likely choice is the gold one; acc_norm: the same after dividing each log-likelihood by
   the choice's length in characters (lm-eval's `completion_len`; equal to the byte length for ASCII).
@@ -16,6 +20,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from data.eod import eod_id_or_none
 from engine.config import ConfigError
 from engine.scoring import Scorer
 from engine.text_tokenizer import TextTokenizer
@@ -123,7 +128,10 @@ class InRunTasks:
         self.suite, self.scorer = None, None
         if t.eval_tasks:
             try:
-                self.suite = TaskSuite(t.eval_tasks, TextTokenizer(cfg.data.tokenizer).encode)
+                tokenizer = TextTokenizer(cfg.data.tokenizer)
+                eod = cfg.data.eod_token_id if cfg.data.eod_token_id >= 0 else eod_id_or_none(cfg.data.tokenizer)
+                prefix = tokenizer.prefix_id(eod)
+                self.suite = TaskSuite(t.eval_tasks, lambda text: tokenizer.encode_as_harness(text, prefix))
             except ValueError as exc:
                 raise ConfigError(str(exc)) from exc
 
@@ -132,12 +140,11 @@ class InRunTasks:
         return self.suite is not None and interval > 0 and (step % interval == 0 or step == self.cfg.train.steps)
 
     def evaluate(self) -> dict[str, float]:
-        if self.scorer is None:  # one sequence per micro-batch: the stages exchange [1, s, h] activations
-            t = self.topo
-            pipe = PipelineComm.for_model(t, self.cfg.model, 1, self.cfg.parallel.sequence_parallel, self.dtype,
-                                          self.device) if t.pp_size > 1 else None
-            self.scorer = Scorer(self.chunks, self.cfg.model.seq_length, self.device, pipe, t.dp_group, t.dp_rank,
-                                 t.dp_size)
+        if self.scorer is None:  # one sequence per micro-batch: the stages exchange [1, its length, h]
+            t, sp = self.topo, self.cfg.parallel.sequence_parallel
+            pipe = PipelineComm.for_model(t, self.cfg.model, 1, sp, self.dtype, self.device) if t.pp_size > 1 else None
+            self.scorer = Scorer(self.chunks, self.cfg.train.eval_window or self.cfg.model.seq_length, self.device,
+                                 pipe, t.dp_group, t.dp_rank, t.dp_size, sequence_shards=t.tp_size if sp else 1)
         record = self.suite.evaluate(self.scorer)
         log.info("tasks: " + ", ".join(f"{k} {v:.3f}" for k, v in record.items()))  # rank 0's log only
         return record

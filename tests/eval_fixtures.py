@@ -1,13 +1,16 @@
 """Shared pieces of the evaluation tests: a small byte-level BPE tokenizer.json (made in-process, no
-download) and a tiny multiple-choice task."""
+download), a tiny multiple-choice task, and lm-evaluation-harness in a side environment."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ["def add(a, b):\n    return a + b\n", "for i in range(10):\n    print(i)\n",
           "import os\nimport sys\n", "class Point:\n    def __init__(self, x):\n        self.x = x\n",
           "héllo wörld, ça va? 日本語"] * 4
@@ -45,3 +48,26 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def lm_eval_python() -> Path:
+    """build/lm-eval-venv: lm-evaluation-harness (with accelerate) over this checkout's packages, made once."""
+    venv = ROOT / "build" / "lm-eval-venv"
+    python = venv / "bin" / "python"
+    if (venv / "ready").is_file():
+        return python
+    subprocess.run([sys.executable, "-m", "venv", "--clear", "--without-pip", str(venv)], check=True)
+    site = next(p for p in sys.path if p.endswith("site-packages"))
+    (venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages" /
+     "checkout.pth").write_text(site + "\n")
+    install = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "lm_eval==0.4.13",
+                              "accelerate"], capture_output=True, text=True)
+    if install.returncode:
+        probe = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(venv / "probe"),
+                                "lm_eval==0.4.13"], capture_output=True, text=True)
+        if probe.returncode:
+            pytest.skip(f"the package registry is unreachable, so lm-evaluation-harness cannot be installed: "
+                        f"{probe.stderr.strip()[-200:]}")
+        raise AssertionError(f"installing lm-evaluation-harness failed: {install.stderr[-2000:]}")
+    (venv / "ready").write_text("lm_eval==0.4.13\n")
+    return python

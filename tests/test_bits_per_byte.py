@@ -1,6 +1,8 @@
 """tools/evaluate.py: loss, perplexity and bits per byte, the same at every layout and for the HF export."""
 import json
 import math
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,11 +14,13 @@ import torch
 from data.indexed import IndexedDatasetBuilder
 from engine.config import load_config
 from engine.metrics import MetricsLog
+from engine.model import CausalLM
+from engine.scoring import Scorer, rolling_windows
 from engine.text_tokenizer import TextTokenizer
 from engine.train import Trainer
 from parallel.distributed import DistEnv
 from tests.distributed import WorkerPool, free_port
-from tests.eval_fixtures import CORPUS, VOCAB, make_tokenizer, one_thread  # noqa: F401 (autouse fixture)
+from tests.eval_fixtures import CORPUS, VOCAB, lm_eval_python, make_tokenizer, one_thread  # noqa: F401
 from tools import ckpt_convert
 from tools import evaluate as evaluate_tool
 
@@ -79,9 +83,10 @@ def train_at(rank, world, tmp, steps, *layout) -> str:
     return train_and_save(tmp, steps, *layout, rank=rank, world=world)
 
 
-def evaluate_at(rank, world, model, data, tensor, pipeline):
+def evaluate_at(rank, world, model, data, tensor, pipeline, window=0):
     torch.set_num_threads(1)
-    return evaluate_tool.evaluate(model, data, tensor=tensor, pipeline=pipeline, rank=rank, world=world)
+    return evaluate_tool.evaluate(model, data, tensor=tensor, pipeline=pipeline, rank=rank, world=world,
+                                  window=window)
 
 
 def transformers_nats(hf_dir, texts, tokenizer, eod, seq_length) -> float:
@@ -91,7 +96,7 @@ def transformers_nats(hf_dir, texts, tokenizer, eod, seq_length) -> float:
     total = 0.0
     with torch.no_grad():
         for text in texts:
-            for ids, n in evaluate_tool.windows(tokenizer.encode(text), eod, seq_length):
+            for ids, n in rolling_windows(tokenizer.encode(text), eod, seq_length):
                 logp = model(torch.tensor([ids[:-1]])).logits[0].log_softmax(-1)
                 total -= sum(logp[j, ids[j + 1]].item() for j in range(len(ids) - 1 - n, len(ids) - 1))
     return total
@@ -149,3 +154,123 @@ def test_command_line_under_torchrun_at_pp2_equals_one_process(tmp_path):
     got = json.loads((tmp_path / "pp2.json").read_text())["all"]
     want = evaluate_tool.evaluate(ckpt, [data])["all"]
     assert abs(got["bits_per_byte"] - want["bits_per_byte"]) <= 1e-5 and got["tokens"] == want["tokens"]
+
+
+def test_rolling_windows_are_lm_evaluation_harness_s():
+    """Its get_rolling_token_windows(context_len=1) made disjoint, run in its own environment, for documents
+    of lengths around multiples of the window (distinct tokens, so that every position is checked)."""
+    cases = [(n, w) for w in (1, 4, 7) for n in sorted({1, w - 1, w, w + 1, 2 * w - 1, 2 * w, 2 * w + 1, 3 * w + 2})
+             if n >= 1]
+    script = ("import json, sys\nfrom lm_eval.utils import get_rolling_token_windows, make_disjoint_window\n"
+              "print(json.dumps([[make_disjoint_window(p) for p in get_rolling_token_windows("
+              "list(range(100, 100 + n)), 7, w, 1)] for n, w in json.load(sys.stdin)]))")
+    run = subprocess.run([str(lm_eval_python()), "-c", script], input=json.dumps(cases), capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for (n, w), theirs in zip(cases, json.loads(run.stdout), strict=True):
+        ours = rolling_windows(list(range(100, 100 + n)), 7, w)
+        assert ours == [(context + scored, len(scored)) for context, scored in theirs], (n, w)
+
+
+BOS = "<s>"
+WINDOW = 16
+
+
+def give_a_bos(hf_dir) -> int:
+    """Make the export's tokenizer Llama-like: a BOS that its tokenizer_config.json declares (lm-eval's prefix
+    token then) and that its post-processor puts before every text (lm-eval's encoding keeps it)."""
+    from tokenizers import Tokenizer, processors
+    tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    tok.add_special_tokens([BOS])
+    bos = tok.token_to_id(BOS)
+    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, bos)])
+    tok.save(str(hf_dir / "tokenizer.json"))
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        config = json.loads((hf_dir / name).read_text())
+        config["bos_token"] = BOS
+        (hf_dir / name).write_text(json.dumps(config))
+    return bos
+
+
+def documents_around_multiples(tokenizer: TextTokenizer, prefix: int) -> list[str]:
+    """Prefixes of the corpus whose encodings (BOS included) are 1, W - 1, W, W + 1, 2W - 1, 2W, 2W + 1 and 3W
+    tokens long, for W = WINDOW."""
+    text = "".join(sorted(set(CORPUS))) * 2
+    found = {}
+    for end in range(1, len(text)):
+        found.setdefault(len(tokenizer.encode_as_harness(text[:end], prefix)), text[:end])
+    targets = [2, WINDOW - 1, WINDOW, WINDOW + 1, 2 * WINDOW - 1, 2 * WINDOW, 2 * WINDOW + 1, 3 * WINDOW]
+    return [found[n] for n in targets]
+
+
+def harness_bits_per_byte(tmp, hf_dir, data: str) -> float:
+    """lm-evaluation-harness's own bits per byte of a loglikelihood_rolling task over `data`, at max_length WINDOW."""
+    (tmp / "tasks").mkdir()
+    (tmp / "tasks" / "tiny_bpb.yaml").write_text(
+        f"task: tiny_bpb\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
+        "output_type: loglikelihood_rolling\ndoc_to_text: \"\"\ndoc_to_target: \"{{text}}\"\n"
+        "metric_list:\n  - metric: bits_per_byte\n")
+    run = subprocess.run([str(lm_eval_python()), "-m", "lm_eval", "--model", "hf", "--model_args",
+                          f"pretrained={hf_dir},dtype=float32,max_length={WINDOW}", "--tasks", "tiny_bpb",
+                          "--include_path", str(tmp / "tasks"), "--device", "cpu", "--batch_size", "1",
+                          "--output_path", str(tmp / "out")], capture_output=True, text=True, cwd=tmp,
+                         env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(next((tmp / "out").rglob("results_*.json")).read_text())["results"]["tiny_bpb"][
+        "bits_per_byte,none"]
+
+
+def test_bits_per_byte_equal_lm_evaluation_harness_s_at_one_process_tp2_and_pp2(pool, tmp_path):
+    """A model trained on the corpus (so that context pays), a Llama-like tokenizer (BOS prefix, BOS added to
+    every text) and documents around multiples of the window: lm-eval's number to 1e-6 relative."""
+    tok = make_tokenizer(tmp_path / "tok")
+    tokenizer = TextTokenizer(tok)
+    prefix = write_token_dataset(tmp_path / "corpus_text_document", CORPUS * 8, tokenizer, 0)
+    ckpt = train_and_save(tmp_path, 40, "data.mock=false", f"data.paths=[{prefix}]", "data.split=100,0,0")
+    hf = tmp_path / "hf"
+    assert ckpt_convert.main(["--to", "hf", "--load-dir", ckpt, "--save-dir", str(hf)]) == 0
+    bos = give_a_bos(hf)
+    docs = documents_around_multiples(TextTokenizer(hf / "tokenizer.json"), bos)
+    data = write_jsonl(tmp_path / "docs.jsonl", docs)
+    one = evaluate_tool.evaluate(str(hf), [data], window=WINDOW)
+    assert one["prefix_token"] == bos and one["window"] == WINDOW
+    assert one["all"]["loss"] < 0.5 * math.log(VOCAB)  # it has learned the corpus: context matters
+    theirs = harness_bits_per_byte(tmp_path, hf, data)
+    assert abs(one["all"]["bits_per_byte"] - theirs) <= 1e-6 * theirs, (one["all"], theirs)
+    for tensor, pipeline in ((2, 1), (1, 2)):  # each with DP2
+        for got in pool.run(evaluate_at, str(hf), [data], tensor, pipeline, WINDOW):
+            assert abs(got["all"]["bits_per_byte"] - theirs) <= 1e-6 * theirs, (tensor, pipeline, got, theirs)
+
+
+def test_short_documents_cost_their_tokens_whatever_max_position_embeddings(tmp_path):
+    """The forward's sequence lengths, counted by a hook, are the same for an 8192- and a 512-position config
+    and no longer than the longest document's window."""
+    ckpt = train_and_save(tmp_path, 1)
+    assert ckpt_convert.main(["--to", "hf", "--load-dir", ckpt, "--save-dir", str(tmp_path / "hf")]) == 0
+    data = write_jsonl(tmp_path / "docs.jsonl", DOCS[:-1])
+    longest = max(len(TextTokenizer(tmp_path / "tok" / "tokenizer.json").encode(t)) for t in DOCS[:-1])
+    lengths = {}
+    for context in (512, 8192):
+        hf = tmp_path / f"hf{context}"
+        shutil.copytree(tmp_path / "hf", hf)
+        config = json.loads((hf / "config.json").read_text())
+        config["max_position_embeddings"] = context
+        (hf / "config.json").write_text(json.dumps(config))
+        seen = lengths[context] = []
+        hook = torch.nn.modules.module.register_module_forward_pre_hook(
+            lambda module, args: seen.append(args[0].shape[1]) if isinstance(module, CausalLM) else None)
+        try:
+            got = evaluate_tool.evaluate(str(hf), [data], batch=2)
+        finally:
+            hook.remove()
+        assert got["window"] == context
+    assert lengths[512] == lengths[8192] and max(lengths[8192]) == longest  # [eod] + tokens, less the last
+
+
+def test_a_micro_batch_is_as_long_as_its_longest_request_rounded_for_sequence_parallelism():
+    scorer = Scorer([], 8, "cpu", sequence_shards=2)
+    mb = scorer.micro_batch([([1, 2, 3, 4], 2), ([5, 6], 1)])
+    assert mb.tokens.tolist() == [[1, 2, 3, 4, 0], [5, 6, 0, 0, 0]]
+    assert mb.loss_mask.tolist() == [[0, 1, 1, 0], [1, 0, 0, 0]]
+    scorer.window = 9  # a long request keeps its last window + 1 tokens, as lm-eval truncates on the left
+    assert scorer.micro_batch([(list(range(20)), 3)]).tokens[0].tolist() == list(range(10, 20)) + [0]

@@ -5,7 +5,6 @@ checkout's packages) run on the Hugging Face export; its per-choice log-likeliho
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,16 +13,16 @@ import torch
 from engine.config import ConfigError, load_config, validate
 from engine.evaluation_tasks import TaskItem, accuracy, encode_pair, load_task, requests
 from engine.metrics import MetricsLog
+from engine.model import CausalLM
 from engine.model_source import ModelSource, load_single_model
 from engine.scoring import Scorer
 from engine.text_tokenizer import TextTokenizer
 from engine.train import Trainer
 from parallel.distributed import DistEnv
 from tests.distributed import WorkerPool
-from tests.eval_fixtures import VOCAB, make_tokenizer, one_thread, write_task  # noqa: F401 (autouse fixture)
+from tests.eval_fixtures import VOCAB, lm_eval_python, make_tokenizer, one_thread, write_task  # noqa: F401
 from tools import ckpt_convert, tasks_from_lm_eval
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = "launch/configs/tiny.yaml"
 
 
@@ -59,6 +58,8 @@ def test_malformed_task_file_is_one_line_naming_file_and_line(tmp_path, line, wh
         load_task(path)
     with pytest.raises(ConfigError, match="train.eval_tasks needs train.eval_tasks_interval > 0"):
         validate(load_config(TINY, [f"train.eval_tasks=[{path}]", "data.tokenizer=t.json"]), 1)
+    with pytest.raises(ConfigError, match="train.eval_window=33 is longer than the model's context"):
+        validate(load_config(TINY, ["train.eval_window=33"]), 1)
 
 
 def reference_nll(model, reqs) -> list[float]:
@@ -91,7 +92,14 @@ def test_in_run_task_scores_equal_the_reference_under_tp2_pp2_and_zero3(pool, tm
     trainer = Trainer(load_config(TINY, common), DistEnv())
     _, reqs = trainer.tasks.suite.tasks["tiny_mc"]
     want = reference_nll(trainer.chunks[0], reqs)
-    record, got = in_run_scores(0, 1, common)
+    seen = []  # each request's forward is as long as the request, not model.seq_length
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(
+        lambda module, args: seen.append(args[0].shape[1]) if isinstance(module, CausalLM) else None)
+    try:
+        record, got = in_run_scores(0, 1, common)
+    finally:
+        hook.remove()
+    assert sorted(seen) == sorted(2 * [len(ids) - 1 for ids, _ in reqs])  # evaluate(), then nll_sums again
     assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-4
     for layout in (["parallel.tensor=2", "parallel.pipeline=2", "parallel.sequence_parallel=true"],
                    ["parallel.pipeline=2", "parallel.zero_stage=3"]):  # the second with DP=2
@@ -107,29 +115,6 @@ def test_task_accuracy_is_logged_at_its_interval(tmp_path):
     assert [r["step"] for r in records if "tiny_mc/acc" in r] == [2, 4]
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert {"tiny_mc/acc", "tiny_mc/acc_norm"} <= set(logged[-1])
-
-
-def lm_eval_python() -> Path:
-    """build/lm-eval-venv: lm-evaluation-harness (with accelerate) over this checkout's packages, made once."""
-    venv = ROOT / "build" / "lm-eval-venv"
-    python = venv / "bin" / "python"
-    if (venv / "ready").is_file():
-        return python
-    subprocess.run([sys.executable, "-m", "venv", "--clear", "--without-pip", str(venv)], check=True)
-    site = next(p for p in sys.path if p.endswith("site-packages"))
-    (venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages" /
-     "checkout.pth").write_text(site + "\n")
-    install = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "lm_eval==0.4.13",
-                              "accelerate"], capture_output=True, text=True)
-    if install.returncode:
-        probe = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(venv / "probe"),
-                                "lm_eval==0.4.13"], capture_output=True, text=True)
-        if probe.returncode:
-            pytest.skip(f"the package registry is unreachable, so lm-evaluation-harness cannot be installed: "
-                        f"{probe.stderr.strip()[-200:]}")
-        raise AssertionError(f"installing lm-evaluation-harness failed: {install.stderr[-2000:]}")
-    (venv / "ready").write_text("lm_eval==0.4.13\n")
-    return python
 
 
 def test_scores_equal_lm_evaluation_harness_on_the_hf_export(tmp_path):

@@ -10,19 +10,25 @@
 Hugging Face directory. --data: JSONL files (one document per line, its text under --text-key) or token
 dataset prefixes (.bin/.idx or .arrow/.idx from tools/preprocess_data.py), in any mix.
 
-Every document is scored as [end-of-document token] + its tokens, in consecutive windows of
-model.seq_length predictions (the first prediction of a window sees the window's one token before it, as
-lm-evaluation-harness's rolling log-likelihood does), so every token of the text is predicted once.
+Every document is scored as lm-evaluation-harness's rolling log-likelihood scores it: windows of --window
+predictions (default: the training seq_length of a Trilith checkpoint; a Hugging Face directory's
+max_position_embeddings, at most 8192), the first after the prefix token, each later one after the tokens
+before it (a short last window too sees a whole window of them), so every token is predicted once.
+--prefix harness (the default) is the harness's prefix token: the tokenizer's declared BOS, else its
+end-of-document token; --prefix eod is always the end-of-document token. JSONL text is encoded as the
+harness encodes it (the tokenizer's own special tokens, e.g. a Llama tokenizer's BOS).
   loss = nats summed over the text's tokens / tokens;  perplexity = exp(loss);
   bits per byte = nats summed / ln 2 / UTF-8 bytes of the text.
 The bytes of a JSONL document are its text's; those of a token-dataset document are the text its tokens
 decode to (with --tokenizer or the checkpoint's data.tokenizer; special tokens decode to nothing, and a
 trailing end-of-document token is not scored). Bits per byte divides by bytes, not tokens, so models with
-different tokenizers compare.
+different tokenizers compare. A forward costs the tokens of its windows, padded to the longest of them, not
+the model's whole context.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -37,19 +43,24 @@ if str(ROOT) not in sys.path:
 
 from engine.checkpoint_io import CheckpointError  # noqa: E402
 from engine.model_source import ModelSource  # noqa: E402
-from engine.scoring import Scorer  # noqa: E402
+from engine.scoring import Scorer, rolling_windows  # noqa: E402
 from engine.text_tokenizer import TextTokenizer  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# The default window of a Hugging Face directory is its max_position_embeddings (what lm-evaluation-harness
+# uses) up to this: beyond it a long document's windows hold attention and activations of a length few
+# evaluation machines want by default (a Llama 3.x config says 131072); --window sets any other.
+HF_WINDOW_CAP = 8192
 
 
 class EvaluationError(ValueError):
     """Bad input to tools/evaluate.py: one line naming the file or option and the fix."""
 
 
-def read_documents(path: str, tokenizer: TextTokenizer | None, text_key: str, eod_id: int, limit: int = 0
-                   ) -> list[tuple[list[int], int]]:
-    """(tokens, UTF-8 bytes) of each document of a JSONL file or token dataset prefix."""
+def read_documents(path: str, tokenizer: TextTokenizer | None, text_key: str, eod_id: int, prefix: int,
+                   limit: int = 0) -> list[tuple[list[int], int]]:
+    """(tokens, UTF-8 bytes) of each document of a JSONL file (encoded as the harness does, with `prefix`
+    its prefix token) or token dataset prefix."""
     docs = []
     if path.endswith((".jsonl", ".json")):
         if tokenizer is None:
@@ -68,7 +79,7 @@ def read_documents(path: str, tokenizer: TextTokenizer | None, text_key: str, eo
             if not isinstance(text, str):
                 raise EvaluationError(f"{path} line {number}: not a JSON object with a text string under "
                                       f"{text_key!r} (choose the key with --text-key)")
-            docs.append((tokenizer.encode(text), len(text.encode("utf-8"))))
+            docs.append((tokenizer.encode_as_harness(text, prefix), len(text.encode("utf-8"))))
             if limit and len(docs) == limit:
                 break
         return docs
@@ -92,11 +103,16 @@ def read_documents(path: str, tokenizer: TextTokenizer | None, text_key: str, eo
     return docs
 
 
-def windows(tokens: list[int], eod_id: int, length: int) -> list[tuple[list[int], int]]:
-    """Scoring requests covering every token of a document once: [eod] + tokens in windows of `length`."""
-    full = [eod_id] + tokens
-    return [(full[start:start + length + 1], len(full[start + 1:start + length + 1]))
-            for start in range(0, len(tokens), length)]
+def default_window(source: ModelSource) -> int:
+    """A Trilith checkpoint's training seq_length; a Hugging Face directory's max_position_embeddings, capped."""
+    return source.model.seq_length if source.metadata is not None else min(source.model.seq_length, HF_WINDOW_CAP)
+
+
+def check_window(source: ModelSource, window: int) -> None:
+    context = source.model.max_position_embeddings or source.model.seq_length
+    if not 1 <= window <= context:
+        raise EvaluationError(f"--window {window}: the model's context is {context} positions (its "
+                              f"max_position_embeddings, else its training seq_length); choose 1 to {context}")
 
 
 def summarize(nats: float, tokens: int, n_bytes: int) -> dict:
@@ -105,14 +121,15 @@ def summarize(nats: float, tokens: int, n_bytes: int) -> dict:
             "tokens": tokens, "bytes": n_bytes, "nats": nats}
 
 
-def build(source: ModelSource, tensor: int, pipeline: int, rank: int, world: int, device, dtype, batch: int):
-    """(model chunks, Scorer) of this rank at the layout TP × PP × (world / TP·PP)."""
+def build(source: ModelSource, tensor: int, pipeline: int, rank: int, world: int, device, dtype, batch: int,
+          window: int) -> Scorer:
+    """This rank's Scorer of `window`-token windows at the layout TP × PP × (world / TP·PP)."""
     from engine.config import Config, validate
     from engine.train import build_model_chunks
     from parallel.p2p import PipelineComm
     from parallel.tensor import TensorParallel
     from parallel.topology import Layout, Topology
-    cfg = Config(model=source.model)
+    cfg = Config(model=dataclasses.replace(source.model, seq_length=window))
     cfg.parallel.tensor, cfg.parallel.pipeline, cfg.data.mock = tensor, pipeline, True
     cfg.train.micro_batch_size, cfg.train.global_batch_size = 1, max(world // (tensor * pipeline), 1)
     validate(cfg, world)
@@ -122,13 +139,14 @@ def build(source: ModelSource, tensor: int, pipeline: int, rank: int, world: int
     for chunk in chunks:
         chunk.to(device=device, dtype=dtype).eval()
     pipe = PipelineComm.for_model(topo, cfg.model, batch, False, dtype, device) if pipeline > 1 else None
-    return Scorer(chunks, cfg.model.seq_length, device, pipe, topo.dp_group, topo.dp_rank, topo.dp_size, batch)
+    return Scorer(chunks, window, device, pipe, topo.dp_group, topo.dp_rank, topo.dp_size, batch)
 
 
 def evaluate(model: str, data: list[str], tokenizer: str = "", tensor: int = 1, pipeline: int = 1, rank: int = 0,
              world: int = 1, device="cpu", dtype=torch.float32, text_key: str = "text", limit: int = 0,
-             batch: int = 8, progress: bool = False) -> dict:
-    """{"model", "step", "datasets": {path: summary}, "all": summary}; the same on every rank."""
+             batch: int = 8, progress: bool = False, window: int = 0, prefix: str = "harness") -> dict:
+    """{"model", "step", "window", "prefix_token", "datasets": {path: summary}, "all": summary}; the same on
+    every rank. window 0: the model's default (default_window); prefix "harness" or "eod"."""
     source = ModelSource(model)
     try:
         eod = source.eod_id
@@ -137,15 +155,19 @@ def evaluate(model: str, data: list[str], tokenizer: str = "", tensor: int = 1, 
                                   f"with one); pass --tokenizer with an end-of-document token")
         text = TextTokenizer(tokenizer or source.tokenizer, "--tokenizer") if (tokenizer or source.tokenizer) \
             else None
-        scorer = build(source, tensor, pipeline, rank, world, device, dtype, batch)
+        prefix_id = text.prefix_id(eod) if text is not None and prefix == "harness" else eod
+        window = window or default_window(source)
+        check_window(source, window)
+        scorer = build(source, tensor, pipeline, rank, world, device, dtype, batch, window)
     finally:
         source.close()
     out, total = {}, [0.0, 0, 0]
     for path in data:
-        docs = read_documents(path, text, text_key, eod, limit)
+        docs = read_documents(path, text, text_key, eod, prefix_id, limit)
         if not docs:
             raise EvaluationError(f"--data {path} holds no documents")
-        requests = [r for tokens, _ in docs for r in windows(tokens, eod, scorer.seq_length)]
+        requests = [r for tokens, _ in docs for r in rolling_windows(tokens, prefix_id, window)]
+        requests.sort(key=lambda r: -len(r[0]))  # longest first, so that each forward's windows are alike
         nats = 0.0
         step = 8 * batch * scorer.dp_size  # windows per progress update
         with tqdm(total=len(requests), desc=Path(path).name, unit="window", disable=not progress) as bar:
@@ -155,7 +177,8 @@ def evaluate(model: str, data: list[str], tokenizer: str = "", tensor: int = 1, 
         tokens, n_bytes = sum(len(t) for t, _ in docs), sum(b for _, b in docs)
         out[path] = summarize(nats, tokens, n_bytes)
         total = [total[0] + nats, total[1] + tokens, total[2] + n_bytes]
-    return {"model": str(source.path), "step": source.step, "datasets": out, "all": summarize(*total)}
+    return {"model": str(source.path), "step": source.step, "window": window, "prefix_token": prefix_id,
+            "datasets": out, "all": summarize(*total)}
 
 
 def main(argv=None) -> int:
@@ -170,6 +193,12 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
     ap.add_argument("--limit", type=int, default=0, help="at most this many documents per dataset (0 = all)")
     ap.add_argument("--batch", type=int, default=8, help="windows per forward (per data-parallel rank)")
+    ap.add_argument("--window", type=int, default=0,
+                    help=f"predictions per window (default: a checkpoint's training seq_length, a Hugging Face "
+                         f"directory's max_position_embeddings up to {HF_WINDOW_CAP})")
+    ap.add_argument("--prefix", choices=("harness", "eod"), default="harness",
+                    help="the token before a document: lm-evaluation-harness's (the tokenizer's BOS, else its "
+                         "end-of-document token) or always the end-of-document token")
     ap.add_argument("--output", default="", help="write the JSON result here too")
     args = ap.parse_args(argv)
     from parallel.distributed import init_distributed, shutdown
@@ -178,7 +207,7 @@ def main(argv=None) -> int:
     try:
         result = evaluate(args.model, args.data, args.tokenizer, args.tensor, args.pipeline, env.rank,
                           env.world_size, env.device, DTYPES[args.dtype], args.text_key, args.limit,
-                          args.batch, progress=env.rank == 0)
+                          args.batch, progress=env.rank == 0, window=args.window, prefix=args.prefix)
         clean = True
     except (ValueError, CheckpointError) as exc:  # EvaluationError, ConfigError, a bad tokenizer file
         print(f"evaluate: {exc}", file=sys.stderr)
