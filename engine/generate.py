@@ -105,7 +105,9 @@ def generate(model, prompt: list[int], sampling: Sampling, eod_id: int | None = 
     device = model.output_weight().device
     dtype = model.output_weight().dtype
     generator = torch.Generator().manual_seed(sampling.seed) if sampling.temperature > 0 else None
-    rope = rope_cos_sin(limit, cfg.head_dim, cfg.rope_theta, device, dtype, cfg.rope_scaling) \
+    # angles for the positions this call can reach, not the model's whole context (131072 for Llama 3.x)
+    positions = min(limit, len(prompt) + sampling.max_new_tokens)
+    rope = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, device, dtype, cfg.rope_scaling) \
         if cfg.position_embedding == "rope" else None
     tokens, new, caches = list(prompt), [], {}
     pending = torch.tensor([prompt], device=device)
