@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from engine.config import ModelConfig
+from engine.config.schema import ModelConfig
 from kernels.attention import alibi_slopes, attention_entropy, causal_attention
 from kernels.grad_accumulation import linear
 from kernels.norm import rms_norm
@@ -205,7 +205,7 @@ class CausalLM(nn.Module):
             layer.self_attn.recompute_core = mode == "selective"
 
     def capture_attention_entropy(self, on: bool) -> None:
-        """Start (clearing) or stop recording each layer's attention entropy on forward (engine/monitor.py)."""
+        """Start (clearing) or stop recording each layer's attention entropy on forward (engine/observe/monitor.py)."""
         for layer in self.model.layers.values():
             layer.self_attn.entropy_log = [] if on else None
 

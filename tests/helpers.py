@@ -17,7 +17,7 @@ def tiny_trainer(*overrides: str, rank: int = 0, world: int = 1, validated: bool
     """A Trainer on `config` (the tiny recipe) with `overrides`, as rank `rank` of `world` CPU ranks (gloo; with
     `world` > 1 the process group must already exist). `validated`: the configuration is first checked for
     `world` ranks, as a launched run checks it; without it, the Trainer meets the configuration as given."""
-    from engine.config import load_config, validate
+    from engine.config.schema import load_config, validate
     from engine.train import Trainer
     from parallel.distributed import DistEnv
     cfg = load_config(config, list(overrides))

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.checkpoint import _rng_restore
-from engine.checkpoint_io import STEP_DIR, CheckpointError, read_latest
-from engine.checkpoint_manifest import SafetensorsRanges, open_verified
+from engine.checkpoint.checkpointer import _rng_restore
+from engine.checkpoint.files import STEP_DIR, CheckpointError, read_latest
+from engine.checkpoint.manifest import SafetensorsRanges, open_verified
 from parallel.random import TRACKER
 from tests.test_checkpoint import saved_run
 

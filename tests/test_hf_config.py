@@ -1,4 +1,4 @@
-"""engine/hf_config.py: every field of transformers' Llama, Mistral and Qwen2 configs (as transformers 4 and 5
+"""engine/checkpoint/hf_config.py: every field of transformers' Llama, Mistral and Qwen2 configs (as transformers 4 and 5
 write them, from the hub or from a GGUF file) is mapped, metadata, or refused by name with the fix; token ids
 travel to the export; both RoPE forms read, disagreements refused; continued pretraining from a Hugging Face
 directory refuses what does not fit, in one line."""
@@ -7,11 +7,11 @@ import json
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, Qwen2Config
 
-from engine.checkpoint_io import CheckpointError
-from engine.config import Config, ConfigError, ModelConfig
-from engine.hf_checkpoint import HFWeights, fill_model_from_hf
-from engine.hf_config import ACCEPT_KEY, hf_config_dict, model_from_hf, unknown_fields, v4_rope_fields
-from engine.model_source import ModelSource
+from engine.checkpoint.files import CheckpointError
+from engine.checkpoint.hf_config import ACCEPT_KEY, hf_config_dict, model_from_hf, unknown_fields, v4_rope_fields
+from engine.checkpoint.hf_weights import HFWeights, fill_model_from_hf
+from engine.checkpoint.model_source import ModelSource
+from engine.config.schema import Config, ConfigError, ModelConfig
 from tests.hf_family_configs import (GGUF_LLAMA_V4, GGUF_LLAMA_V5, LLAMA_3_2_1B, LLAMA_TO_DICT_V4, MISTRAL_7B,
                                      QWEN2_5_0_5B)
 from tools.ckpt_convert import main as convert

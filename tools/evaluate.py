@@ -35,10 +35,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from engine.checkpoint_io import CheckpointError  # noqa: E402
-from engine.model_source import ModelSource  # noqa: E402
-from engine.scoring import Scorer  # noqa: E402
-from engine.text_tokenizer import TextTokenizer  # noqa: E402
+from engine.checkpoint.files import CheckpointError  # noqa: E402
+from engine.checkpoint.model_source import ModelSource  # noqa: E402
+from engine.evaluate.scoring import Scorer  # noqa: E402
+from engine.evaluate.text_tokenizer import TextTokenizer  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -107,7 +107,7 @@ def summarize(nats: float, tokens: int, n_bytes: int) -> dict:
 
 def build(source: ModelSource, tensor: int, pipeline: int, rank: int, world: int, device, dtype, batch: int):
     """(model chunks, Scorer) of this rank at the layout TP × PP × (world / TP·PP)."""
-    from engine.config import Config, validate
+    from engine.config.schema import Config, validate
     from engine.train import build_model_chunks
     from parallel.p2p import PipelineComm
     from parallel.tensor import TensorParallel

@@ -1,7 +1,7 @@
 """Text generation from a whole-model `CausalLM` (one pipeline stage; any tensor-parallel size without
 sequence parallelism), with a KV cache so each new token costs one position's forward, not the prefix's.
 
-`generate` is what tools/generate.py and the training diary (engine/diary.py) call. The cached forward
+`generate` is what tools/generate.py and the training diary (engine/observe/diary.py) call. The cached forward
 (`forward_cached`) reuses the model's own modules (norms, projections, RoPE tables, MLP, output layer)
 and differs from `CausalLM.forward` only in keeping the keys and values of earlier positions; with
 `use_cache=False` every token re-runs the plain forward over the whole sequence, which the tests hold the

@@ -20,15 +20,15 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from engine.checkpoint_io import (LATEST, TMP_PREFIX, CheckpointError, apply_retention, commit, copy_verified,
+from engine.checkpoint.files import (LATEST, TMP_PREFIX, CheckpointError, apply_retention, commit, copy_verified,
                                   read_latest, remove_stale_tmp, set_latest, step_dir_name, step_dirs,
                                   write_json, write_safetensors)
-from engine.checkpoint_manifest import (FORMAT, KEYS, MANIFEST, METADATA, VERSION, CheckpointReader,
+from engine.checkpoint.manifest import (FORMAT, KEYS, MANIFEST, METADATA, VERSION, CheckpointReader,
                                         SafetensorsRanges, check_manifest, global_shape, load_json, merge_entries,
                                         rank_file, tensor_entry, verify)
-from engine.config import to_dict
-from engine.hf_checkpoint import HFWeights, is_hf_directory
-from engine.light_snapshot import refuse_light
+from engine.checkpoint.hf_weights import HFWeights, is_hf_directory
+from engine.checkpoint.light_snapshot import refuse_light
+from engine.config.schema import to_dict
 from parallel.random import TRACKER, seed_all
 
 log = logging.getLogger("trilith")
@@ -105,7 +105,7 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.saved: list[str] = []  # this run's saves, oldest first: the order retention prunes by
-        self.extra_metadata: dict = {}  # more run state for metadata.json (engine/rollback.py: skipped samples)
+        self.extra_metadata: dict = {}  # more run state for metadata.json (engine/observe/rollback.py: skipped samples)
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             for root in [self.root] + ([self.mirror] if self.mirror else []):
@@ -188,7 +188,7 @@ class Checkpointer:
         """Every rank writes its file into `root/.tmp-step_N`; rank 0 then runs `commit(name, tmp, gathered)`.
         Failures (a full disk, say) are agreed by all ranks and raised on each as one CheckpointError, with the
         temporary directory removed and the previous checkpoint untouched. Full checkpoints and light snapshots
-        (engine/light_snapshot.py) are both written this way."""
+        (engine/checkpoint/light_snapshot.py) are both written this way."""
         name = step_dir_name(step)
         tmp = root / (TMP_PREFIX + name)
         try:
@@ -303,7 +303,7 @@ class Checkpointer:
 
     def load_hf(self, path: Path) -> dict:
         """Continued pretraining: a Hugging Face directory's weights at this run's layout (converted on the fly,
-        engine/hf_checkpoint.py), fresh optimizer state, step 0."""
+        engine/checkpoint/hf_weights.py), fresh optimizer state, step 0."""
         weights = HFWeights(path, self.cfg.model)
         t = self.topo
 

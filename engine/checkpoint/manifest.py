@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 
 import torch
-from engine.checkpoint_io import CheckpointError, sha256_file
+from engine.checkpoint.files import CheckpointError, sha256_file
 from parallel.tensor import padded_vocab_size
 
 FORMAT, VERSION = "trilith-checkpoint", 1

@@ -5,7 +5,7 @@ scores its `multiple_choice` tasks on a causal model:
 - choice i is the continuation target_delimiter + choices[i] of the context; the pair is split into
   tokens as lm-eval's `_encode_pair` does (trailing spaces of the context move to the continuation, the
   whole string is encoded, and the continuation is what follows the context's own encoding);
-- its log-likelihood is the sum over the continuation's tokens (engine/scoring.py);
+- its log-likelihood is the sum over the continuation's tokens (engine/evaluate/scoring.py);
 - acc: the most likely choice is the gold one; acc_norm: the same after dividing each log-likelihood by
   the choice's length in characters (lm-eval's `completion_len`; equal to the byte length for ASCII).
 """
@@ -16,9 +16,9 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.config import ConfigError
-from engine.scoring import Scorer
-from engine.text_tokenizer import TextTokenizer
+from engine.config.schema import ConfigError
+from engine.evaluate.scoring import Scorer
+from engine.evaluate.text_tokenizer import TextTokenizer
 from parallel.p2p import PipelineComm
 
 TARGET_DELIMITER = " "

@@ -1,5 +1,5 @@
 """Summed token losses of single sequences at any layout: the measurement behind downstream tasks
-(engine/evaluation_tasks.py) and bits per byte (tools/evaluate.py).
+(engine/evaluate/tasks.py) and bits per byte (tools/evaluate.py).
 
 A request is a token list and how many of its last tokens to score (their negative log-likelihood given
 everything before them, in nats). Each request is one micro-batch of one sequence, right-padded to
