@@ -277,10 +277,10 @@ class Trainer:
 
     def forward_backward(self, micro_batches: list) -> torch.Tensor:
         """Gradients of the step's mean loss; returns each micro-batch's loss [m] (on every pipeline stage).
-        `micro_batches`: token tensors [b, s + 1] of this rank's share of the global batch."""
+        `micro_batches`: this rank's share of the global batch, as MicroBatches or token tensors [b, s + 1]."""
         for chunk in self.chunks:
             chunk.train()
-        micro_batches = [self.micro_batch(tokens) for tokens in micro_batches]
+        micro_batches = [mb if isinstance(mb, MicroBatch) else self.micro_batch(mb) for mb in micro_batches]
         if self.pipe is None:
             return forward_backward_no_pipeline(self.chunks[0], micro_batches, self.optimizer.scaler.scale)
         # tied embedding gradients are summed over the embedding group by data_parallel.finish_gradients()
@@ -320,7 +320,7 @@ class Trainer:
         heartbeat.set_step(self.step)
         record = step_record(self, losses_by_rank, lr, grad_norm, skipped, elapsed, data_wait)
         record.update(self.probes.readings(self.step, record, losses_by_rank, window_start, self.micro_batch_size,
-                                           self.describe_sample, micro_batches[0], self.pipe))
+                                           self.describe_sample, micro_batches[0].tokens, self.pipe))
         record.update(self.loss_guard.observe(self.step, record["loss"], "nonfinite_samples" in record,
                                               losses_by_rank, window_start, self.micro_batch_size,
                                               self.describe_sample))
@@ -330,8 +330,9 @@ class Trainer:
         return record
 
     def next_micro_batches(self) -> tuple[list, float]:
-        """This rank's micro-batches of the next global batch, checked, and the seconds training waited for them
-        (the loader prefetches). From train.recompute_switch_step on, the recompute mode and micro-batch size
+        """This rank's micro-batches of the next global batch, checked and given their document extras on the
+        host, then copied to the device; and the seconds training waited for them (the loader prefetches).
+        From train.recompute_switch_step on, the recompute mode and micro-batch size
         switch: same global batch and data order, fewer and larger micro-batches, so the gradient is unchanged."""
         mode, micro = self.recompute_switch.at(self.step + 1)
         for chunk in self.chunks:
@@ -349,7 +350,7 @@ class Trainer:
             host = self.loader.next_global_batch()
         waited = time.perf_counter() - start
         check_token_ids(host, self.cfg.model.vocab_size)
-        return [mb.to(self.env.device, non_blocking=True) for mb in host], waited
+        return [self.micro_batch(tokens).to(self.env.device) for tokens in host], waited
 
     def describe_sample(self, index: int) -> dict:
         """Global training sample `index`: its tokens and, for real data, where each piece comes from."""
