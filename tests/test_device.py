@@ -76,3 +76,12 @@ def test_auto_on_a_machine_that_asked_for_no_gpu_trains_on_the_cpu_and_says_so_f
     assert done.returncode == 0, done.stderr[-2000:]
     first = (tmp_path / "logs" / "train.log").read_text().splitlines()[0]
     assert "on cpu (gloo; train.device=auto found no usable GPU, and none was asked for)" in first, first
+
+
+@NO_CUDA
+def test_evaluate_given_gpus_it_cannot_use_exits_2_with_one_line(tmp_path):
+    done = subprocess.run([sys.executable, "tools/evaluate.py", "--model", str(tmp_path), "--data", str(tmp_path)],
+                          cwd=ROOT, env={**ENV, "SLURM_JOB_GPUS": "0"}, capture_output=True, text=True, timeout=300)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
+    assert lines[0].startswith("evaluate: SLURM_JOB_GPUS=0 asks for GPUs, but CUDA is not usable")

@@ -172,8 +172,13 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8, help="windows per forward (per data-parallel rank)")
     ap.add_argument("--output", default="", help="write the JSON result here too")
     args = ap.parse_args(argv)
+    from parallel.device import DeviceUnavailable
     from parallel.distributed import init_distributed, shutdown
-    env = init_distributed(args.device, "auto")
+    try:
+        env = init_distributed(args.device, "auto")
+    except DeviceUnavailable as exc:  # GPUs asked for, none usable: one line, not a traceback
+        print(f"evaluate: {exc}", file=sys.stderr)
+        return 2
     clean = False
     try:
         result = evaluate(args.model, args.data, args.tokenizer, args.tensor, args.pipeline, env.rank,
