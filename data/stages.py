@@ -7,6 +7,8 @@ and where a run resumes depends only on the samples consumed, like a single blen
 """
 import bisect
 
+from data.paths import parse_paths
+
 
 def parse_stages(stages):
     """[(until_step, paths)] from data.stages ([{until_step: N, paths: [...]}, ...]); ValueError naming the
@@ -37,7 +39,6 @@ def stages_problem(stages, paths, mock, steps):
     """One line naming what is wrong with data.stages for a run of `steps` steps, or None."""
     if not stages:
         return None
-    from data.loader import parse_paths
     try:
         parsed = parse_stages(stages)
         for s, (_, stage_paths) in enumerate(parsed):

@@ -12,20 +12,19 @@ import dataclasses
 import torch
 
 from data.local_cache import fill_cache, local_prefix
+from data.paths import parse_paths
 from data.stages import parse_stages
-from engine.config import Config, ConfigError
+from engine.config.schema import Config, ConfigError
 from parallel import comm
 from parallel.distributed import DistEnv, world_group
 
 
 def _prefixes(paths) -> list[str]:
-    from data.loader import parse_paths
     return [prefix for _, prefix in parse_paths(paths)]
 
 
 def _local_paths(paths, cache_dir: str) -> list[str]:
     """`paths` with each prefix replaced by its local copy, weights kept."""
-    from data.loader import parse_paths
     out = []
     for weight, prefix in parse_paths(paths):
         out += [repr(weight), local_prefix(prefix, cache_dir)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import Config
+from engine.config.schema import Config
 from engine.interfaces import DataParallel, Optimizer
 from engine.optimizer import MixedPrecisionAdamW
 from engine.zero_optimizer import ZeroAdamW

@@ -16,7 +16,7 @@ import numpy as np
 
 from data.stages import StagedDataset, parse_stages
 from engine.batch_ramp import samples_after
-from engine.config import Config, ConfigError
+from engine.config.schema import Config, ConfigError
 
 
 def stage_seed(seed: int, stage: int) -> int:
@@ -26,7 +26,8 @@ def stage_seed(seed: int, stage: int) -> int:
 
 class DataStages:
     def __init__(self, cfg: Config):
-        from data.loader import build_datasets, parse_paths
+        from data.loader import build_datasets
+        from data.paths import parse_paths
         t, d = cfg.train, cfg.data
         stages = parse_stages(d.stages)
         self.until = [until for until, _ in stages]

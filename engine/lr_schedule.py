@@ -5,7 +5,7 @@ min_lr_ratio × peak (e.g. 0.8 / 0.2 and 15% of peak).
 """
 import math
 
-from engine.config import OptimConfig
+from engine.config.schema import OptimConfig
 
 
 def lr_at(step: float, total_steps: float, cfg: OptimConfig) -> float:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.config import Config, data_parallel_size
+from engine.config.schema import Config, data_parallel_size
 from engine.stage_balance import chunk_layers
 from parallel.ddp import reduces_in_fp32
 from parallel.stage_layers import chunk_roles, stage_layer_ids

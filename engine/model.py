@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from engine.config import ModelConfig
+from engine.config.schema import ModelConfig
 from kernels.attention import alibi_slopes, attention_entropy, causal_attention
 from kernels.grad_accumulation import linear
 from kernels.norm import rms_norm
@@ -98,13 +98,19 @@ class Attention(nn.Module):
             self.slopes = self.slopes.to(fn(torch.empty(0)).device)
         return self
 
-    def forward(self, x, rope, segment_ids=None):
+    def project(self, x) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's queries, keys and values [b, heads, s, head_dim] of the hidden states `x`."""
         x = self.tp.enter(x)
         b, s, _ = x.shape
         d = self.cfg.head_dim
         q = self.q_proj(x).view(b, s, self.local_heads, d).transpose(1, 2)
         k = self.k_proj(x).view(b, s, self.local_kv_heads, d).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.local_kv_heads, d).transpose(1, 2)
+        return q, k, v
+
+    def forward(self, x, rope, segment_ids=None):
+        q, k, v = self.project(x)
+        b, _, s, d = q.shape
         slopes = None
         if self.cfg.position_embedding == "rope":
             cos, sin = rope
@@ -205,7 +211,7 @@ class CausalLM(nn.Module):
             layer.self_attn.recompute_core = mode == "selective"
 
     def capture_attention_entropy(self, on: bool) -> None:
-        """Start (clearing) or stop recording each layer's attention entropy on forward (engine/monitor.py)."""
+        """Start (clearing) or stop recording each layer's attention entropy on forward (engine/observe/monitor.py)."""
         for layer in self.model.layers.values():
             layer.self_attn.entropy_log = [] if on else None
 

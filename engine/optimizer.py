@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from engine.config import OptimConfig
+from engine.config.schema import OptimConfig
 from kernels.adamw import adamw
 from parallel import comm
 

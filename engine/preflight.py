@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from engine.config import Config, ConfigError, data_parallel_size, load_config, validate
+from engine.config.schema import Config, ConfigError, data_parallel_size, load_config, validate
 from engine.memory_estimate import device_memory, report
-from engine.rank_sniff import sniff
+from engine.observe.rank_sniff import sniff
 from engine.stop import final_failure
 from engine.train import Trainer, configure_logging, log, setup_run_dir
 from parallel import comm
@@ -154,7 +154,7 @@ def preflight(cfg: Config, env: DistEnv, steps: int = STEPS) -> bool:
              f"{m.seq_length}, global batch {small.train.global_batch_size}, {steps} steps, {small.train.precision}"
              + (f", recompute switch at step {small.train.recompute_switch_step}"
                 if small.train.recompute_switch_step > 0 else ""))
-    sniffed = sniff(env.device)  # engine/rank_sniff.py: the same matmul and all-reduce timed on every rank
+    sniffed = sniff(env.device)  # engine/observe/rank_sniff.py: the same matmul and all-reduce timed on every rank
     trainer = Trainer(small, env)
     history, memory = [], []
     try:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config import TrainConfig
+from engine.config.schema import TrainConfig
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import socket
 import time
 from pathlib import Path
 
-from engine.config import ConfigError
+from engine.config.schema import ConfigError
 
 LOCK_NAME = "run.lock"
 # A launcher's check (check_free) holds the lock for an instant: rank 0 tries for this long before refusing.

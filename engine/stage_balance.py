@@ -11,7 +11,7 @@ more micro-batches' activations: `memory_estimate` shows what that costs per sta
 """
 from __future__ import annotations
 
-from engine.config import Config
+from engine.config.schema import Config
 from engine.model import layer_parameters
 from parallel.stage_layers import balanced_layer_counts, chunk_layer_counts
 

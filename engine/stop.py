@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from engine.health import HealthMonitor
+from engine.observe.health import HealthMonitor
 from parallel import comm
 from parallel.distributed import DistEnv, node_name, world_group
 

@@ -7,6 +7,7 @@ batch, accumulates over its micro-batches, synchronises gradients and takes one 
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import math
 import os
@@ -18,39 +19,41 @@ import torch
 
 from data.documents import document_ids, loss_mask, positions_within_documents
 from data.eod import eod_id_from_tokenizer
-from engine import replica_check
-from engine.checkpoint import Checkpointer
-from engine.checkpoint_io import CheckpointError
-from engine.config import Config, ConfigError, data_parallel_size, load_config, save_config, validate
-from engine.data_parallel import build_data_parallel
-from engine.diary import Diary
-from engine.evaluation_tasks import InRunTasks
-from engine.health import HealthMonitor
-from engine.hf_checkpoint import fill_model_from_hf
-from engine.host_memory import reuse_freed_memory
-from engine.light_snapshot import LightSnapshots
 from engine.batch_ramp import global_batch, lr_position, samples_after
+from engine.checkpoint.checkpointer import Checkpointer
+from engine.checkpoint.files import CheckpointError
+from engine.checkpoint.hf_weights import fill_model_from_hf
+from engine.checkpoint.light_snapshot import LightSnapshots
+from engine.checkpoint.save_schedule import SaveSchedule
+from engine.config.schema import (Config, ConfigError, DataConfig, data_parallel_size, load_config, save_config,
+                                  validate)
 from engine.data_cache import localize_data
+from engine.data_parallel import build_data_parallel
 from engine.data_stages import DataStages
+from engine.evaluate.tasks import InRunTasks
+from engine.evaluate.validation import evaluation_due, validation_loss
 from engine.lr_schedule import lr_at
-from engine.metrics import H100_BF16_PEAK_FLOPS, MetricsLog, flops_per_token, peak_memory_gb
 from engine.mock_data import MockBatchLoader
 from engine.model import CausalLM, num_parameters
-from engine.monitor import NonFiniteTraining, TrainingMonitor
-from engine.profiling import StepProfiler
+from engine.observe import replica_check
+from engine.observe.diary import Diary
+from engine.observe.health import HealthMonitor
+from engine.observe.host_memory import reuse_freed_memory
+from engine.observe.metrics import H100_BF16_PEAK_FLOPS, MetricsLog, flops_per_token, peak_memory_gb
+from engine.observe.monitor import NonFiniteTraining, TrainingMonitor
+from engine.observe.profiling import StepProfiler
+from engine.observe.replica_check import ReplicaMismatch
+from engine.observe.rollback import LossGuard
+from engine.observe.step_probes import StepProbes
+from engine.observe.stragglers import StepTimer, work_of
+from engine.observe.trackers import Trackers
 from engine.recompute_switch import RecomputeSwitch
-from engine.replica_check import ReplicaMismatch
-from engine.rollback import LossGuard
 from engine.run_lock import hold_run_dir
 from engine.stage_balance import chunk_layers
-from engine.step_probes import StepProbes
 from engine.stop import StopControl, StopRun, exit_status, final_failure
-from engine.stragglers import StepTimer, work_of
-from engine.trackers import Trackers
-from engine.validation import evaluation_due, validation_loss
 from parallel import comm, heartbeat, nccl_semantics
 from parallel.device import DeviceUnavailable
-from parallel.distributed import DistEnv, describe_failure, exit_now, init_distributed, shutdown, world_group
+from parallel.distributed import DistEnv, describe_failure, exit_now, init_distributed, shutdown
 from parallel.micro_batch import MicroBatch
 from parallel.p2p import PipelineComm
 from parallel.pipeline_schedules import forward_backward_no_pipeline, forward_backward_pipeline
@@ -86,7 +89,8 @@ def build_split_datasets(cfg: Config) -> dict | None:
 def build_dataset_validation_sets(cfg: Config) -> dict:
     """{dataset name: its own validation split} for each prefix of data.paths (train.eval_per_dataset): the
     same documents the blend validates on, measured per domain. The name is the prefix's file name."""
-    from data.loader import build_datasets, parse_paths
+    from data.loader import build_datasets
+    from data.paths import parse_paths
     t = cfg.train
     out = {}
     for _, prefix in parse_paths(cfg.data.paths):
@@ -154,6 +158,54 @@ def build_model_chunks(cfg: Config, topo: Topology, tp: TensorParallel) -> list[
     return chunks
 
 
+def with_document_extras(tokens: torch.Tensor, eod_id: int | None, data: DataConfig) -> MicroBatch:
+    """The token batch [b, s + 1] with the document extras that data.reset_* / eod_mask_loss ask for."""
+    if eod_id is None:
+        return MicroBatch(tokens)
+    inputs = tokens[:, :-1]
+    docs = document_ids(inputs, eod_id)
+    return MicroBatch(tokens, segment_ids=docs if data.reset_attention_mask else None,
+                      position_ids=positions_within_documents(docs) if data.reset_position_ids else None,
+                      loss_mask=loss_mask(inputs, eod_id) if data.eod_mask_loss else None)
+
+
+def check_token_ids(micro_batches: list, vocab_size: int) -> None:
+    """On the loader's host tensors, before the copy: read on the device, each bound would stall the host
+    until the copy lands (.numpy() refuses a device tensor, so this cannot regress unseen)."""
+    largest = max(int(mb.numpy().max()) for mb in micro_batches)
+    if largest >= vocab_size:
+        raise ConfigError(f"the data holds token id {largest} but model.vocab_size={vocab_size}; "
+                          f"set model.vocab_size to at least the tokenizer's vocabulary ({largest + 1}+)")
+    smallest = min(int(mb.numpy().min()) for mb in micro_batches)
+    if smallest < 0:  # a signed shard dtype can hold them; the embedding would read out of bounds
+        raise ConfigError(f"the data holds token id {smallest}; token ids are never negative, so a shard in "
+                          f"data.paths is damaged: regenerate it with tools/preprocess_data.py")
+
+
+def gather_losses(micro_losses: torch.Tensor, topo: Topology) -> tuple[torch.Tensor, object]:
+    """[dp, m]: every data-parallel rank's micro-batch losses, so that a non-finite loss is traced to its rank
+    and samples (one small all-reduce, as for the mean alone), and the all-reduce's handle (None when there
+    is nothing to wait for), to be waited for after the optimizer step, which it overlaps."""
+    out = torch.zeros(topo.dp_size, len(micro_losses), device=micro_losses.device)
+    out[topo.dp_rank] = micro_losses
+    return out, comm.all_reduce(out, topo.dp_group, async_op=True)
+
+
+def step_record(trainer: Trainer, losses_by_rank: torch.Tensor, lr: float, grad_norm: float, skipped: bool,
+                elapsed: float, data_wait: float) -> dict:
+    """The step's loss, optimizer and throughput readings."""
+    loader, seq, device = trainer.loader, trainer.cfg.model.seq_length, trainer.env.device
+    tokens = loader.global_batch_size * seq  # this step's (train.batch_size_ramp)
+    record = {"step": trainer.step, "loss": losses_by_rank.mean().item(), "lr": lr, "grad_norm": grad_norm,
+              "skipped": skipped, "loss_scale": trainer.optimizer.scaler.scale, "tokens_per_s": tokens / elapsed,
+              "consumed_samples": loader.consumed_samples, "global_batch_size": loader.global_batch_size,
+              "consumed_tokens": loader.consumed_samples * seq, "step_time_s": elapsed, "data_wait_s": data_wait,
+              "peak_memory_gb": peak_memory_gb(device)}
+    if device.type == "cuda":
+        record["mfu"] = tokens * trainer.flops_per_token / elapsed / (H100_BF16_PEAK_FLOPS * trainer.env.world_size)
+    return record
+
+
 class Trainer:
     def __init__(self, cfg: Config, env: DistEnv):
         fill_model_from_hf(cfg)  # checkpoint.load names a Hugging Face directory: its architecture
@@ -194,7 +246,7 @@ class Trainer:
                                            self.dtype, env.device) if self.topo.pp_size > 1 else None
         self.schedule_trace = None  # a parallel.pipeline_schedules.ScheduleTrace to record the schedule
         self.eod_id = resolve_eod_id(cfg)
-        self.last_save_time = time.monotonic()  # checkpoint.interval_minutes counts from the start or last save
+        self.micro_batch = functools.partial(with_document_extras, eod_id=self.eod_id, data=cfg.data)
         self.monitor = TrainingMonitor(cfg, Path(cfg.run.dir), env.rank, self.topo.dp_size, log.warning)
         self.probes = StepProbes(self.monitor, self.chunks, cfg.model.num_layers, self.topo.tp_rank, env.device,
                                  self.micro_batch)
@@ -204,6 +256,8 @@ class Trainer:
         self.tasks = InRunTasks(cfg, self.topo, self.chunks, self.dtype, env.device)  # train.eval_tasks
         self.diary = Diary(cfg, env.rank, self.dtype)  # train.diary_prompts, at each save, on rank 0's CPU
         self.light_snapshots = LightSnapshots(self.checkpointer)  # checkpoint.light_interval
+        self.saves = SaveSchedule(cfg.checkpoint, cfg.train.steps, self.checkpointer, self.light_snapshots,
+                                  self.diary, env.device)
         self.loss_guard = LossGuard(cfg, Path(cfg.run.dir), env.rank, log.warning, resumed)
         self.checkpointer.extra_metadata = self.loss_guard.metadata
         self.flops_per_token = flops_per_token(num_parameters(cfg.model), cfg.model.num_layers,
@@ -221,23 +275,12 @@ class Trainer:
     def consumed_samples(self) -> int:
         return self.loader.consumed_samples
 
-    def micro_batch(self, tokens: torch.Tensor) -> MicroBatch:
-        """The token batch [b, s + 1] with the document extras that data.reset_* / eod_mask_loss ask for."""
-        d = self.cfg.data
-        if self.eod_id is None:
-            return MicroBatch(tokens)
-        inputs = tokens[:, :-1]
-        docs = document_ids(inputs, self.eod_id)
-        return MicroBatch(tokens, segment_ids=docs if d.reset_attention_mask else None,
-                          position_ids=positions_within_documents(docs) if d.reset_position_ids else None,
-                          loss_mask=loss_mask(inputs, self.eod_id) if d.eod_mask_loss else None)
-
     def forward_backward(self, micro_batches: list) -> torch.Tensor:
         """Gradients of the step's mean loss; returns each micro-batch's loss [m] (on every pipeline stage).
-        `micro_batches`: token tensors [b, s + 1] of this rank's share of the global batch."""
+        `micro_batches`: this rank's share of the global batch, as MicroBatches or token tensors [b, s + 1]."""
         for chunk in self.chunks:
             chunk.train()
-        micro_batches = [self.micro_batch(tokens) for tokens in micro_batches]
+        micro_batches = [mb if isinstance(mb, MicroBatch) else self.micro_batch(mb) for mb in micro_batches]
         if self.pipe is None:
             return forward_backward_no_pipeline(self.chunks[0], micro_batches, self.optimizer.scaler.scale)
         # tied embedding gradients are summed over the embedding group by data_parallel.finish_gradients()
@@ -245,53 +288,26 @@ class Trainer:
                                          self.optimizer.scaler.scale, self.schedule_trace,
                                          self.cfg.parallel.defer_weight_grads)
 
-    def _check_token_ids(self, micro_batches: list) -> None:
-        """On the loader's host tensors, before the copy: read on the device, each bound would stall the host
-        until the copy lands (.numpy() refuses a device tensor, so this cannot regress unseen)."""
-        largest = max(int(mb.numpy().max()) for mb in micro_batches)
-        if largest >= self.cfg.model.vocab_size:
-            raise ConfigError(f"the data holds token id {largest} but model.vocab_size={self.cfg.model.vocab_size}; "
-                              f"set model.vocab_size to at least the tokenizer's vocabulary ({largest + 1}+)")
-        smallest = min(int(mb.numpy().min()) for mb in micro_batches)
-        if smallest < 0:  # a signed shard dtype can hold them; the embedding would read out of bounds
-            raise ConfigError(f"the data holds token id {smallest}; token ids are never negative, so a shard in "
-                              f"data.paths is damaged: regenerate it with tools/preprocess_data.py")
-
-    def apply_recompute_switch(self) -> None:
-        """Recompute mode and micro batch for the coming step (train.recompute_switch_step)."""
-        mode, micro = self.recompute_switch.at(self.step + 1)
-        for chunk in self.chunks:
-            chunk.set_recompute(mode)
-        if micro != self.micro_batch_size:
-            # Same global batch and data order, fewer and larger micro-batches: the gradient is unchanged.
-            self.micro_batch_size = micro
-            self.loader.close()  # its prefetch thread would otherwise keep running, holding batches
-            self.loader = build_loader(self.cfg, self.topo, self.consumed_samples, self.datasets,
-                                       micro_batch_size=micro)
-            if self.pipe is not None:  # the stages exchange activations of the new micro-batch shape
-                self.pipe = PipelineComm.for_model(self.topo, self.cfg.model, micro,
-                                                   self.cfg.parallel.sequence_parallel, self.dtype, self.env.device)
-
     def evaluate(self, datasets: dict | None = None) -> float:
-        """Validation loss on the run's validation split, or on that of `datasets` (engine/validation.py)."""
+        """Validation loss on the run's validation split, or on that of `datasets` (engine/evaluate/validation.py)."""
         loader = build_loader(self.cfg, self.topo, 0, datasets or self.datasets, split="valid",
                               micro_batch_size=self.micro_batch_size)
         return validation_loss(self.chunks, self.pipe, loader, self.cfg.train.eval_iters, self.micro_batch, self.topo,
                                self.env.device)
 
     def train_step(self) -> dict:
-        """One optimizer step on the next global batch; returns the step's record for metrics.jsonl."""
-        start = time.perf_counter()
+        """One optimizer step on the next global batch: read it, forward and backward, reduce the gradients,
+        clip and step, record. Returns the step's record for metrics.jsonl."""
         self.profiler.step_begins(self.step + 1)
         self.step_timer.step_begins(self.step + 1)
-        self.apply_recompute_switch()
-        window_start = self.consumed_samples
+        start, window_start = time.perf_counter(), self.consumed_samples
+
         micro_batches, data_wait = self.next_micro_batches()
         self.data_parallel.start_step(len(micro_batches))  # gradients are reduced on the last micro-batch
         micro_losses = self.forward_backward(micro_batches)
         self.data_parallel.finish_gradients()
         self.probes.gradients(self.step + 1, self.data_parallel)  # before the optimizer consumes them
-        losses_by_rank, summing = self.losses_by_rank(micro_losses)
+        losses_by_rank, summing = gather_losses(micro_losses, self.topo)  # overlaps the optimizer step
         lr = lr_at(*lr_position(self.cfg.train, self.step, self.consumed_samples), self.cfg.optim)
         with self.step_timer.optimizer():
             grad_norm, skipped = self.optimizer.step(lr)
@@ -299,11 +315,12 @@ class Trainer:
         if summing is not None:
             summing.wait()
         self.step += 1
-        heartbeat.set_step(self.step)
         elapsed = time.perf_counter() - start
-        record = self.step_record(losses_by_rank, lr, grad_norm, skipped, elapsed, data_wait)
+
+        heartbeat.set_step(self.step)
+        record = step_record(self, losses_by_rank, lr, grad_norm, skipped, elapsed, data_wait)
         record.update(self.probes.readings(self.step, record, losses_by_rank, window_start, self.micro_batch_size,
-                                           self.describe_sample, micro_batches[0], self.pipe))
+                                           self.describe_sample, micro_batches[0].tokens, self.pipe))
         record.update(self.loss_guard.observe(self.step, record["loss"], "nonfinite_samples" in record,
                                               losses_by_rank, window_start, self.micro_batch_size,
                                               self.describe_sample))
@@ -313,35 +330,27 @@ class Trainer:
         return record
 
     def next_micro_batches(self) -> tuple[list, float]:
-        """This rank's micro-batches of the next global batch, checked, and the seconds training waited for them
-        (the loader prefetches)."""
+        """This rank's micro-batches of the next global batch, checked and given their document extras on the
+        host, then copied to the device; and the seconds training waited for them (the loader prefetches).
+        From train.recompute_switch_step on, the recompute mode and micro-batch size
+        switch: same global batch and data order, fewer and larger micro-batches, so the gradient is unchanged."""
+        mode, micro = self.recompute_switch.at(self.step + 1)
+        for chunk in self.chunks:
+            chunk.set_recompute(mode)
+        if micro != self.micro_batch_size:
+            self.micro_batch_size = micro
+            self.loader.close()  # its prefetch thread would otherwise keep running, holding batches
+            self.loader = build_loader(self.cfg, self.topo, self.consumed_samples, self.datasets,
+                                       micro_batch_size=micro)
+            if self.pipe is not None:  # the stages exchange activations of the new micro-batch shape
+                self.pipe = PipelineComm.for_model(self.topo, self.cfg.model, micro,
+                                                   self.cfg.parallel.sequence_parallel, self.dtype, self.env.device)
         start = time.perf_counter()
         with comm.named_range("data wait"):
             host = self.loader.next_global_batch()
         waited = time.perf_counter() - start
-        self._check_token_ids(host)
-        return [mb.to(self.env.device, non_blocking=True) for mb in host], waited
-
-    def losses_by_rank(self, micro_losses: torch.Tensor) -> tuple[torch.Tensor, object]:
-        """[dp, m]: every data-parallel rank's micro-batch losses, so that a non-finite loss is traced to its rank
-        and samples (one small all-reduce, as for the mean alone), and the all-reduce's handle (None when there
-        is nothing to wait for): it is started here and waited for after the optimizer step, which it overlaps."""
-        out = torch.zeros(self.topo.dp_size, len(micro_losses), device=micro_losses.device)
-        out[self.topo.dp_rank] = micro_losses
-        return out, comm.all_reduce(out, self.topo.dp_group, async_op=True)
-
-    def step_record(self, losses_by_rank: torch.Tensor, lr: float, grad_norm: float, skipped: bool, elapsed: float,
-                    data_wait: float) -> dict:
-        """The step's loss, optimizer and throughput readings."""
-        tokens = self.loader.global_batch_size * self.cfg.model.seq_length  # this step's (train.batch_size_ramp)
-        record = {"step": self.step, "loss": losses_by_rank.mean().item(), "lr": lr, "grad_norm": grad_norm,
-                  "skipped": skipped, "loss_scale": self.optimizer.scaler.scale, "tokens_per_s": tokens / elapsed,
-                  "consumed_samples": self.consumed_samples, "global_batch_size": self.loader.global_batch_size,
-                  "consumed_tokens": self.consumed_samples * self.cfg.model.seq_length,
-                  "step_time_s": elapsed, "data_wait_s": data_wait, "peak_memory_gb": peak_memory_gb(self.env.device)}
-        if self.env.device.type == "cuda":
-            record["mfu"] = tokens * self.flops_per_token / elapsed / (H100_BF16_PEAK_FLOPS * self.env.world_size)
-        return record
+        check_token_ids(host, self.cfg.model.vocab_size)
+        return [self.micro_batch(tokens).to(self.env.device) for tokens in host], waited
 
     def describe_sample(self, index: int) -> dict:
         """Global training sample `index`: its tokens and, for real data, where each piece comes from."""
@@ -354,7 +363,7 @@ class Trainer:
 
     def roll_back(self) -> dict:
         """Reload the newest checkpoint before the first bad step; the loader goes on where it stands, so the
-        samples read since are skipped (engine/rollback.py). Returns the event for metrics.jsonl."""
+        samples read since are skipped (engine/observe/rollback.py). Returns the event for metrics.jsonl."""
         self.checkpointer.wait()
         path = self.loss_guard.target(self.checkpointer)
         meta = self.checkpointer.load(path)
@@ -367,34 +376,7 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         """Save the full training state now (blocks only for the snapshot under checkpoint.async_save)."""
-        self.last_save_time = time.monotonic()
-        path = self.checkpointer.save(self.step, self.consumed_samples)
-        self.diary.write(self.step, path, wait=self.checkpointer.wait)
-        return path
-
-    def _save_due_by_time(self) -> bool:
-        """checkpoint.interval_minutes: rank 0's clock decides for every rank (one broadcast of a flag)."""
-        minutes = self.cfg.checkpoint.interval_minutes
-        if minutes <= 0:
-            return False
-        due = torch.tensor([time.monotonic() - self.last_save_time >= 60 * minutes], dtype=torch.int32,
-                           device=self.env.device)
-        comm.broadcast(due, src=0, group=world_group())
-        return bool(due.item())
-
-    def _checkpoint_after_step(self) -> bool:
-        """Periodic (by step or wall time), final and scheduled-stop saves; True when checkpoint.exit_after
-        says to stop now."""
-        ck = self.cfg.checkpoint
-        stop = ck.exit_after > 0 and self.step >= ck.exit_after
-        by_step = ck.interval > 0 and (self.step % ck.interval == 0 or self.step == self.cfg.train.steps)
-        if stop or by_step or self._save_due_by_time():
-            self.save_checkpoint()
-        elif self.light_snapshots.due(self.step):
-            self.light_snapshots.save(self.step, self.consumed_samples)
-        if stop:
-            log.info(f"checkpoint.exit_after={ck.exit_after}: stopping after step {self.step}")
-        return stop
+        return self.saves.save(self.step, self.consumed_samples)
 
     def train(self, metrics: MetricsLog, control: StopControl | None = None) -> list[dict]:
         history = []
@@ -434,7 +416,9 @@ class Trainer:
                     metrics.write(record)
                 if stop:  # preemption or GPU health: save now, whatever the interval says
                     self.save_checkpoint()
-                elif self._checkpoint_after_step():
+                elif self.saves.after_step(self.step, self.consumed_samples):
+                    log.info(f"checkpoint.exit_after={self.cfg.checkpoint.exit_after}: stopping after step "
+                             f"{self.step}")
                     break
             self.checkpointer.wait()
             self.diary.wait()  # the background generation of the last save's diary entries

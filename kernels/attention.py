@@ -105,12 +105,29 @@ def is_hopper(t: torch.Tensor) -> bool:
 
 
 _cu_seqlens_cache: list = [None, -1, None]  # (weak reference to segment_ids, its version, result)
+_host_offsets: dict = {}  # id(segment_ids) -> (cu, longest), computed on the host before the copy
+
+
+def flash_varlen_in_use() -> bool:
+    """Whether packed documents go to flash-attn's varlen kernel, which wants their offsets."""
+    return _flash_attn_varlen_func is not None
+
+
+def remember_offsets(segment_ids: torch.Tensor, host_segment_ids: torch.Tensor) -> None:
+    """Compute the document offsets of `segment_ids` from its host copy, before the device has it: the varlen
+    kernel then needs no device-to-host read of the longest document. Forgotten with the tensor."""
+    cu, longest = _compute_cu_seqlens(host_segment_ids)
+    key = id(segment_ids)
+    _host_offsets[key] = (cu.to(segment_ids.device, non_blocking=True), longest)
+    weakref.finalize(segment_ids, _host_offsets.pop, key, None)
 
 
 def _cu_seqlens(segment_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Start offsets (int32, with the total at the end) of the documents of the flattened [b*s] batch, and
-    the longest document. Every layer sees the same segment_ids: computed once per tensor, since the
-    longest length costs a device-to-host sync."""
+    the longest document: remembered from the host copy (`remember_offsets`), else computed once per tensor
+    (every layer sees the same segment_ids), since on a device the longest length costs a host sync."""
+    if id(segment_ids) in _host_offsets:
+        return _host_offsets[id(segment_ids)]
     ref, version, result = _cu_seqlens_cache
     if ref is not None and ref() is segment_ids and version == segment_ids._version:
         return result

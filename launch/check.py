@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.config import ConfigError, load_config, validate
+from engine.config.schema import ConfigError, load_config, validate
 from engine.run_lock import check_free
 from parallel.device import DeviceUnavailable, check_requested_device
 
@@ -19,8 +19,8 @@ from parallel.device import DeviceUnavailable, check_requested_device
 def fill_model_from_checkpoint(cfg) -> bool:
     """model.* from a Hugging Face checkpoint.load directory, as the ranks take it before they validate
     (engine/train.py); False, after its one line, when the directory is unreadable."""
-    from engine.checkpoint_io import CheckpointError  # these import torch: only for a run that loads
-    from engine.hf_checkpoint import fill_model_from_hf
+    from engine.checkpoint.files import CheckpointError  # these import torch: only for a run that loads
+    from engine.checkpoint.hf_weights import fill_model_from_hf
     try:
         fill_model_from_hf(cfg)
     except CheckpointError as exc:

@@ -3,7 +3,7 @@
 The low-level functions (`all_reduce`, `all_gather`, `reduce_scatter`, ...) are thin wrappers over
 torch.distributed that append (op, group, bytes, dtype) to `RECORD` while recording is on. A group of
 None means "size 1": the call is a no-op and is not recorded. Under torch.profiler each collective is a range
-named `comm:<op>[<group>]`; on the steps that engine/stragglers.py times, `TIMER` adds up its seconds. The autograd Functions below use them, so
+named `comm:<op>[<group>]`; on the steps that engine/observe/stragglers.py times, `TIMER` adds up its seconds. The autograd Functions below use them, so
 the record shows exactly what crosses the wire in forward and in backward.
 """
 from __future__ import annotations
@@ -73,12 +73,12 @@ RECORD = CommRecord()
 
 
 def named_range(name: str):
-    """A range called `name` in a torch.profiler trace (engine/profiling.py); nothing when no profiler runs."""
+    """A range called `name` in a torch.profiler trace (engine/observe/profiling.py); nothing when no profiler runs."""
     return record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
 
 
 class CommTimer:
-    """Seconds this rank spent in collectives while `active` (the steps engine/stragglers.py times). Then each
+    """Seconds this rank spent in collectives while `active` (the steps engine/observe/stragglers.py times). Then each
     collective is waited for where it is issued and, on CUDA (`cuda`), the device synchronised before and after
     it: the time is this rank's wait for its peers plus the transfer, not the kernels queued before it."""
 

@@ -60,28 +60,39 @@ class EmbeddingRows:
             comm.all_reduce(self.grad, self.dp_group)
             self.touched, self.last_exchange = None, "dense"
             return
-        mine = torch.unique(self._local_rows(torch.cat([ids.reshape(-1) for ids in read]))) if read else \
-            torch.empty(0, dtype=torch.long, device=self.grad.device)
+        # Every shape below follows from the token count alone, never from the ids' values, so on a GPU nothing
+        # waits for the device: the distinct rows this rank read come first in `mine`, then -1s.
         bound = min(tokens, self.grad.shape[0])  # rows per rank at most: the same number on every rank
-        ids = torch.full((bound,), -1, dtype=torch.long, device=self.grad.device)
-        ids[:mine.numel()] = mine
-        all_ids = torch.empty(self.dp_size * bound, dtype=torch.long, device=self.grad.device)
-        comm.all_gather_into(all_ids, ids, self.dp_group)
-        all_ids = all_ids.view(self.dp_size, bound)
-        counts = (all_ids >= 0).sum(dim=1).tolist()
-        widest = max(counts)
-        width = self.grad.shape[1]
-        rows = torch.zeros(widest, width, dtype=self.grad.dtype, device=self.grad.device)
-        rows[:mine.numel()] = self.grad.index_select(0, mine).div_(self.dp_size)
-        all_rows = torch.empty(self.dp_size * widest, width, dtype=self.grad.dtype, device=self.grad.device)
-        if widest:
-            comm.all_gather_into(all_rows, rows, self.dp_group)
-        all_rows = all_rows.view(self.dp_size, widest, width)
-        self.grad.index_fill_(0, mine, 0.0)  # this rank's rows come back with the others', in rank order
-        for rank, count in enumerate(counts):
-            self.grad.index_add_(0, all_ids[rank, :count], all_rows[rank, :count])
-        self.touched = torch.unique(all_ids[all_ids >= 0])
         self.last_exchange = "rows"
+        if bound == 0:  # no forward this step, on any rank: nothing was read, nothing to add
+            self.touched = torch.empty(0, dtype=torch.long, device=self.grad.device)
+            return
+        mine = self._distinct_rows(read, bound)
+        valid = mine >= 0
+        rows = self.grad.index_select(0, mine.clamp(min=0)).div_(self.dp_size).masked_fill_(~valid.unsqueeze(1), 0.0)
+        all_ids = torch.empty(self.dp_size * bound, dtype=torch.long, device=self.grad.device)
+        comm.all_gather_into(all_ids, mine, self.dp_group)
+        width = self.grad.shape[1]
+        all_rows = torch.empty(self.dp_size * bound, width, dtype=self.grad.dtype, device=self.grad.device)
+        comm.all_gather_into(all_rows, rows, self.dp_group)
+        all_ids, all_rows = all_ids.view(self.dp_size, bound), all_rows.view(self.dp_size, bound, width)
+        # -1 slots point at row 0 and carry zeros: zeroing row 0 there is harmless (a row this rank did not read
+        # holds a zero gradient) and adding their zeros leaves it unchanged.
+        self.grad.index_fill_(0, mine.clamp(min=0), 0.0)  # this rank's rows come back with the others', in order
+        for rank in range(self.dp_size):
+            self.grad.index_add_(0, all_ids[rank].clamp(min=0), all_rows[rank])
+        self.touched = all_ids.reshape(-1).clamp(min=0)
+
+    def _distinct_rows(self, read: list, bound: int) -> torch.Tensor:
+        """[bound]: the distinct rows of this rank's table that `read` looked up, ascending, then -1s."""
+        rows = self.grad.shape[0]
+        if not read:
+            return torch.full((bound,), -1, dtype=torch.long, device=self.grad.device)
+        local = torch.sort(self._local_rows(torch.cat([ids.reshape(-1) for ids in read]))).values
+        repeat = torch.zeros_like(local, dtype=torch.bool)
+        repeat[1:] = local[1:] == local[:-1]
+        distinct = torch.sort(local.masked_fill(repeat, rows)).values[:bound]  # other ranks' ids are `rows` too
+        return distinct.masked_fill(distinct == rows, -1)
 
     def zero_grad(self) -> None:
         if self.weight.grad is not self.grad or self.rows_read:  # replaced, or a backward never reduced

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.attention import flash_varlen_in_use, remember_offsets
+
 
 @dataclass
 class MicroBatch:
@@ -14,6 +16,16 @@ class MicroBatch:
     segment_ids: torch.Tensor | None = None
     position_ids: torch.Tensor | None = None
     loss_mask: torch.Tensor | None = None
+
+    def to(self, device: torch.device) -> MicroBatch:
+        """This micro-batch on `device`, copied without waiting. When flash-attn's varlen kernel will read the
+        documents, their offsets are computed here from the host copy, so that no layer reads them back."""
+        def moved(t):
+            return None if t is None else t.to(device, non_blocking=True)
+        out = MicroBatch(moved(self.tokens), moved(self.segment_ids), moved(self.position_ids), moved(self.loss_mask))
+        if self.segment_ids is not None and flash_varlen_in_use():
+            remember_offsets(out.segment_ids, self.segment_ids)
+        return out
 
     @staticmethod
     def of(batch) -> MicroBatch:

@@ -12,7 +12,7 @@ from parallel.topology import Layout
 
 
 def compact_ranges(values: list[int], separator: str = ",") -> str:
-    """Sorted integers as runs: [0, 1, 2, 5, 7, 8] -> "0-2,5,7-8" (ranks here, samples in engine/monitor.py)."""
+    """Sorted integers as runs: [0, 1, 2, 5, 7, 8] -> "0-2,5,7-8" (ranks here, samples in engine/observe/monitor.py)."""
     parts, start = [], None
     for i, v in enumerate(values):
         if start is None:

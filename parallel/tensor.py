@@ -140,9 +140,10 @@ class VocabParallelEmbedding(nn.Module):
         self.row_lookup = None  # ZeRO-3: looks rows up from the shards (parallel/embedding_shards.py)
 
     def local_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """The rows of this rank's table that looking up `ids` reads (flat, with repeats)."""
+        """For each of `ids` (flattened), the row of this rank's table it reads, or `rows_per_rank` where another
+        rank holds it: one entry per id, so that no shape depends on the values (no host synchronisation)."""
         local = ids.reshape(-1).long() - self.vocab_start
-        return local[(local >= 0) & (local < self.rows_per_rank)]
+        return local.masked_fill((local < 0) | (local >= self.rows_per_rank), self.rows_per_rank)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         lookup = self.row_lookup if self.row_lookup is not None and self.row_lookup.applies(self) else embedding

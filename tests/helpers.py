@@ -9,15 +9,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = "launch/configs/tiny.yaml"  # relative to ROOT, where the tests and the launcher run
-# The launcher in a plain shell environment: the venv's Python named explicitly, one thread per rank.
-LAUNCH_ENV = {"TRILITH_PYTHON": sys.executable, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+# The launcher in a plain shell environment: the venv's Python named explicitly, one thread per rank, and the
+# collectives under NCCL's semantics (parallel/nccl_semantics.py), as in the worker pools.
+LAUNCH_ENV = {"TRILITH_PYTHON": sys.executable, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
+              "TRILITH_COMM_SEMANTICS": "nccl"}
 
 
 def tiny_trainer(*overrides: str, rank: int = 0, world: int = 1, validated: bool = False, config: str = TINY):
     """A Trainer on `config` (the tiny recipe) with `overrides`, as rank `rank` of `world` CPU ranks (gloo; with
     `world` > 1 the process group must already exist). `validated`: the configuration is first checked for
     `world` ranks, as a launched run checks it; without it, the Trainer meets the configuration as given."""
-    from engine.config import load_config, validate
+    from engine.config.schema import load_config, validate
     from engine.train import Trainer
     from parallel.distributed import DistEnv
     cfg = load_config(config, list(overrides))

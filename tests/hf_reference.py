@@ -3,8 +3,8 @@ reference for Trilith's model."""
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from engine.config import ModelConfig
-from engine.hf_config import hf_config_dict
+from engine.checkpoint.hf_config import hf_config_dict
+from engine.config.schema import ModelConfig
 
 
 def hf_config(cfg: ModelConfig) -> PretrainedConfig:

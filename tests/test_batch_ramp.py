@@ -9,7 +9,7 @@ from data.gpt_dataset import GPTDataset
 from data.indexed import IndexedDataset
 from data.loader import DistributedBatchLoader
 from engine.batch_ramp import BatchRamp, lr_position
-from engine.config import ConfigError, load_config, validate
+from engine.config.schema import ConfigError, load_config, validate
 from engine.lr_schedule import lr_at
 from engine.train import Trainer
 from parallel.distributed import DistEnv

@@ -1,4 +1,4 @@
-"""tools/bench_peers.py: Trilith and its PyTorch-native peer (tools/_peer_train.py) both train on a tiny shape,
+"""tools/bench_peers.py: Trilith and its PyTorch-native peer (tools/peer_train.py) both train on a tiny shape,
 the tool prints the table with positive ratios and collective counts, and a side that does not train fails it."""
 from __future__ import annotations
 

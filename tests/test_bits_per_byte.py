@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from data.indexed import IndexedDatasetBuilder
-from engine.config import load_config
-from engine.metrics import MetricsLog
+from engine.config.schema import load_config
+from engine.evaluate.scoring import Scorer, rolling_windows
+from engine.evaluate.text_tokenizer import TextTokenizer
 from engine.model import CausalLM
-from engine.scoring import Scorer, rolling_windows
-from engine.text_tokenizer import TextTokenizer
+from engine.observe.metrics import MetricsLog
 from engine.train import Trainer
 from parallel.distributed import DistEnv
 from tests.distributed import WorkerPool, free_port

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from engine.checkpoint_io import CheckpointError, read_latest, step_dirs
+from engine.checkpoint.files import CheckpointError, read_latest, step_dirs
 from engine.train import Trainer
 from tests.distributed import WorkerPool
 from tests.helpers import launch, tiny_trainer
@@ -173,10 +173,10 @@ def test_checkpoints_by_wall_time(tmp_path, monkeypatch):
     import time
     import types
 
-    import engine.train
-    from engine.metrics import MetricsLog
+    import engine.checkpoint.save_schedule
+    from engine.observe.metrics import MetricsLog
     now = [0.0]
-    monkeypatch.setattr(engine.train, "time", types.SimpleNamespace(monotonic=lambda: now[0],
+    monkeypatch.setattr(engine.checkpoint.save_schedule, "time", types.SimpleNamespace(monotonic=lambda: now[0],
                                                                      perf_counter=time.perf_counter))
     t = trainer(tmp_path, "checkpoint.interval_minutes=1", "train.steps=5")
     step = t.train_step

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from engine.checkpoint_manifest import CheckpointReader
+from engine.checkpoint.manifest import CheckpointReader
 from tests.helpers import tiny_trainer
 from tools.ckpt_convert import main as convert
 torch.set_num_threads(1)

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.checkpoint import _rng_restore
-from engine.checkpoint_io import STEP_DIR, CheckpointError, read_latest
-from engine.checkpoint_manifest import SafetensorsRanges, open_verified
+from engine.checkpoint.checkpointer import _rng_restore
+from engine.checkpoint.files import STEP_DIR, CheckpointError, read_latest
+from engine.checkpoint.manifest import SafetensorsRanges, open_verified
 from parallel.random import TRACKER
 from tests.test_checkpoint import saved_run
 
@@ -126,6 +126,15 @@ def test_mutated_manifest_loads_or_names_the_checkpoint(step, data):
         text = json.dumps(mutate(manifest, data, data.draw(st.integers(1, 3)))).encode()
     with replaced(step / "manifest.json", text):
         fails_cleanly(lambda: load_everything(step), step)
+
+
+def test_a_dtype_that_is_not_a_string_names_the_checkpoint(step):
+    """Found by the search above: a list where a tensor's dtype belongs once escaped as a TypeError."""
+    manifest = json.loads((step / "manifest.json").read_text())
+    next(iter(manifest["tensors"].values()))["dtype"] = []
+    with replaced(step / "manifest.json", json.dumps(manifest).encode()):
+        with pytest.raises(CheckpointError, match="has an invalid shape, split or dtype"):
+            load_everything(step)
 
 
 @FUZZ

@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import engine.checkpoint
-from engine.checkpoint_io import CheckpointError, copy_verified, read_latest, step_dirs
-from engine.checkpoint_manifest import SafetensorsRanges
+import engine.checkpoint.checkpointer
+from engine.checkpoint.files import CheckpointError, copy_verified, read_latest, step_dirs
+from engine.checkpoint.manifest import SafetensorsRanges
 from engine.train import main as train_main
 from tests.distributed import WorkerPool
 from tests.helpers import ROOT, TINY
@@ -140,7 +140,7 @@ def test_hf_index_cannot_point_outside_its_directory(tmp_path, capsys):
 
 
 # ---- 6: a full disk is one final line; temporary folders go; symlinked step directories survive retention --
-WRITE = engine.checkpoint.write_safetensors
+WRITE = engine.checkpoint.checkpointer.write_safetensors
 
 
 def full_disk_at(call: int):
@@ -157,7 +157,7 @@ def full_disk_at(call: int):
 
 @pytest.mark.parametrize("mode", ["false", "true"], ids=["sync", "async"])
 def test_full_disk_during_a_save_is_one_final_line(tmp_path, monkeypatch, capsys, mode):
-    monkeypatch.setattr(engine.checkpoint, "write_safetensors", full_disk_at(call=2))
+    monkeypatch.setattr(engine.checkpoint.checkpointer, "write_safetensors", full_disk_at(call=2))
     stop_file = tmp_path / "stop"
     monkeypatch.setenv("TRILITH_STOP_FILE", str(stop_file))
     status = train_main(["--config", TINY, f"run.dir={tmp_path / 'run'}", "checkpoint.interval=1", "train.steps=3",
@@ -190,13 +190,13 @@ def _full_disk_on_rank_1(rank, world, run_dir):
     t = trainer(run_dir, rank=rank, world=world)
     train(t, 1)
     if rank == 1:
-        engine.checkpoint.write_safetensors = full_disk_at(call=1)
+        engine.checkpoint.checkpointer.write_safetensors = full_disk_at(call=1)
     try:
         t.save_checkpoint()
     except CheckpointError as exc:
         return str(exc)
     finally:
-        engine.checkpoint.write_safetensors = WRITE
+        engine.checkpoint.checkpointer.write_safetensors = WRITE
 
 
 def test_full_disk_on_one_rank_stops_every_rank(tmp_path):

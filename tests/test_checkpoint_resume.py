@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.checkpoint_io import read_latest
+from engine.checkpoint.files import read_latest
 from tests.helpers import ROOT, launch, tiny_trainer
 
 # One entry per layout: (id, processes, overrides). A layout is one more line here.
@@ -55,8 +55,8 @@ def test_stopped_run_resumes_from_its_own_latest(tmp_path, single):
 
 KILLED_SAVE = textwrap.dedent("""
     import sys, time
-    import engine.checkpoint as checkpoint
-    from engine.config import load_config
+    import engine.checkpoint.checkpointer as checkpoint
+    from engine.config.schema import load_config
     from engine.train import Trainer
     from parallel.distributed import DistEnv
 

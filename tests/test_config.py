@@ -1,7 +1,7 @@
 """Config loading, overrides and validation errors that name the numbers and the fix."""
 import pytest
 
-from engine.config import ConfigError, load_config, validate
+from engine.config.schema import ConfigError, load_config, validate
 from engine.lr_schedule import lr_at
 
 TINY = "launch/configs/tiny.yaml"

@@ -12,9 +12,9 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from data.loader import parse_paths
-from engine.config import Config, ConfigError, load_config, save_config, validate
-from engine.config_ranges import RANGES, field_range
+from data.paths import parse_paths
+from engine.config.ranges import RANGES, field_range
+from engine.config.schema import Config, ConfigError, load_config, save_config, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "launch" / "configs" / "tiny.yaml"

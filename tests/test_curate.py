@@ -10,11 +10,11 @@ import pytest
 
 from data.indexed import IndexedDataset
 from data.loader import build_datasets, sample_provenance
+from data.offline.contamination import gram_hashes, word_hashes
+from data.offline.dedup import DuplicateFinder, components, lsh_bands
+from data.offline.pii import scrub
 from tests.helpers import write_jsonl
 from tools import curate_data, preprocess_data, stdlib_corpus, train_tokenizer
-from tools._contamination import gram_hashes, word_hashes
-from tools._dedup import DuplicateFinder, components, lsh_bands
-from tools._pii import scrub
 
 ENGLISH = ("The committee published its annual report on the state of public libraries, noting that "
            "visitor numbers rose again this year and that several cities plan to open new reading rooms.")
@@ -54,7 +54,7 @@ def reasons(rejects):
 # ---------------------------------------------------------------- PII
 
 def id_number(base17):
-    """A resident ID with its check digit, from the GB 11643 table (independent of tools/_pii.py)."""
+    """A resident ID with its check digit, from the GB 11643 table (independent of data/offline/pii.py)."""
     weights = [7, 9, 10, 5, 8, 4, 2, 1, 6, 3, 7, 9, 10, 5, 8, 4, 2]
     return base17 + "10X98765432"[sum(int(d) * w for d, w in zip(base17, weights)) % 11]
 

@@ -1,4 +1,4 @@
-"""curate_data / preprocess_data as array tasks plus a merge (tools/_shards.py): the shards cover the corpus
+"""curate_data / preprocess_data as array tasks plus a merge (data/offline/shards.py): the shards cover the corpus
 exactly, near-duplicates are found across shards, the merged outputs equal one process's byte for byte, and a
 finished task is not redone."""
 import json
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from data.offline.corpus_io import iter_records, shard_ranges
 from tools import curate_data, preprocess_data, train_tokenizer
-from tools._corpus_io import iter_records, shard_ranges
 
 VOCAB = ("river stone garden window paper market letter winter music orange silver forest bridge doctor "
          "teacher island engine candle mirror pocket ticket violin harbor meadow lantern village").split()

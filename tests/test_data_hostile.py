@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from data.indexed import IndexedDataset, IndexedDatasetBuilder
+from data.offline.workers import WorkerDied, ordered_map
 from tools import curate_data, preprocess_data, train_tokenizer
-from tools._parallel import WorkerDied, ordered_map
 
 WORDS = "river stone garden window paper market letter winter music orange silver forest".split()
 
@@ -237,11 +237,9 @@ def test_compressed_block_size_is_validated_at_open(tmp_path):
 
 
 def test_negative_token_ids_are_refused_like_ids_past_the_vocabulary(tmp_path):
-    from types import SimpleNamespace
-
     from data.loader import DistributedBatchLoader, build_datasets
-    from engine.config import ConfigError
-    from engine.train import Trainer
+    from engine.config.schema import ConfigError
+    from engine.train import check_token_ids
     builder = IndexedDatasetBuilder(str(tmp_path / "d"), np.int32)
     for d in range(50):
         builder.add_document(np.arange(40) + d)
@@ -252,6 +250,5 @@ def test_negative_token_ids_are_refused_like_ids_past_the_vocabulary(tmp_path):
     del tokens
     dataset = build_datasets([str(tmp_path / "d")], 16, 0, split="100,0,0", cache_dir=str(tmp_path / "c"))["train"]
     batches = DistributedBatchLoader(dataset, 2, 4, 0, 1, prefetch=0).next_global_batch()
-    trainer = SimpleNamespace(cfg=SimpleNamespace(model=SimpleNamespace(vocab_size=128)))
     with pytest.raises(ConfigError, match=r"token id -3; token ids are never negative"):
-        Trainer._check_token_ids(trainer, batches)  # the check every training step makes of its batch
+        check_token_ids(batches, 128)  # the check every training step makes of its batch

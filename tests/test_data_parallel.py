@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engine.config import ConfigError, from_dict, validate
+from engine.config.schema import ConfigError, from_dict, validate
 from engine.train import Trainer
 from parallel import comm
 from parallel.distributed import DistEnv
@@ -256,7 +256,7 @@ def two_stage_pipeline_step(rank, world, stage):
 
     import torch.distributed as dist
 
-    from engine.config import ModelConfig, OptimConfig
+    from engine.config.schema import ModelConfig, OptimConfig
     from engine.model import CausalLM
     from engine.optimizer import MixedPrecisionAdamW
     from engine.zero_optimizer import ZeroAdamW

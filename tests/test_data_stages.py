@@ -5,7 +5,7 @@ import pytest
 
 from data.blend import blending_indices
 from data.indexed import IndexedDatasetBuilder
-from engine.config import ConfigError, load_config, validate
+from engine.config.schema import ConfigError, load_config, validate
 from engine.data_stages import DataStages
 from engine.train import build_split_datasets
 from tests.test_batch_ramp import run
@@ -123,7 +123,7 @@ def test_two_data_parallel_ranks_resume_stages_and_ramp_exactly(corpora, tmp_pat
 
 
 def test_training_evaluates_on_the_stage_it_trained(corpora, tmp_path):
-    from engine.metrics import MetricsLog
+    from engine.observe.metrics import MetricsLog
     from engine.train import Trainer
     from parallel.distributed import DistEnv
     cfg = config(corpora, f"run.dir={tmp_path}", "train.eval_interval=3", "train.eval_per_dataset=true",

@@ -138,7 +138,7 @@ def defined_names(path: Path) -> dict[str, set[str]]:
 def code_index() -> dict[str, set[str]]:
     index: dict[str, set[str]] = {}
     for folder in ("engine", "parallel", "kernels", "data", "tools"):
-        for path in (ROOT / folder).glob("*.py"):
+        for path in (ROOT / folder).rglob("*.py"):
             for cls, members in defined_names(path).items():
                 if cls:
                     index.setdefault(cls, set()).update(members)

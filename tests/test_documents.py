@@ -9,7 +9,7 @@ import torch
 
 from data.documents import document_ids, loss_mask, positions_within_documents
 from data.eod import eod_id_from_tokenizer
-from engine.config import ConfigError, ModelConfig, load_config, validate
+from engine.config.schema import ConfigError, ModelConfig, load_config, validate
 from engine.model import CausalLM
 from parallel.micro_batch import MicroBatch
 from tests.helpers import tiny_trainer

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import ConfigError, load_config, validate
-from engine.evaluation_tasks import TaskItem, accuracy, encode_pair, load_task, requests
-from engine.metrics import MetricsLog
+from engine.checkpoint.model_source import ModelSource, load_single_model
+from engine.config.schema import ConfigError, load_config, validate
+from engine.evaluate.scoring import Scorer
+from engine.evaluate.tasks import TaskItem, accuracy, encode_pair, load_task, requests
+from engine.evaluate.text_tokenizer import TextTokenizer
 from engine.model import CausalLM
-from engine.model_source import ModelSource, load_single_model
-from engine.scoring import Scorer
-from engine.text_tokenizer import TextTokenizer
+from engine.observe.metrics import MetricsLog
 from engine.train import Trainer
 from parallel.distributed import DistEnv
 from tests.distributed import WorkerPool

@@ -99,3 +99,20 @@ def test_a_step_past_the_bound_all_reduces_the_table(pools):
     for exchange, _, reduced in results:
         assert exchange == "dense"
         assert torch.equal(reduced, expected)
+
+
+def test_the_row_exchange_reads_nothing_back_to_the_host(monkeypatch):
+    """On the meta device a tensor has a shape and no values: an exchange whose shapes followed from the ids'
+    values (unique, boolean indexing, .tolist() of counts) could not run there, and on a GPU each of those
+    would stall the host until backward had finished."""
+    from types import SimpleNamespace
+
+    from parallel.embedding_rows import EmbeddingRows
+    from parallel.tensor import TensorParallel, VocabParallelEmbedding
+
+    embedding = VocabParallelEmbedding(512, 8, TensorParallel(None), 0.02).to("meta")
+    rows = EmbeddingRows(embedding, SimpleNamespace(), 2)
+    monkeypatch.setattr(comm, "all_gather_into", lambda out, shard, group, async_op=False: None)
+    rows.rows_read = [torch.empty(2, 16, dtype=torch.long, device="meta")]
+    rows.reduce()
+    assert rows.last_exchange == "rows" and rows.touched.shape == (2 * 32,)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from data.eod import eod_id_from_tokenizer, special_tokens
-from engine.config import ConfigError, load_config
+from engine.config.schema import ConfigError, load_config
 from engine.train import resolve_eod_id as train_eod_id
 from tests._tokenizer_families import FAMILIES, TEXTS, build_family
 from tools import preprocess_data

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from data.indexed import IndexedDatasetBuilder
-from engine.config import ConfigError, load_config, validate
-from engine.metrics import MetricsLog
+from engine.config.schema import ConfigError, load_config, validate
 from engine.mock_data import MockBatchLoader
+from engine.observe.metrics import MetricsLog
 from engine.train import Trainer
 from tests.helpers import TINY, tiny_trainer
 COMMON = ["model.num_layers=2", "model.hidden_dropout=0.1", "model.attention_dropout=0.1", "train.steps=4",

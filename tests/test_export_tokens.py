@@ -1,5 +1,5 @@
 """Special tokens through import -> train -> export, and tokenizer exports that transformers 5.x and 4.5x
-both load (tools/_hf_tokenizer.py)."""
+both load (data/offline/hf_tokenizer.py)."""
 import json
 import os
 import subprocess
@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from data.offline.hf_tokenizer import export_tokenizer
 from tests._tokenizer_families import TEXTS, build_family
 from tests.helpers import ROOT, tiny_trainer
 from tools import train_tokenizer
-from tools._hf_tokenizer import export_tokenizer
 from tools.ckpt_convert import main as convert
 
 TRANSFORMERS4 = "transformers==4.57.1"

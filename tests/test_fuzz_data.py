@@ -1,5 +1,5 @@
 """Property-based fuzzing of the readers of untrusted data files: JSONL, JSONL.zst, Parquet and Arrow corpora
-(tools/_corpus_io.py as preprocess_data and curate_data use it) and .idx/.bin, .idx/.arrow token shards
+(data/offline/corpus_io.py as preprocess_data and curate_data use it) and .idx/.bin, .idx/.arrow token shards
 (data/indexed.py). Arbitrary bytes and mutations of valid files may only give counted rejects or a
 one-line error naming the file: never another exception."""
 import io
@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from data.indexed import IndexedDataset, IndexedDatasetBuilder
+from data.offline.corpus_io import REJECT_REASONS, CorpusError, iter_records
 from data.split import documents_to_sequences
-from tools._corpus_io import REJECT_REASONS, CorpusError, iter_records
 from tools.curate_data import Dropped, Kept, Stages
 
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1,15 +1,15 @@
-"""Generation (engine/generate.py, tools/generate.py) and the generation diary (engine/diary.py)."""
+"""Generation (engine/evaluate/generate.py, tools/generate.py) and the generation diary (engine/observe/diary.py)."""
 import json
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from engine.config import ConfigError, ModelConfig, load_config, validate
-from engine.diary import read_entries
-from engine.generate import Sampling, generate
-from engine.metrics import MetricsLog
+from engine.config.schema import ConfigError, ModelConfig, load_config, validate
+from engine.evaluate.generate import Sampling, generate
 from engine.model import CausalLM
+from engine.observe.diary import read_entries
+from engine.observe.metrics import MetricsLog
 from engine.train import Trainer
 from parallel.distributed import DistEnv
 from tests.eval_fixtures import VOCAB, make_tokenizer, one_thread  # noqa: F401 (autouse fixture)
@@ -42,7 +42,7 @@ def test_kv_cache_gives_the_same_tokens_as_recomputing(fields):
 
 
 def test_cached_logits_equal_the_full_forward():
-    from engine.generate import forward_cached
+    from engine.evaluate.generate import forward_cached
     from kernels.rope import rope_cos_sin
     model = tiny_model()
     tokens = torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(0))
@@ -112,7 +112,7 @@ def test_the_diary_generates_on_the_host_in_the_background(tmp_path, monkeypatch
     for the generation, and the whole model goes to host memory, not next to the sharded one on the GPU."""
     import threading
 
-    from engine import diary as diary_module
+    from engine.observe import diary as diary_module
     tokenizer = make_tokenizer(tmp_path / "tok")
     cfg = load_config(TINY, [f"model.vocab_size={VOCAB}", f"data.tokenizer={tokenizer}",
                              f"run.dir={tmp_path / 'run'}", "train.diary_prompts=[\"def \"]", "train.diary_max_tokens=3"])

@@ -1,4 +1,4 @@
-"""`ckpt_convert --to gguf` (tools/_gguf_export.py): llama.cpp's metadata and tensor names, read back with
+"""`ckpt_convert --to gguf` (engine/checkpoint/gguf_export.py): llama.cpp's metadata and tensor names, read back with
 gguf's own reader; a reference forward of the GGUF weights equals the original model's logits; the q/k
 row permutation makes llama.cpp's adjacent-pair rotation compute the same attention scores."""
 import json
@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from engine.checkpoint.gguf_export import llama3_rope_factors, permute_rotary
 from tests._tokenizer_families import build_family
-from tools._gguf_export import llama3_rope_factors, permute_rotary
 from tools.ckpt_convert import main as convert
 
 torch.set_num_threads(1)
@@ -175,7 +175,7 @@ def test_permutation_makes_adjacent_pair_rope_equal_to_rotate_half():
 
 def test_llama3_rope_factors_match_transformers():
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    from engine.config import ModelConfig
+    from engine.config.schema import ModelConfig
     scaling = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
     model = ModelConfig(hidden_size=2048, num_attention_heads=32, num_kv_heads=8, rope_theta=500000.0,

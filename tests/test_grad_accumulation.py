@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.config import ModelConfig
+from engine.config.schema import ModelConfig
 from engine.model import CausalLM
 from kernels.grad_accumulation import embedding, linear
 

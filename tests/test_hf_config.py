@@ -1,4 +1,4 @@
-"""engine/hf_config.py: every field of transformers' Llama, Mistral and Qwen2 configs (as transformers 4 and 5
+"""engine/checkpoint/hf_config.py: every field of transformers' Llama, Mistral and Qwen2 configs (as transformers 4 and 5
 write them, from the hub or from a GGUF file) is mapped, metadata, or refused by name with the fix; token ids
 travel to the export; both RoPE forms read, disagreements refused; continued pretraining from a Hugging Face
 directory refuses what does not fit, in one line."""
@@ -7,11 +7,12 @@ import json
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, Qwen2Config
 
-from engine.checkpoint_io import CheckpointError
-from engine.config import Config, ConfigError, ModelConfig
-from engine.hf_checkpoint import HFWeights, fill_model_from_hf
-from engine.hf_config import ACCEPT_KEY, hf_config_dict, model_from_hf, unknown_fields, v4_rope_fields
-from engine.model_source import ModelSource
+from engine.checkpoint.files import CheckpointError
+from engine.checkpoint.hf_config import (ACCEPT_KEY, hf_config_dict, model_from_hf, token_ids, unknown_fields,
+                                         v4_rope_fields)
+from engine.checkpoint.hf_weights import HFWeights, fill_model_from_hf
+from engine.checkpoint.model_source import ModelSource
+from engine.config.schema import Config, ConfigError, ModelConfig, save_config
 from tests.hf_family_configs import (GGUF_LLAMA_V4, GGUF_LLAMA_V5, LLAMA_3_2_1B, LLAMA_TO_DICT_V4, MISTRAL_7B,
                                      QWEN2_5_0_5B)
 from tools.ckpt_convert import main as convert
@@ -184,3 +185,25 @@ def test_every_token_id_an_import_records_is_written_where_transformers_reads_it
     assert [back[k] for k in kept] == [5, [6, 7], 8, 9, None]
     assert (generation["eos_token_id"], generation["decoder_start_token_id"], generation["forced_eos_token_id"]) \
         == ([6, 7], 9, 7)
+
+
+def test_a_run_started_from_a_directory_keeps_its_token_ids_save_after_save(tmp_path):
+    """checkpoint.load of a Hugging Face directory, a save, a resume from it in another run, a save, the export:
+    unk (and every other *_token_id) of the directory's config.json is still there at the end."""
+    from tests.helpers import tiny_trainer
+    src = tmp_path / "hf"
+    LlamaForCausalLM(LlamaConfig(**{k: v for k, v in GGUF_LLAMA_V5.items() if not k.startswith("_")})) \
+        .save_pretrained(src)
+    (src / "config.json").write_text(json.dumps(GGUF_LLAMA_V5))
+    first = tiny_trainer(f"checkpoint.load={src}", f"run.dir={tmp_path / 'a'}", "train.steps=1")
+    saved = first.save_checkpoint()
+    first.checkpointer.wait()
+    save_config(first.cfg, tmp_path / "first.yaml")  # the directory's model, as the run filled it in
+    second = tiny_trainer(f"checkpoint.load={saved}", f"run.dir={tmp_path / 'b'}", config=str(tmp_path / "first.yaml"))
+    again = second.save_checkpoint()
+    second.checkpointer.wait()
+    recorded = json.loads((again / "metadata.json").read_text())["special_tokens"]
+    assert recorded == token_ids(GGUF_LLAMA_V5) and recorded["unk_token_id"] == 0
+    assert convert(["--load-dir", str(again), "--save-dir", str(tmp_path / "back"), "--to", "hf",
+                    "--tokenizer", ""]) == 0
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["unk_token_id"] == 0

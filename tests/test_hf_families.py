@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-from engine.checkpoint_manifest import CheckpointReader
-from engine.config import ModelConfig, load_config
-from engine.hf_config import IRRELEVANT, REQUIRED
+from engine.checkpoint.hf_config import IRRELEVANT, REQUIRED
+from engine.checkpoint.manifest import CheckpointReader
+from engine.config.schema import ModelConfig, load_config
 from engine.mock_data import MockBatchLoader
 from engine.model import CausalLM
 from engine.train import Trainer

@@ -1,4 +1,4 @@
-"""engine/host_memory.py: on the CPU, a step's tensors reuse the pages the last step freed instead of being
+"""engine/observe/host_memory.py: on the CPU, a step's tensors reuse the pages the last step freed instead of being
 faulted in afresh; a threshold set in the environment is left alone; the setting is validated."""
 import platform
 import subprocess
@@ -6,15 +6,15 @@ import sys
 
 import pytest
 
-from engine.config import ConfigError, load_config
-from engine.host_memory import reuse_freed_memory
+from engine.config.schema import ConfigError, load_config
+from engine.observe.host_memory import reuse_freed_memory
 from tests.helpers import ROOT, TINY
 
 # A step's worth of tensors: 32 MiB logits (above glibc's largest automatic mmap threshold) and an MLP
 # activation, allocated, used and freed; prints the minor page faults of nine steps after three of warm-up.
 FAULTS = """
 import resource, sys, torch
-from engine.host_memory import reuse_freed_memory
+from engine.observe.host_memory import reuse_freed_memory
 if sys.argv[1] == "reuse":
     print(reuse_freed_memory(), file=sys.stderr)
 def step():

@@ -145,6 +145,21 @@ def test_flash_call_follows_the_flash_attn_api(monkeypatch, variant):
         assert double.calls == [("dense", window_size)]
 
 
+def test_document_offsets_come_from_the_host_copy(monkeypatch):
+    """A micro-batch copied to the device brings its documents' offsets, computed from the host copy: the varlen
+    kernel's longest-document argument then needs no read back from the device. On the meta device (shapes,
+    no values) computing them there would fail; here they come back equal to the host's."""
+    from parallel.micro_batch import MicroBatch
+    double = FlashAttnDouble()
+    monkeypatch.setattr(attention, "_flash_attn_varlen_func", double.flash_attn_varlen_func)
+    ids = segments(2, 9)
+    host = MicroBatch(torch.zeros(2, 10, dtype=torch.long), segment_ids=ids)
+    on_device = host.to(torch.device("meta"))
+    cu, longest = attention._cu_seqlens(on_device.segment_ids)
+    want_cu, want_longest = attention._compute_cu_seqlens(ids)
+    assert cu.device.type == "meta" and cu.shape == want_cu.shape and longest == want_longest == 6
+
+
 def test_attention_backend_selection():
     q = torch.randn(1, 2, 4, 8)
     assert attention.select_backend("auto", q) == "sdpa"

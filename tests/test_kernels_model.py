@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from engine.config import ConfigError, ModelConfig, load_config, validate
+from engine.config.schema import ConfigError, ModelConfig, load_config, validate
 from engine.model import CausalLM
 from kernels import attention
 from kernels.attention import alibi_slopes

@@ -5,8 +5,8 @@ import signal
 import pytest
 import torch
 
-from engine.config import RunConfig
-from engine.health import EccWindow, HealthMonitor, throttle_names
+from engine.config.schema import RunConfig
+from engine.observe.health import EccWindow, HealthMonitor, throttle_names
 from engine.preflight import memory_growth, verdicts
 from engine.stop import HEALTH_EXIT, PREEMPTED_EXIT, StopControl, exit_status
 from parallel.device import DeviceUnavailable

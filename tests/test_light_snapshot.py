@@ -6,10 +6,10 @@ import os
 import pytest
 import torch
 
-from engine.checkpoint_io import CheckpointError
-from engine.checkpoint_manifest import open_verified
-from engine.config import load_config
-from engine.metrics import MetricsLog
+from engine.checkpoint.files import CheckpointError
+from engine.checkpoint.manifest import open_verified
+from engine.config.schema import load_config
+from engine.observe.metrics import MetricsLog
 from engine.train import Trainer
 from parallel.distributed import DistEnv
 from tests.eval_fixtures import CORPUS, VOCAB, make_tokenizer, one_thread  # noqa: F401 (autouse fixture)

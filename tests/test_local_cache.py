@@ -11,7 +11,7 @@ import data.local_cache as local_cache
 from data.gpt_dataset import GPTDataset
 from data.indexed import IndexedDataset
 from data.local_cache import MANIFEST, fill_cache, local_prefix
-from engine.config import ConfigError, load_config
+from engine.config.schema import ConfigError, load_config
 from engine.data_cache import localize_data
 from parallel.distributed import DistEnv
 from tests.distributed import WorkerPool

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from engine.config import load_config, validate
+from engine.config.schema import load_config, validate
 from engine.memory_estimate import (chunk_activation, defers_weight_grads, estimate, in_flight, parse_bytes,
                                     queued_output_gradients, report)
 from engine.model import CausalLM

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from engine.config import ModelConfig
+from engine.config.schema import ModelConfig
 from engine.model import CausalLM, num_parameters
 from tests.hf_reference import hf_model_from
 

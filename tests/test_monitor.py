@@ -1,4 +1,4 @@
-"""Training health (engine/monitor.py): a NaN is traced to the samples that caused it, on one process and
+"""Training health (engine/observe/monitor.py): a NaN is traced to the samples that caused it, on one process and
 across data- and pipeline-parallel ranks; attention entropy per layer is what the attention does and
 the same on every layout (≤ 1e-5); the gradient-norm alarm fires above its threshold only; the time a step
 waits for data is measured."""
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import ConfigError, load_config, validate
-from engine.metrics import MetricsLog
-from engine.monitor import RELEASE_INTERVAL, NonFiniteTraining, TrainingMonitor
+from engine.config.schema import ConfigError, load_config, validate
+from engine.observe.metrics import MetricsLog
+from engine.observe.monitor import RELEASE_INTERVAL, NonFiniteTraining, TrainingMonitor
 from engine.train import Trainer
 from parallel.distributed import DistEnv
 from parallel.placement import compact_ranges

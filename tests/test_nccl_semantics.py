@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engine.config import ModelConfig
+from engine.config.schema import ModelConfig
 from parallel import comm, nccl_semantics
 from parallel.p2p import PipelineComm
 from parallel.topology import Layout, Topology

@@ -3,7 +3,7 @@ import math
 
 import torch
 
-from engine.config import OptimConfig
+from engine.config.schema import OptimConfig
 from engine.optimizer import MixedPrecisionAdamW
 from parallel.topology import single_process
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engine.config import Config, ConfigError, ModelConfig, load_config, validate
+from engine.config.schema import Config, ConfigError, ModelConfig, load_config, validate
 from engine.memory_estimate import stage_chunks
 from engine.model import CausalLM
 from engine.stage_balance import chunk_layers, output_layer_cost
@@ -234,7 +234,7 @@ def test_interleaved_schedule_prefetches_every_activation_after_the_first(pool):
 
 
 def timed_pipeline_step(rank, world):
-    """A step with the straggler timer on (engine/stragglers.py): every exchange is waited for where it is
+    """A step with the straggler timer on (engine/observe/stragglers.py): every exchange is waited for where it is
     posted, and the exchange must not wait for those operations a second time (on gloo that never returns)."""
     comm.TIMER.active = True
     try:

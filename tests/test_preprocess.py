@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from data.indexed import IndexedDataset
+from data.offline.encoder import OTHER_SPACES, SAFE_SPACES, load_encoder, tokenizer_spec
 from data.provenance import Provenance
 from tests.helpers import write_jsonl
 from tools import preprocess_data, train_tokenizer
-from tools._encoder import OTHER_SPACES, SAFE_SPACES, load_encoder, tokenizer_spec
 
 TEXTS = [
     "def f(x):\n    return x + 1\n",
@@ -281,8 +281,8 @@ def test_chunk_cache_is_exact_for_each_tokenizer_family(tmp_path, families, fami
 
 def test_summary_reports_a_cache_the_workers_turned_off(tmp_path, tok, monkeypatch, capsys):
     """A cut rule that breaks exactness is caught by the self-check; the summary says so rather than `cache on`."""
-    from tools import _chunk_rules
-    monkeypatch.setattr(_chunk_rules.GPT2, "split", lambda text: [text[i:i + 2] for i in range(0, len(text), 2)])
+    from data.offline import chunk_rules
+    monkeypatch.setattr(chunk_rules.GPT2, "split", lambda text: [text[i:i + 2] for i in range(0, len(text), 2)])
     path = run(tmp_path, tok["bpe"], [write_jsonl(tmp_path / "a.jsonl", [{"text": t} for t in TEXTS])])
     assert len(IndexedDataset(path)) == len(TEXTS)
     captured = capsys.readouterr()
@@ -294,12 +294,12 @@ def test_metaspace_cache_is_exact_for_each_prepend_scheme(tmp_path, families, sc
     """The first chunk of a text: cached as a space-led chunk where the tokenizer prepends "▁" ("first", tested
     above, and "always"), encoded on its own where it does not ("never")."""
     from tokenizers import Tokenizer
-    from tools import _chunk_rules
+    from data.offline import chunk_rules
     config = json.load(open(families["metaspace"][0]))
     config["pre_tokenizer"]["prepend_scheme"] = scheme
     reference = Tokenizer.from_str(json.dumps(config))
     encoder = load_encoder(("hf", json.dumps(config)))
-    assert encoder.rule is (_chunk_rules.METASPACE if scheme == "always" else _chunk_rules.METASPACE_NEVER)
+    assert encoder.rule is (chunk_rules.METASPACE if scheme == "always" else chunk_rules.METASPACE_NEVER)
     encoder.verify_first = 0
     if scheme == "never":  # and the words of the joined misses from the encoder's word ids
         encoder._build_inner()

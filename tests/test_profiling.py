@@ -1,4 +1,4 @@
-"""Profiler traces (run.profile_steps, engine/profiling.py): a 2-rank run writes one Chrome trace per rank, for
+"""Profiler traces (run.profile_steps, engine/observe/profiling.py): a 2-rank run writes one Chrome trace per rank, for
 the chosen steps only, with Trilith's phases and collectives as named ranges; tools/profile_summary.py reads
 them back per rank."""
 import json
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from engine.config import ConfigError, load_config, validate
+from engine.config.schema import ConfigError, load_config, validate
 from tests.distributed import worker_pools
 from tests.helpers import ROOT, TINY, tiny_trainer
 from tools.profile_summary import main as summary_main

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from data.indexed import IndexedDatasetBuilder
-from engine.config import data_parallel_size, load_config, validate
+from engine.config.schema import data_parallel_size, load_config, validate
 from engine.preflight import preflight_config
 from tests.helpers import ROOT
 

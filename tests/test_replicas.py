@@ -3,7 +3,7 @@ the check passes on sound layouts, names the parameter that one rank changed, an
 import pytest
 import torch
 
-from engine.config import ConfigError, load_config
+from engine.config.schema import ConfigError, load_config
 from engine.train import ReplicaMismatch
 from parallel.replicas import fingerprint
 from tests.distributed import worker_pools

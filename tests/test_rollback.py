@@ -1,4 +1,4 @@
-"""Loss spikes and rollback (engine/rollback.py): a spike is judged against the window of sound losses and traced
+"""Loss spikes and rollback (engine/observe/rollback.py): a spike is judged against the window of sound losses and traced
 to its samples; a poisoned data window makes every rank reload the last checkpoint before it and skip its
 samples, after which the parameters equal, bit for bit, those of a run that never read those samples; a window
 that goes bad again stops the run with status 1."""
@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from engine.config import ConfigError, load_config, validate
-from engine.metrics import MetricsLog
-from engine.rollback import LossGuard, RollbackFailed, merge_ranges
+from engine.config.schema import ConfigError, load_config, validate
+from engine.observe.metrics import MetricsLog
+from engine.observe.rollback import LossGuard, RollbackFailed, merge_ranges
 from engine.train import Trainer, build_loader, main
 from parallel.distributed import DistEnv
 from tests.distributed import worker_pools

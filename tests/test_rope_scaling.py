@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from engine.config import ConfigError, ModelConfig, load_config, validate
+from engine.config.schema import ConfigError, ModelConfig, load_config, validate
 from kernels.rope import apply_rope_fused, rope_cos_sin, rope_scaling_problem
 
 TOL = 1e-5

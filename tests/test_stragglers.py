@@ -1,4 +1,4 @@
-"""Stragglers (engine/stragglers.py) and the pre-flight's sniff test (engine/rank_sniff.py) on 8 CPU ranks: a
+"""Stragglers (engine/observe/stragglers.py) and the pre-flight's sniff test (engine/observe/rank_sniff.py) on 8 CPU ranks: a
 pipeline whose last stage is heavier by design raises no alarm; a rank slowed by a sleep in its forward/backward
 on two steps is named first, with its host, whatever its stage and the layout — against the ranks doing its
 work, or against its own history when no other rank does it; one step behind is no alarm; the other ranks show
@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine import rank_sniff
-from engine.config import ConfigError, load_config, validate
-from engine.metrics import MetricsLog
-from engine.stragglers import COLUMNS, MIN_HISTORY, StepTimer, work_of
+from engine.config.schema import ConfigError, load_config, validate
+from engine.observe import rank_sniff
+from engine.observe.metrics import MetricsLog
+from engine.observe.stragglers import COLUMNS, MIN_HISTORY, StepTimer, work_of
 from parallel import comm
 from parallel.distributed import node_name
 from tests.distributed import worker_pools

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from engine.config import ModelConfig
+from engine.config.schema import ModelConfig
 from engine.model import CausalLM
 from parallel import comm
 from parallel.tensor import TensorParallel, allreduce_replicated_grads, local_slice

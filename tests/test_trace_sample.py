@@ -1,7 +1,7 @@
 """tools/trace_sample.py: a training sample of a real (tiny) run traced to its raw record and line."""
 import json
 
-from engine.config import load_config, save_config
+from engine.config.schema import load_config, save_config
 from tests.helpers import run_tool
 
 

@@ -1,4 +1,4 @@
-"""TensorBoard and W&B (engine/trackers.py): the event files hold every metric of metrics.jsonl at every logged
+"""TensorBoard and W&B (engine/observe/trackers.py): the event files hold every metric of metrics.jsonl at every logged
 step, once, across a crash and resume; W&B in offline mode writes the same keys to its run directory and keeps
 one run id; a missing package or a tracker failing mid-run is one warning and the run finishes."""
 import json
@@ -8,11 +8,11 @@ import sys
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-import engine.trackers
-from engine.config import load_config
+from engine.config.schema import load_config
+from engine.observe.trackers import Trackers, scalars
+import engine.observe.trackers
 from engine.train import Trainer
 from engine.train import main as train_main
-from engine.trackers import Trackers, scalars
 from tests.helpers import TINY, read_metrics
 SHORT = ["model.num_layers=2", "train.steps=6", "train.log_interval=1", "run.health_interval=0"]
 
@@ -121,7 +121,7 @@ def test_a_tracker_failing_mid_run_is_one_warning_and_the_run_finishes(tmp_path,
         calls.append(step)
         if step >= 3:
             raise OSError("disk full")
-    monkeypatch.setattr(engine.trackers.TensorBoardTracker, "log", failing)
+    monkeypatch.setattr(engine.observe.trackers.TensorBoardTracker, "log", failing)
     assert train_main(["--config", TINY, f"run.dir={tmp_path / 'run'}", f"run.tensorboard_dir={tmp_path / 'tb'}",
                        *SHORT]) == 0
     assert calls == [1, 2, 3]  # dropped after the failure

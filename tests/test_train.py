@@ -120,7 +120,7 @@ def test_a_config_error_in_the_first_batch_leaves_no_prefetch_thread(tmp_path):
     import numpy as np
 
     from data.indexed import IndexedDatasetBuilder
-    from engine.config import ConfigError, load_config, validate
+    from engine.config.schema import ConfigError, load_config, validate
     from engine.train import Trainer, run
     from parallel.distributed import DistEnv
 

@@ -1,10 +1,10 @@
 """The Trainer's small collaborators on their own: the recompute switch (engine/recompute_switch.py) and the
-evaluation schedule (engine/validation.py)."""
+evaluation schedule (engine/evaluate/validation.py)."""
 import dataclasses
 
-from engine.config import TrainConfig
+from engine.config.schema import TrainConfig
+from engine.evaluate.validation import evaluation_due
 from engine.recompute_switch import RecomputeSwitch
-from engine.validation import evaluation_due
 
 
 def test_recompute_switch_changes_mode_and_micro_batch_at_its_step_only():

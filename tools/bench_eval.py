@@ -25,9 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.model_source import ModelSource  # noqa: E402
-from engine.scoring import rolling_windows  # noqa: E402
-from engine.text_tokenizer import TextTokenizer  # noqa: E402
+from engine.checkpoint.model_source import ModelSource  # noqa: E402
+from engine.evaluate.scoring import rolling_windows  # noqa: E402
+from engine.evaluate.text_tokenizer import TextTokenizer  # noqa: E402
 from tools import evaluate as evaluate_tool  # noqa: E402
 
 SMOLLM2_135M = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,

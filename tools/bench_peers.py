@@ -1,7 +1,7 @@
 """Trilith against PyTorch's own parallelism on the same work: tokens/s, collectives and bytes per step.
 
 For each mode, Trilith runs through its launcher (launch/run_pretrain.sh --nproc N) and the peer as a torchrun
-job of tools/_peer_train.py: transformers' LlamaForCausalLM (SDPA) with the torch piece configured as torchtitan
+job of tools/peer_train.py: transformers' LlamaForCausalLM (SDPA) with the torch piece configured as torchtitan
 configures it. Same shape, batch, fp32, AdamW + clipping at 1.0, constant learning rate, the same synthetic
 samples (engine/mock_data.py's rule) and the same machine. On the CPU the peer gets the malloc setting
 Trilith's CPU runs use (train.cpu_allocator=reuse: freed memory kept for reuse), worth ~10% to either side.
@@ -111,7 +111,7 @@ def run_peer(args, mode: str, job_dir: Path) -> dict:
              ("hidden", "layers", "heads", "kv-heads", "ffn", "vocab", "seq", "batch", "warmup", "steps", "seed",
               "lr", "device")]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
-           str(ROOT / "tools/_peer_train.py"), f"--mode={mode}", f"--out={job_dir}",
+           str(ROOT / "tools/peer_train.py"), f"--mode={mode}", f"--out={job_dir}",
            f"--micro-batches={args.batch}", *shape]  # the pipeline's: one sequence each, as Trilith's
     if args.device == "cpu":  # the allocator setting Trilith's CPU runs use, so that only the parallelism differs
         cmd.append("--reuse-freed-memory")

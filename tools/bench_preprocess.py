@@ -38,7 +38,7 @@ if ROOT not in sys.path:
 import numpy as np  # noqa: E402
 
 from data.indexed import IndexedDataset  # noqa: E402
-from tools._chunk_rules import SPLIT_PATTERNS  # noqa: E402
+from data.offline.chunk_rules import SPLIT_PATTERNS  # noqa: E402
 
 FAMILIES = ("gpt2", "llama3", "metaspace")
 EOD = {"gpt2": "<|endoftext|>", "llama3": "<|end_of_text|>", "metaspace": "</s>"}

@@ -27,16 +27,16 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from engine.checkpoint_io import (TMP_PREFIX, CheckpointError, commit, read_latest, set_latest,  # noqa: E402
+from engine.checkpoint.files import (TMP_PREFIX, CheckpointError, commit, read_latest, set_latest,  # noqa: E402
                                   step_dir_name, write_json, write_safetensors)
-from engine.checkpoint_manifest import (FORMAT, KEYS, MANIFEST, METADATA, VERSION, CheckpointReader,  # noqa: E402
+from engine.checkpoint.manifest import (FORMAT, KEYS, MANIFEST, METADATA, VERSION, CheckpointReader,  # noqa: E402
                                         global_shape, local_from_global, merge_entries, open_verified, rank_file,
                                         tensor_entry)
-from engine.config import Config, ConfigError, ModelConfig, from_dict, to_dict, validate  # noqa: E402
-from engine.hf_config import hf_config_dict, model_from_hf, token_ids, v4_rope_fields  # noqa: E402
+from data.offline.hf_tokenizer import export_tokenizer  # noqa: E402
+from engine.checkpoint.hf_config import hf_config_dict, model_from_hf, token_ids, v4_rope_fields  # noqa: E402
+from engine.config.schema import Config, ConfigError, ModelConfig, from_dict, to_dict, validate  # noqa: E402
 from engine.model import CausalLM  # noqa: E402
 from parallel.tensor import TensorParallel  # noqa: E402
-from tools._hf_tokenizer import export_tokenizer  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -125,7 +125,7 @@ def retarget(cfg: Config, tp: int, pp: int) -> dict:
 
 # ---- Hugging Face ---------------------------------------------------------------------------------------
 def hf_config(model: ModelConfig, tokens: dict):
-    """The transformers config of the model's family (engine/hf_config.py), with the special ids: bos/eos/pad
+    """The transformers config of the model's family (engine/checkpoint/hf_config.py), with the special ids: bos/eos/pad
     always (null when unknown), any other `*_token_id` (unk, sep, ...) when the import recorded one."""
     from transformers import AutoConfig
     try:
@@ -302,7 +302,7 @@ def record_tokens(meta: dict, hf: dict, src: Path) -> None:
 
 
 def to_gguf(args) -> None:
-    from tools._gguf_export import write_gguf
+    from engine.checkpoint.gguf_export import write_gguf
     reader = open_checkpoint(args.load_dir)
     config = reader.metadata["config"]
     tokenizer = args.tokenizer if args.tokenizer is not None else config["data"]["tokenizer"]

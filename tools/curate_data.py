@@ -12,12 +12,12 @@ data.loader.sample_provenance traces a training sample to the raw line. Every dr
 the rejects file with its stage and reason; nothing is dropped silently. Outputs appear only when
 complete. Deduplication needs the whole corpus: the documents that pass the other stages are held in a
 pending file beside the output, their MinHash signatures in another (512 bytes each), and about 60 bytes
-each in memory; once all are read, duplicates are found by sorting (tools/_dedup.py) and the pending file
+each in memory; once all are read, duplicates are found by sorting (data/offline/dedup.py) and the pending file
 is written out without them.
 
 On a cluster: N array tasks (`--num-shards N`, the task's index from `--shard-index` or
 $SLURM_ARRAY_TASK_ID), then `--num-shards N --merge-shards`, which finds the duplicates across all tasks
-and writes what one process writes, byte for byte; launch/run_data_job.sh submits both (tools/_shards.py).
+and writes what one process writes, byte for byte; launch/run_data_job.sh submits both (data/offline/shards.py).
 """
 import argparse
 import collections
@@ -34,15 +34,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from tools import _pii, _quality  # noqa: E402
-from tools._corpus_io import (JSONL_SUFFIXES, ORIGIN_FIELDS, CorpusError, RecordError,  # noqa: E402
+from data.offline import pii as pii_rules, quality as quality_rules  # noqa: E402
+from data.offline.corpus_io import (JSONL_SUFFIXES, ORIGIN_FIELDS, CorpusError, RecordError,  # noqa: E402
                               add_input_arguments, expand_inputs, iter_records, parse_record, record_origin,
                               record_texts, refuse_overwriting, shard_ranges)
-from tools._contamination import EvaluationIndex  # noqa: E402
-from tools._dedup import (SHINGLE_UNITS, DuplicateFinder, ShardedSignatures, Signer, find_clusters,  # noqa: E402
+from data.offline.contamination import EvaluationIndex  # noqa: E402
+from data.offline.dedup import (SHINGLE_UNITS, DuplicateFinder, ShardedSignatures, Signer, find_clusters,  # noqa: E402
                           lsh_bands)
-from tools._parallel import WorkerDied, batched, ordered_map  # noqa: E402
-from tools._shards import (add_shard_arguments, all_markers, describe_inputs, finished, resolve_shard,  # noqa: E402
+from data.offline.workers import WorkerDied, batched, ordered_map  # noqa: E402
+from data.offline.shards import (add_shard_arguments, all_markers, describe_inputs, finished, resolve_shard,  # noqa: E402
                            settings, shard_name, write_marker)
 
 LANGID_CHARS = 4096  # the head of a document decides its language: langid's cost grows with length
@@ -84,7 +84,7 @@ class Stages:
     def __init__(self, files, keys, language=None, pii=True, rules=None, signer=None, evaluation=None):
         self.files, self.keys = files, keys
         self.language, self.pii, self.rules, self.signer = language, pii, rules, signer
-        self.evaluation = evaluation  # tools._contamination.EvaluationIndex, or None
+        self.evaluation = evaluation  # data.offline.contamination.EvaluationIndex, or None
 
     def clean(self, file_index, line, payload):
         """Kept (the output line, the MinHash signature for deduplication) or Dropped."""
@@ -103,11 +103,11 @@ class Stages:
         replaced = collections.Counter()
         if self.pii:
             for i, text in enumerate(texts):
-                texts[i], counts = _pii.scrub(text)
+                texts[i], counts = pii_rules.scrub(text)
                 replaced.update(counts)
         text = "\n\n".join(texts)
         if self.rules is not None:
-            verdict = _quality.check(text, self.rules)
+            verdict = quality_rules.check(text, self.rules)
             if verdict:
                 return Dropped(origin, "quality", *verdict)
         if self.evaluation is not None:
@@ -207,7 +207,7 @@ def _summary(args, counts, dropped, pii, start):
         by_stage[stage][reason] = n
     return {"documents_in": counts["documents"], "kept": counts["kept"],
             "dropped": sum(dropped.values()), "dropped_by_stage": dict(by_stage),
-            "pii_replaced": {kind: pii[kind] for kind in _pii.PLACEHOLDERS},
+            "pii_replaced": {kind: pii[kind] for kind in pii_rules.PLACEHOLDERS},
             "duplicates_removed": sum(by_stage.get("dedup", {}).values()),
             "input_bytes": counts["bytes"], "seconds": time.time() - start,
             "output": args.output, "rejects": args.rejects}
@@ -352,7 +352,7 @@ def build_parser():
     g = p.add_argument_group("PII scrubbing")
     g.add_argument("--no-pii", action="store_true", help="keep e-mails, phone and ID numbers as they are")
     g = p.add_argument_group("quality heuristics")
-    defaults = _quality.QualityRules()
+    defaults = quality_rules.QualityRules()
     g.add_argument("--no-quality", action="store_true", help="skip the quality heuristics")
     g.add_argument("--min-chars", type=int, default=defaults.min_chars,
                    help="characters, surrounding space excluded (default: %(default)s)")
@@ -394,7 +394,7 @@ def build_parser():
     g.add_argument("--workers", type=int, default=1, help="worker processes")
     g.add_argument("--batch-size", type=int, default=64, help="documents per worker task")
     g.add_argument("--quiet", action="store_true", help="no progress or skipped-record lines")
-    g = p.add_argument_group("array jobs (tools/_shards.py; launch/run_data_job.sh submits them)")
+    g = p.add_argument_group("array jobs (data/offline/shards.py; launch/run_data_job.sh submits them)")
     add_shard_arguments(g)
     return p
 
@@ -406,13 +406,13 @@ def build_stages(args, files):
                                   args.min_language_confidence)
     rules = None
     if not args.no_quality:
-        extra = _quality.load_boilerplate(args.boilerplate_file) if args.boilerplate_file else ()
-        rules = _quality.QualityRules(
+        extra = quality_rules.load_boilerplate(args.boilerplate_file) if args.boilerplate_file else ()
+        rules = quality_rules.QualityRules(
             min_chars=args.min_chars, min_words=args.min_words, max_symbol_ratio=args.max_symbol_ratio,
             max_duplicate_line_fraction=args.max_duplicate_line_fraction,
             max_boilerplate_fraction=args.max_boilerplate_fraction,
             min_mean_word_length=args.min_mean_word_length, max_mean_word_length=args.max_mean_word_length,
-            boilerplate=_quality.BOILERPLATE + extra)
+            boilerplate=quality_rules.BOILERPLATE + extra)
     signer = None if args.no_dedup else Signer(args.num_perm, args.shingle_size, args.shingle_unit)
     evaluation = None
     if args.decontaminate:

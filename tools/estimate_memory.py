@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from engine.config import ConfigError, load_config, validate  # noqa: E402
-from engine.hf_checkpoint import fill_model_from_hf  # noqa: E402
+from engine.checkpoint.hf_weights import fill_model_from_hf  # noqa: E402
+from engine.config.schema import ConfigError, load_config, validate  # noqa: E402
 from engine.memory_estimate import parse_bytes, report  # noqa: E402
 
 

@@ -41,10 +41,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from engine.checkpoint_io import CheckpointError  # noqa: E402
-from engine.model_source import ModelSource  # noqa: E402
-from engine.scoring import Scorer, rolling_windows  # noqa: E402
-from engine.text_tokenizer import TextTokenizer  # noqa: E402
+from engine.checkpoint.files import CheckpointError  # noqa: E402
+from engine.checkpoint.model_source import ModelSource  # noqa: E402
+from engine.evaluate.scoring import Scorer, rolling_windows  # noqa: E402
+from engine.evaluate.text_tokenizer import TextTokenizer  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # The default window of a Hugging Face directory is its max_position_embeddings (what lm-evaluation-harness
@@ -124,7 +124,7 @@ def summarize(nats: float, tokens: int, n_bytes: int) -> dict:
 def build(source: ModelSource, tensor: int, pipeline: int, rank: int, world: int, device, dtype, batch: int,
           window: int) -> Scorer:
     """This rank's Scorer of `window`-token windows at the layout TP × PP × (world / TP·PP)."""
-    from engine.config import Config, validate
+    from engine.config.schema import Config, validate
     from engine.train import build_model_chunks
     from parallel.p2p import PipelineComm
     from parallel.tensor import TensorParallel
@@ -201,8 +201,13 @@ def main(argv=None) -> int:
                          "end-of-document token) or always the end-of-document token")
     ap.add_argument("--output", default="", help="write the JSON result here too")
     args = ap.parse_args(argv)
+    from parallel.device import DeviceUnavailable
     from parallel.distributed import init_distributed, shutdown
-    env = init_distributed(args.device, "auto")
+    try:
+        env = init_distributed(args.device, "auto")
+    except DeviceUnavailable as exc:  # GPUs asked for, none usable: one line, not a traceback
+        print(f"evaluate: {exc}", file=sys.stderr)
+        return 2
     clean = False
     try:
         result = evaluate(args.model, args.data, args.tokenizer, args.tensor, args.pipeline, env.rank,

@@ -3,8 +3,8 @@
     python tools/generate.py --model runs/x/checkpoints --prompt "def " --max-new-tokens 48
     python tools/generate.py --model demo_out/hf --prompt "import " --temperature 0.8 --top-p 0.95 --seed 3
 
-The weights are assembled into one whole model on this process (engine/model_source.py) and continued
-with a KV cache (engine/generate.py, what the training diary uses): each new token costs one position's
+The weights are assembled into one whole model on this process (engine/checkpoint/model_source.py) and continued
+with a KV cache (engine/evaluate/generate.py, what the training diary uses): each new token costs one position's
 forward. Generation stops at --max-new-tokens, at the end-of-document token, or at the model's length.
 Prints one JSON object per prompt: {"prompt", "text", "tokens"}.
 """
@@ -21,10 +21,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from engine.checkpoint_io import CheckpointError  # noqa: E402
-from engine.generate import Sampling, generate  # noqa: E402
-from engine.model_source import ModelSource, load_single_model  # noqa: E402
-from engine.text_tokenizer import TextTokenizer  # noqa: E402
+from engine.checkpoint.files import CheckpointError  # noqa: E402
+from engine.checkpoint.model_source import ModelSource, load_single_model  # noqa: E402
+from engine.evaluate.generate import Sampling, generate  # noqa: E402
+from engine.evaluate.text_tokenizer import TextTokenizer  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -58,7 +58,7 @@ def _worker(rank: int, world: int, port: int, args, results) -> None:
     import torch
     import torch.distributed as dist
 
-    from engine.config import load_config
+    from engine.config.schema import load_config
     from engine.train import Trainer
     from parallel.distributed import DistEnv
     from parallel.pipeline_schedules import ScheduleTrace
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. model.num_layers=8")
     args = parser.parse_args(argv)
 
-    from engine.config import ConfigError, load_config, validate
+    from engine.config.schema import ConfigError, load_config, validate
     try:
         validate(load_config(args.config, _overrides(args)), args.pipeline)
     except ConfigError as exc:

@@ -21,7 +21,7 @@ else the input file's own.
 
 On a cluster: N array tasks (`--num-shards N`, the task's index from `--shard-index` or
 $SLURM_ARRAY_TASK_ID), then `--num-shards N --merge-shards`: the single-process dataset, byte for byte;
-launch/run_data_job.sh submits both (tools/_shards.py).
+launch/run_data_job.sh submits both (data/offline/shards.py).
 """
 import argparse
 import collections
@@ -40,12 +40,12 @@ import numpy as np  # noqa: E402
 from data.indexed import (COMPRESSIONS, DEFAULT_BLOCK_TOKENS, IndexedDataset, IndexedDatasetBuilder,  # noqa: E402
                           compressed_path, dataset_paths, token_dtype, token_files)
 from data.provenance import merge_provenance, write_provenance  # noqa: E402
-from tools._corpus_io import (REJECT_REASONS, CorpusError, RecordError, add_input_arguments,  # noqa: E402
+from data.offline.corpus_io import (REJECT_REASONS, CorpusError, RecordError, add_input_arguments,  # noqa: E402
                               expand_inputs, iter_records, parse_record, record_origin, record_texts,
                               refuse_overwriting, shard_ranges)
-from tools._encoder import eod_token_id, load_encoder, tokenizer_spec  # noqa: E402
-from tools._parallel import WorkerDied, batched, ordered_map  # noqa: E402
-from tools._shards import (add_shard_arguments, all_markers, describe_inputs, finished, resolve_shard,  # noqa: E402
+from data.offline.encoder import eod_token_id, load_encoder, tokenizer_spec  # noqa: E402
+from data.offline.workers import WorkerDied, batched, ordered_map  # noqa: E402
+from data.offline.shards import (add_shard_arguments, all_markers, describe_inputs, finished, resolve_shard,  # noqa: E402
                            settings, shard_name, write_marker)
 
 REPORT_FIRST = 5  # rejects printed with file:line; all of them go to the rejects file
@@ -279,7 +279,7 @@ def build_parser():
     g.add_argument("--batch-size", type=int, default=64, help="documents per worker task")
     g.add_argument("--log-interval", type=int, default=None, help="accepted for Megatron compatibility")
     g.add_argument("--quiet", action="store_true", help="no progress line")
-    g = p.add_argument_group("array jobs (tools/_shards.py; launch/run_data_job.sh submits them)")
+    g = p.add_argument_group("array jobs (data/offline/shards.py; launch/run_data_job.sh submits them)")
     add_shard_arguments(g)
     return p
 

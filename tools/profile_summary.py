@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from engine.profiling import PHASES, TRACE  # noqa: E402
+from engine.observe.profiling import PHASES, TRACE  # noqa: E402
 
 
 def load_trace(path: Path) -> dict:

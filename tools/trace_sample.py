@@ -20,10 +20,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from data.offline.corpus_io import CorpusError, iter_records, parse_record  # noqa: E402
 from engine.batch_ramp import samples_after  # noqa: E402
-from engine.config import ConfigError, load_config  # noqa: E402
+from engine.config.schema import ConfigError, load_config  # noqa: E402
 from engine.train import build_split_datasets  # noqa: E402
-from tools._corpus_io import CorpusError, iter_records, parse_record  # noqa: E402
 
 PREVIEW_CHARS = 200
 NAME_FIELDS = ("path", "url", "id", "title")  # a raw record's own name for itself, when it has one

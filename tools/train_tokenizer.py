@@ -24,7 +24,7 @@ if ROOT not in sys.path:
 
 import numpy as np  # noqa: E402
 
-from tools._corpus_io import (CorpusError, RecordError, expand_inputs, extract_texts, iter_records,  # noqa: E402
+from data.offline.corpus_io import (CorpusError, RecordError, expand_inputs, extract_texts, iter_records,  # noqa: E402
                               refuse_overwriting)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>"]

@@ -1,4 +1,4 @@
-r"""Where a document may be cut for the exact chunk cache (tools/_encoder.py), per pre-tokenizer family.
+r"""Where a document may be cut for the exact chunk cache (data/offline/encoder.py), per pre-tokenizer family.
 
 A cut is safe when it is a boundary of the tokenizer's own pre-tokenization on every text, and the pieces
 after it do not depend on the text before it: then a document's ids are the concatenation of its chunks'

@@ -17,7 +17,7 @@ from array import array
 
 import numpy as np
 
-from tools._quality import WORD
+from data.offline.quality import WORD
 
 SHINGLE_UNITS = ("word", "char")
 _UPDATE_CHUNK = 16384  # shingles per MinHash update: bounds the (shingles x num_perm) work array

@@ -20,15 +20,16 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from engine.checkpoint_io import (LATEST, TMP_PREFIX, CheckpointError, apply_retention, commit, copy_verified,
+from engine.checkpoint.files import (LATEST, TMP_PREFIX, CheckpointError, apply_retention, commit, copy_verified,
                                   read_latest, remove_stale_tmp, set_latest, step_dir_name, step_dirs,
                                   write_json, write_safetensors)
-from engine.checkpoint_manifest import (FORMAT, KEYS, MANIFEST, METADATA, VERSION, CheckpointReader,
+from engine.checkpoint.manifest import (FORMAT, KEYS, MANIFEST, METADATA, VERSION, CheckpointReader,
                                         SafetensorsRanges, check_manifest, global_shape, load_json, merge_entries,
                                         rank_file, tensor_entry, verify)
-from engine.config import to_dict
-from engine.hf_checkpoint import HFWeights, is_hf_directory
-from engine.light_snapshot import refuse_light
+from engine.checkpoint.hf_config import token_ids
+from engine.checkpoint.hf_weights import HFWeights, is_hf_directory
+from engine.checkpoint.light_snapshot import refuse_light
+from engine.config.schema import to_dict
 from parallel.random import TRACKER, seed_all
 
 log = logging.getLogger("trilith")
@@ -105,7 +106,10 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.saved: list[str] = []  # this run's saves, oldest first: the order retention prunes by
-        self.extra_metadata: dict = {}  # more run state for metadata.json (engine/rollback.py: skipped samples)
+        self.extra_metadata: dict = {}  # more run state for metadata.json (engine/observe/rollback.py: skipped samples)
+        # The *_token_id fields of the Hugging Face config.json this run started from, carried save to save for
+        # the export back (tools/ckpt_convert.py --to hf)
+        self.special_tokens: dict = {}
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             for root in [self.root] + ([self.mirror] if self.mirror else []):
@@ -163,7 +167,8 @@ class Checkpointer:
         meta = {"format": FORMAT, "step": step, "consumed_samples": consumed_samples,
                 "adam_step": self.optimizer.adam_step, "scaler": self.optimizer.scaler.state_dict(),
                 "lr_schedule": {"step": step, "total_steps": self.cfg.train.steps}, "layout": self.layout,
-                "config": to_dict(self.cfg), **self.extra_metadata}
+                "config": to_dict(self.cfg), **({"special_tokens": self.special_tokens} if self.special_tokens else {}),
+                **self.extra_metadata}
         args = (step, file, tensors, {"rng": json.dumps(rng_json)}, entries, meta)
         if self.ck.async_save:
             self._thread = threading.Thread(target=self._write_in_background, args=args, name="checkpoint-writer")
@@ -188,7 +193,7 @@ class Checkpointer:
         """Every rank writes its file into `root/.tmp-step_N`; rank 0 then runs `commit(name, tmp, gathered)`.
         Failures (a full disk, say) are agreed by all ranks and raised on each as one CheckpointError, with the
         temporary directory removed and the previous checkpoint untouched. Full checkpoints and light snapshots
-        (engine/light_snapshot.py) are both written this way."""
+        (engine/checkpoint/light_snapshot.py) are both written this way."""
         name = step_dir_name(step)
         tmp = root / (TMP_PREFIX + name)
         try:
@@ -303,8 +308,9 @@ class Checkpointer:
 
     def load_hf(self, path: Path) -> dict:
         """Continued pretraining: a Hugging Face directory's weights at this run's layout (converted on the fly,
-        engine/hf_checkpoint.py), fresh optimizer state, step 0."""
+        engine/checkpoint/hf_weights.py), fresh optimizer state, step 0."""
         weights = HFWeights(path, self.cfg.model)
+        self.special_tokens = token_ids(json.loads((path / "config.json").read_text()))
         t = self.topo
 
         def read(name, key, start, end):
@@ -339,6 +345,7 @@ class Checkpointer:
             return reader.read_local(source[name], key, p.full_shape, p.tp_dim, t.tp_size, t.tp_rank, start, end)
 
         meta = reader.metadata
+        self.special_tokens = dict(meta.get("special_tokens") or {})
         self.optimizer.adam_step = meta["adam_step"]
         self.optimizer.load_owned_state(read)
         if meta.get("scaler"):

@@ -8,7 +8,7 @@ run.dir/diary.jsonl:
     {"step": 60, "prompt": "def ", "mode": "greedy", "text": "main():\\n    ..."}
 
 An entry already in the diary for the same (step, prompt, mode) is not written again, so a resumed run
-that saves a step again adds no duplicates. Generation is engine/generate.py, as tools/generate.py uses.
+that saves a step again adds no duplicates. Generation is engine/evaluate/generate.py, as tools/generate.py uses.
 
 It runs on the CPU, in a background thread of rank 0, one checkpoint after another: a whole model need not fit
 on a training GPU next to the sharded one, and rank 0 goes on training at once instead of holding every peer
@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 
 from data.eod import eod_id_or_none
-from engine.config import ConfigError
-from engine.generate import Sampling, generate
-from engine.model_source import ModelSource, load_single_model
-from engine.text_tokenizer import TextTokenizer
+from engine.checkpoint.model_source import ModelSource, load_single_model
+from engine.config.schema import ConfigError
+from engine.evaluate.generate import Sampling, generate
+from engine.evaluate.text_tokenizer import TextTokenizer
 
 log = logging.getLogger("trilith")
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 
-from engine.checkpoint_io import CheckpointError, read_latest
-from engine.checkpoint_manifest import MANIFEST, CheckpointReader, open_verified
-from engine.config import ModelConfig
-from engine.hf_checkpoint import HFWeights, is_hf_directory, model_from_directory
+from engine.checkpoint.files import CheckpointError, read_latest
+from engine.checkpoint.hf_weights import HFWeights, is_hf_directory, model_from_directory
+from engine.checkpoint.manifest import MANIFEST, CheckpointReader, open_verified
+from engine.config.schema import ModelConfig
 
 
 def resolve_checkpoint(path: Path) -> Path:

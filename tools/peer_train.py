@@ -11,7 +11,7 @@ Data follows Trilith's synthetic rule (engine/mock_data.py) sample for sample, r
 peer runs without Trilith. Each rank writes OUT/rank_K.json (its per-step losses where it knows them, and step
 seconds) and OUT/profile/rank_K/trace.json, a torch.profiler trace of the last warm-up step.
 
-    torchrun --nproc-per-node 2 tools/_peer_train.py --mode tp_sp --out DIR [--hidden 256 ...]
+    torchrun --nproc-per-node 2 tools/peer_train.py --mode tp_sp --out DIR [--hidden 256 ...]
 """
 from __future__ import annotations
 
@@ -212,7 +212,7 @@ class Trainer:
 
 def reuse_freed_memory() -> None:
     """glibc keeps freed memory for the next step (mmap and trim thresholds 1 GiB), as Trilith's CPU runs do
-    (train.cpu_allocator=reuse, engine/host_memory.py): the comparison is of the parallelism, not the allocator."""
+    (train.cpu_allocator=reuse, engine/observe/host_memory.py): the comparison is of the parallelism, not the allocator."""
     if platform.libc_ver()[0] == "glibc":
         libc = ctypes.CDLL(None)
         libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD

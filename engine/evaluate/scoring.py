@@ -1,5 +1,5 @@
 """Summed token losses of token sequences at any layout: the measurement behind downstream tasks
-(engine/evaluation_tasks.py) and bits per byte (tools/evaluate.py).
+(engine/evaluate/tasks.py) and bits per byte (tools/evaluate.py).
 
 A request is a token list and how many of its last tokens to score (their negative log-likelihood given
 everything before them, in nats). Requests longer than window + 1 tokens keep their last window + 1, as

@@ -1,6 +1,6 @@
 """Light snapshots (checkpoint.light_interval): the model weights only, in bf16, between full checkpoints.
 
-A light snapshot is a checkpoint directory of the same format as a full one (engine/checkpoint.py): every
+A light snapshot is a checkpoint directory of the same format as a full one (engine/checkpoint/checkpointer.py): every
 rank writes the master-weight ranges it owns, rank 0 writes metadata.json (`"light": true`) and the
 manifest with every file's SHA-256, and the directory is committed by an atomic rename. Differences: only
 the `master` key, stored as bfloat16 (entries say `"dtype": "bfloat16"`), no optimizer moments and no RNG
@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 
-from engine.checkpoint_io import (CheckpointError, apply_retention, commit, remove_stale_tmp, set_latest,
+from engine.checkpoint.files import (CheckpointError, apply_retention, commit, remove_stale_tmp, set_latest,
                                   step_dirs, write_json)
-from engine.checkpoint_manifest import FORMAT, MANIFEST, METADATA, VERSION, load_json, merge_entries, rank_file, \
+from engine.checkpoint.manifest import FORMAT, MANIFEST, METADATA, VERSION, load_json, merge_entries, rank_file, \
     tensor_entry
-from engine.config import to_dict
+from engine.config.schema import to_dict
 
 log = logging.getLogger("trilith")
 LIGHT_DIR = "light_checkpoints"

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-from engine.checkpoint_io import CheckpointError
-from engine.checkpoint_manifest import MANIFEST, global_shape, local_from_global
-from engine.config import Config, ConfigError, ModelConfig
-from engine.hf_config import model_from_hf
+from engine.checkpoint.files import CheckpointError
+from engine.checkpoint.hf_config import model_from_hf
+from engine.checkpoint.manifest import MANIFEST, global_shape, local_from_global
+from engine.config.schema import Config, ConfigError, ModelConfig
 from engine.model import CausalLM
 
 log = logging.getLogger("trilith")

@@ -13,8 +13,8 @@ import zlib
 
 import numpy as np
 
-from tools._corpus_io import RecordError, iter_records, parse_record, record_texts
-from tools._quality import WORD
+from data.offline.corpus_io import RecordError, iter_records, parse_record, record_texts
+from data.offline.quality import WORD
 
 _BASE = np.uint64(0x100000001B3)
 

@@ -4,7 +4,7 @@ A step's loss is a *spike* when it lies more than `run.spike_zscore` standard de
 the last `run.spike_window` sound steps (judged once that many exist; spikes and non-finite steps never enter
 the window, so one bad step does not hide the next). Rank 0 writes `run.dir/spikes/step_00000012.json` naming
 the micro-batches above the threshold (else the highest one) with each sample's tokens and provenance, as
-engine/monitor.py does for non-finite steps.
+engine/observe/monitor.py does for non-finite steps.
 
 When `run.rollback_after` spikes or non-finite steps fall within the last `run.spike_window` steps, every rank
 reloads the newest checkpoint older than the first of them and goes on reading data where it stands: the
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from engine.checkpoint_io import STEP_DIR, step_dirs
-from engine.monitor import NonFiniteTraining
+from engine.checkpoint.files import STEP_DIR, step_dirs
+from engine.observe.monitor import NonFiniteTraining
 from parallel.placement import compact_ranges
 
 
@@ -65,7 +65,7 @@ class LossGuard:
         """Judge step `step` (already counted); returns what to add to its record. losses_by_rank: [dp, m]
         micro-batch losses; window_start: the step's first global sample; describe(i): where sample i is from."""
         self.bad_steps = [s for s in self.bad_steps if s > step - self.run.spike_window]
-        if nonfinite:  # engine/monitor.py has traced its samples
+        if nonfinite:  # engine/observe/monitor.py has traced its samples
             self.bad_steps.append(step)
             return {}
         if not self._is_spike(loss):

@@ -12,7 +12,7 @@ makes llama.cpp's rotation compute the same q·k, the permutation llama.cpp's co
 
 The tokenizer goes in as `tokenizer.ggml.*`: byte-level BPE as model `gpt2` with the pre-tokenizer named by
 what its tokenizer.json does (`gpt-2` for the plain GPT-2 regex, which tools/train_tokenizer.py trains), a
-SentencePiece model as `llama`; the special ids are those of the Hugging Face export (tools/_hf_tokenizer.py).
+SentencePiece model as `llama`; the special ids are those of the Hugging Face export (data/offline/hf_tokenizer.py).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from data.eod import CONFIG_FILES, tokenizer_file
-from tools._hf_tokenizer import export_roles
+from data.offline.hf_tokenizer import export_roles
 
 # The pre-tokenizer regexes llama.cpp knows by these `tokenizer.ggml.pre` names (Llama 3, Qwen2).
 KNOWN_SPLITS = {

@@ -1,4 +1,4 @@
-"""The training-health readings of engine/monitor.py taken around one step, for the step's record.
+"""The training-health readings of engine/observe/monitor.py taken around one step, for the step's record.
 
 Before the optimizer consumes the gradients: the per-head gradient sums of the noise probe. After the step:
 the gradient-norm alarm, tracing of non-finite losses to their samples, memory, the head-gradient variance
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.monitor import TrainingMonitor
-from engine.validation import forward_only
+from engine.evaluate.validation import forward_only
+from engine.observe.monitor import TrainingMonitor
 from parallel import comm
 from parallel.distributed import world_group
 

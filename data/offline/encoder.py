@@ -13,7 +13,7 @@ Cutting the (normalized) text at those positions gives "chunks" (leading whitesp
 non-space run, like " self.x" or "\\n    return"); a document's ids are the concatenation of its
 chunks' ids, and each chunk's ids depend only on the chunk, so they can be cached. Text repeats
 heavily, so most chunks are cache hits. The other families cut at their own pre-tokenizers'
-boundaries (tools/_chunk_rules.py says where, and why). Each chunk costs one dictionary lookup, which
+boundaries (data/offline/chunk_rules.py says where, and why). Each chunk costs one dictionary lookup, which
 also collects the misses; those are encoded many at a time, as the words of a pre-tokenized input (each
 encoded as a text of its own) or, for Metaspace, joined into one text whose pre-tokenizer cuts it back at
 the chunks' spaces.
@@ -34,7 +34,7 @@ import sys
 import numpy as np
 
 from data.eod import eod_id_from_tokenizer
-from tools._chunk_rules import OTHER_SPACES, SAFE_SPACES, cut_rule  # noqa: F401 (the spaces: re-exported)
+from data.offline.chunk_rules import OTHER_SPACES, SAFE_SPACES, cut_rule  # noqa: F401 (the spaces: re-exported)
 
 _OTHER_SPACE_RE = re.compile("[" + re.escape(OTHER_SPACES) + "]")
 # Misses are encoded in inputs of this many chunks, as a batch.

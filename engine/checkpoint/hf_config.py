@@ -14,7 +14,7 @@ Every field of a config falls in one of three classes (`unknown_fields` sorts th
 """
 from __future__ import annotations
 
-from engine.config import ConfigError, ModelConfig
+from engine.config.schema import ConfigError, ModelConfig
 from kernels.rope import rope_scaling_problem
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}

@@ -5,7 +5,7 @@
 
 Unknown keys are rejected with the nearest valid name; impossible layouts and batch sizes are rejected
 with the numbers and the fix in the message. Every number is checked against its bounds
-(engine/config_ranges.py) and the YAML is read with a bound on alias expansion (engine/config_yaml.py);
+(engine/config/ranges.py) and the YAML is read with a bound on alias expansion (engine/config/yaml_file.py);
 whatever the input, the outcome is a Config or one ConfigError line.
 """
 from __future__ import annotations
@@ -19,11 +19,11 @@ from pathlib import Path
 
 import yaml
 
-from engine.batch_ramp import ramp_problem
-from engine.config_ranges import INT64_MAX, range_problem
 from data.split import parse_split
 from data.stages import stages_problem
-from engine.config_yaml import YAMLInputError, load_yaml
+from engine.batch_ramp import ramp_problem
+from engine.config.ranges import INT64_MAX, range_problem
+from engine.config.yaml_file import YAMLInputError, load_yaml
 from kernels.rope import rope_scaling_problem
 
 
@@ -123,7 +123,7 @@ class TrainConfig:
     log_interval: int = 1  # steps between records in the console and metrics.jsonl
     device: str = "auto"  # auto = cuda when available, else cpu
     cpu_allocator: str = "reuse"  # on the CPU, reuse = glibc keeps freed memory for the next step (no page
-        # faults on fresh pages, engine/host_memory.py); default = leave malloc alone
+        # faults on fresh pages, engine/observe/host_memory.py); default = leave malloc alone
     recompute: str = "none"  # activation recomputation per block: selective = attention core, full = whole block
     recompute_switch_step: int = 0  # from this step on use recompute_after_switch (0 = never switch)
     recompute_after_switch: str = "full"  # recompute mode from train.recompute_switch_step on
@@ -137,12 +137,12 @@ class TrainConfig:
         # starts at start and grows by increment each ramp_samples / ((global_batch_size - start) / increment)
         # samples (Megatron's --rampup-batch-size); the LR schedule then counts samples (engine/batch_ramp.py)
     eval_tasks: list = field(default_factory=list)  # multiple-choice task files (JSONL: context, choices, gold)
-        # scored as lm-evaluation-harness does; logged as <task>/acc, <task>/acc_norm (engine/evaluation_tasks.py)
+        # scored as lm-evaluation-harness does; logged as <task>/acc, <task>/acc_norm (engine/evaluate/tasks.py)
     eval_tasks_interval: int = 0  # steps between task evaluations (and at the last step); 0 = never
     eval_window: int = 0  # most tokens a task request is scored with (longer ones lose their start, as
         # lm-evaluation-harness truncates); 0 = model.seq_length. Each request costs only its own length
     diary_prompts: list = field(default_factory=list)  # prompts continued at every checkpoint save into
-        # run.dir/diary.jsonl (engine/diary.py); needs data.tokenizer
+        # run.dir/diary.jsonl (engine/observe/diary.py); needs data.tokenizer
     diary_max_tokens: int = 32  # new tokens per diary continuation (fewer at the end-of-document token)
     diary_sample: bool = False  # also a sampled continuation (temperature 0.8, top-p 0.95, seed train.seed + step)
 
@@ -202,7 +202,7 @@ class CheckpointConfig:
         # instead of stopping
     exit_after: int = 0  # save and stop after this step (scheduled stops, resume drills); 0 = off
     light_interval: int = 0  # steps between light snapshots (bf16 weights only, run.dir/light_checkpoints; never
-        # resumed from; engine/light_snapshot.py); 0 = off
+        # resumed from; engine/checkpoint/light_snapshot.py); 0 = off
     light_keep: int = 3  # newest light snapshots kept
 
 
@@ -214,7 +214,7 @@ class RunConfig:
     health_interval: int = 100  # steps between GPU health readings (NVML; also at step 0); 0 = off
     max_ecc_errors_per_hour: int = 5  # more new ECC errors than this on one GPU within an hour stops the run
     max_gpu_temperature: int = 0  # °C above which the run stops; 0 = no temperature limit
-    # Training health (engine/monitor.py)
+    # Training health (engine/observe/monitor.py)
     grad_norm_alarm: float = 2.0  # warn when the global gradient norm exceeds this; 0 = off
     max_nonfinite_steps: int = 20  # stop after this many consecutive NaN/Inf (skipped) steps; 0 = never
     monitor_interval: int = 0  # steps between attention-entropy and per-head gradient-variance readings; 0 = off
@@ -224,21 +224,21 @@ class RunConfig:
     max_memory_fragmentation: float = 0.3  # CUDA: 1 - peak allocated/reserved above which cached blocks are freed
     replica_check_interval: int = 1000  # steps between checks that replicated parameters agree bit for bit
         # across ranks (also at start); 0 = at start only (parallel/replicas.py)
-    # Loss spikes and rollback (engine/rollback.py)
+    # Loss spikes and rollback (engine/observe/rollback.py)
     spike_window: int = 100  # sound steps whose loss mean and std judge a spike; the span rollback_after counts
     spike_zscore: float = 6.0  # a loss this many std above the window's mean is a spike (logged); 0 = off
     rollback_after: int = 0  # this many spikes or non-finite steps within spike_window reload the last checkpoint
         # before the first of them and skip the samples read since; 0 = never roll back
-    # Trackers (engine/trackers.py): every metrics.jsonl record, sent by rank 0; packages from the trackers extra
+    # Trackers (engine/observe/trackers.py): every metrics.jsonl record, sent by rank 0; packages from the trackers extra
     tensorboard_dir: str = ""  # TensorBoard event files go here (torch.utils.tensorboard); "" = off
     wandb_project: str = ""  # Weights & Biases project; "" = off
     wandb_mode: str = "online"  # online | offline (a local run directory, `wandb sync` later) | disabled
     wandb_name: str = ""  # W&B run name; "" = the name of run.dir
     wandb_tags: list = field(default_factory=list)  # W&B run tags, e.g. [llama, 1b]
     profile_steps: list[int] = field(default_factory=list)  # [a, b]: torch.profiler trace of steps a..b per rank
-        # in run.dir/profile/rank_K/ (engine/profiling.py; tools/profile_summary.py); [] = off
+        # in run.dir/profile/rank_K/ (engine/observe/profiling.py; tools/profile_summary.py); [] = off
     timing_interval: int = 100  # steps between gathers of every rank's step time split (data wait, compute,
-        # communication wait, optimizer) into that step's record, naming stragglers (engine/stragglers.py); 0 = off
+        # communication wait, optimizer) into that step's record, naming stragglers (engine/observe/stragglers.py); 0 = off
     straggler_threshold: float = 1.2  # a rank busy (step less communication wait) longer than this × the median
         # of the ranks doing the same work, or × its own recent median, is logged with its host as a straggler
 
@@ -280,7 +280,7 @@ def _show(value) -> str:
 
 
 def check_ranges(cfg: Config) -> None:
-    """Every number within its bounds (engine/config_ranges.py); from_dict and validate both ask."""
+    """Every number within its bounds (engine/config/ranges.py); from_dict and validate both ask."""
     problem = range_problem(cfg)
     if problem:
         raise ConfigError(problem)

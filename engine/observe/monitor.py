@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import Config
+from engine.config.schema import Config
 from parallel.placement import compact_ranges
 
 RELEASE_INTERVAL = 100  # steps between releases of cached blocks, at least

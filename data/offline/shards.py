@@ -1,6 +1,6 @@
 """Running an offline corpus tool as an array of tasks (SLURM array jobs, or plain processes) plus a merge.
 
-Task i of N reads `shard_ranges(files, i, N)` (tools/_corpus_io.py) and writes its results beside the
+Task i of N reads `shard_ranges(files, i, N)` (data/offline/corpus_io.py) and writes its results beside the
 output, then a done-marker: JSON naming every byte range it read with that range's size and BLAKE2b hash,
 and the settings that shape the output. A task whose marker matches its inputs and settings exits at once,
 so resubmitting the whole array after a failure or preemption reruns only the unfinished tasks. The merge

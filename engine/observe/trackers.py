@@ -57,7 +57,7 @@ class WandbTracker:
 
     def __init__(self, cfg, run_dir: Path):
         import wandb
-        from engine.config import to_dict
+        from engine.config.schema import to_dict
         r = cfg.run
         id_file = run_dir / WANDB_ID_FILE
         run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]

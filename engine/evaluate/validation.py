@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import TrainConfig
+from engine.config.schema import TrainConfig
 from parallel import comm
 from parallel.pipeline_schedules import forward_only_no_pipeline, forward_only_pipeline
 

@@ -9,7 +9,7 @@ scores its `multiple_choice` tasks on a causal model:
   tokens);
 - a request longer than train.eval_window + 1 tokens keeps its last ones, as lm-eval truncates to its
   max_length, and costs only its own length, not the window's;
-- its log-likelihood is the sum over the continuation's tokens (engine/scoring.py);
+- its log-likelihood is the sum over the continuation's tokens (engine/evaluate/scoring.py);
 - acc: the most likely choice is the gold one; acc_norm: the same after dividing each log-likelihood by
   the choice's length in characters (lm-eval's `completion_len`; equal to the byte length for ASCII).
 """
@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from data.eod import eod_id_or_none
-from engine.config import ConfigError
-from engine.scoring import Scorer
-from engine.text_tokenizer import TextTokenizer
+from engine.config.schema import ConfigError
+from engine.evaluate.scoring import Scorer
+from engine.evaluate.text_tokenizer import TextTokenizer
 from parallel.p2p import PipelineComm
 
 TARGET_DELIMITER = " "
