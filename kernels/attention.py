@@ -221,3 +221,17 @@ def causal_attention(q, k, v, bias=None, dropout_p: float = 0.0, backend: str = 
     if chosen == "cudnn":
         return attention_cudnn(q, k, v, bias, dropout_p, window, segment_ids)
     return attention_reference(q, k, v, bias, dropout_p, window, segment_ids)
+
+
+def position_mask(q_positions, k_positions, window: int = 0, q_segments=None, k_segments=None) -> torch.Tensor:
+    """Boolean [b or 1, 1, sq, sk]: True where a query at sequence index q_positions[i] may attend the key at
+    k_positions[j] (causal, sliding window, same document). Positions are the tokens' indices in the full
+    sequence, whatever order the tensors hold them in (context parallelism holds them out of order)."""
+    distance = q_positions[:, None] - k_positions[None, :]
+    allowed = distance >= 0
+    if window > 0:
+        allowed = allowed & (distance < window)
+    allowed = allowed[None, None]
+    if q_segments is not None:
+        allowed = allowed & (q_segments[:, None, :, None] == k_segments[:, None, None, :])
+    return allowed

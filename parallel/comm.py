@@ -399,3 +399,26 @@ def scatter_to_sequence_region(x, group, dim: int = 1):
 
 def gather_from_last_dim(x, group):
     return x if group is None else _GatherFromLastDim.apply(x, group)
+
+
+# -- context parallelism (parallel/context.py) -----------------------------------------------------
+
+class _SumOverContext(torch.autograd.Function):
+    """A context-parallel rank's share of the loss summed over the CP group forward; backward passes the
+    gradient on multiplied by the CP size, because the gradient reduction averages over DP × CP ranks while the
+    CP ranks' gradients are parts of one replica's sum."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.size = group_size(group)
+        x = x.clone()
+        all_reduce(x, group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.size, None
+
+
+def sum_over_context(x, group):
+    return x if group is None else _SumOverContext.apply(x, group)

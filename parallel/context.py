@@ -1,0 +1,93 @@
+"""Context parallelism (CP): every sequence split over the c ranks of the CP group.
+
+The sequence of s tokens is cut into 2c chunks of s/2c; CP rank i holds chunks i and 2c−1−i, so that under
+the causal mask every rank has the same work (an early chunk sees few keys, its partner many). Every CP rank
+of a data-parallel replica reads the same samples and keeps its chunks (`shard`); RoPE uses the chunks'
+global positions; the loss is summed over the CP group (`mean_loss`). Everything outside attention is
+per-token and runs on the local chunks unchanged. Attention needs every earlier key
+(`parallel.context_attention`):
+
+    allgather  K and V all-gathered over CP (their gradients reduce-scattered in backward); local queries
+               against all keys, masked by global positions.
+    (ring and alltoall follow.)
+
+Positions here are indices in the full sequence, which decide causality and the window; documents are
+separated by `segment_ids`, which every CP rank holds whole (it read the whole sample).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.attention import position_mask
+from parallel import comm
+
+STRATEGIES = ("allgather",)
+
+
+@dataclass
+class ContextParallel:
+    group: object = None
+    size: int = 1
+    rank: int = 0
+    strategy: str = "allgather"
+    ranks: tuple = ()  # global ranks of the CP group in CP-rank order (the ring)
+
+    @classmethod
+    def from_topology(cls, topo, strategy: str = "allgather") -> "ContextParallel":
+        if strategy not in STRATEGIES:
+            raise ValueError(f"parallel.context_attention={strategy!r} is not one of {', '.join(STRATEGIES)}")
+        return cls(topo.cp_group, topo.cp_size, topo.cp_rank, strategy, tuple(topo.group_ranks["cp"]))
+
+    # -- which tokens this rank holds ------------------------------------------------------------
+    def chunk_ids(self, rank: int | None = None) -> tuple[int, int]:
+        rank = self.rank if rank is None else rank
+        return rank, 2 * self.size - 1 - rank
+
+    def positions(self, seq_length: int, device=None, rank: int | None = None) -> torch.Tensor:
+        """Indices in the full sequence of the tokens `rank` holds, in the order it holds them."""
+        n = seq_length // (2 * self.size)
+        return torch.cat([torch.arange(c * n, (c + 1) * n, device=device) for c in self.chunk_ids(rank)])
+
+    def gathered_positions(self, seq_length: int, device=None) -> torch.Tensor:
+        """Indices of every rank's tokens concatenated in CP-rank order (what a gather along the sequence holds)."""
+        return torch.cat([self.positions(seq_length, device, r) for r in range(self.size)])
+
+    def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's two chunks of the full sequence `x` along `dim`, concatenated."""
+        if self.size == 1:
+            return x
+        n = x.shape[dim] // (2 * self.size)
+        return torch.cat([x.narrow(dim, c * n, n) for c in self.chunk_ids()], dim=dim)
+
+    # -- loss ------------------------------------------------------------------------------------
+    def mean_loss(self, losses: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
+        """The mean token loss of the whole sequences from this rank's per-token losses: local sums over the
+        token count of the CP group, summed over the group (so every CP rank returns the unsplit loss)."""
+        if loss_mask is None:
+            local = losses.sum() / (losses.numel() * self.size)
+        else:
+            count = loss_mask.sum().detach().float().reshape(1)
+            comm.all_reduce(count, self.group)
+            local = (losses * loss_mask).sum() / count[0].clamp(min=1.0)
+        return comm.sum_over_context(local, self.group)
+
+    # -- attention -------------------------------------------------------------------------------
+    def attention(self, q, k, v, window: int = 0, segment_ids=None, backend: str = "auto"):
+        """Causal attention of the local queries q [b, hq, s/c, d] over the whole sequence's keys, whose local
+        part is k, v [b, hkv, s/c, d] (RoPE applied); `segment_ids` [b, s] of the full sequence or None."""
+        s = q.shape[2] * self.size
+        return self._allgather(q, k, v, s, window, segment_ids)
+
+    def _allgather(self, q, k, v, s, window, segment_ids):
+        heads = k.shape[1]
+        kv = comm.gather_from_sequence_region(torch.cat((k, v), dim=1), self.group, dim=2)
+        k_all, v_all = kv[:, :heads], kv[:, heads:]
+        q_pos, k_pos = self.positions(s, q.device), self.gathered_positions(s, q.device)
+        q_seg = k_seg = None
+        if segment_ids is not None:
+            q_seg, k_seg = segment_ids[:, q_pos], segment_ids[:, k_pos]
+        allowed = position_mask(q_pos, k_pos, window, q_seg, k_seg)
+        return torch.nn.functional.scaled_dot_product_attention(q, k_all, v_all, attn_mask=allowed,
+                                                                enable_gqa=heads != q.shape[1])
