@@ -403,6 +403,39 @@ def gather_from_last_dim(x, group):
 
 # -- context parallelism (parallel/context.py) -----------------------------------------------------
 
+def shift_along_ring(x: torch.Tensor, group, send_to: int, receive_from: int) -> torch.Tensor:
+    """Send `x` to global rank `send_to` and return the tensor of its shape received from `receive_from`: one
+    batch of a send and a receive, waited for here."""
+    received = torch.empty_like(x)
+    works = batch_isend_irecv([("send", x.contiguous(), send_to, 0), ("recv", received, receive_from, 0)], group)
+    for work in works:
+        work.wait()
+    return received
+
+
+class _RingPass(torch.autograd.Function):
+    """The c blocks a rank sees as its block travels once around the ring of c ranks: its own, then the one
+    each shift brings from the preceding rank. Backward sends each block's gradient (with the gradients of
+    the blocks it became further on) back the way it came. All shifts form one autograd node, so every rank
+    runs every backward shift even when causality left some of its received blocks unused."""
+
+    @staticmethod
+    def forward(ctx, x, group, next_rank, previous_rank):
+        ctx.group, ctx.next_rank, ctx.previous_rank = group, next_rank, previous_rank
+        blocks = [x]
+        for _ in range(group_size(group) - 1):
+            blocks.append(shift_along_ring(blocks[-1], group, next_rank, previous_rank))
+        return tuple(blocks)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        grads = [torch.zeros_like(g) if g is None else g for g in grads]
+        total = grads[-1]
+        for step in range(len(grads) - 1, 0, -1):
+            total = shift_along_ring(total, ctx.group, ctx.previous_rank, ctx.next_rank) + grads[step - 1]
+        return total, None, None, None
+
+
 class _SumOverContext(torch.autograd.Function):
     """A context-parallel rank's share of the loss summed over the CP group forward; backward passes the
     gradient on multiplied by the CP size, because the gradient reduction averages over DP × CP ranks while the
@@ -418,6 +451,10 @@ class _SumOverContext(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad * ctx.size, None
+
+
+def ring_pass(x, group, next_rank: int, previous_rank: int) -> tuple:
+    return (x,) if group is None else _RingPass.apply(x, group, next_rank, previous_rank)
 
 
 def sum_over_context(x, group):

@@ -4,12 +4,16 @@ The sequence of s tokens is cut into 2c chunks of s/2c; CP rank i holds chunks i
 the causal mask every rank has the same work (an early chunk sees few keys, its partner many). Every CP rank
 of a data-parallel replica reads the same samples and keeps its chunks (`shard`); RoPE uses the chunks'
 global positions; the loss is summed over the CP group (`mean_loss`). Everything outside attention is
-per-token and runs on the local chunks unchanged. Attention needs every earlier key
+per-token and runs on the local chunks unchanged. Attention needs every earlier key, in one of these ways
 (`parallel.context_attention`):
 
     allgather  K and V all-gathered over CP (their gradients reduce-scattered in backward); local queries
                against all keys, masked by global positions.
-    (ring and alltoall follow.)
+    ring       K/V blocks passed c−1 times around the ring (batch_isend_irecv); each block's partial result is
+               merged with the others by its log-sum-exp. Chunk pairs that causality or the window hides
+               entirely are not computed. Autograd runs backward through the blocks; the shifts' backward
+               passes dK/dV back around the ring (comm.ring_pass).
+    (alltoall follows.)
 
 Positions here are indices in the full sequence, which decide causality and the window; documents are
 separated by `segment_ids`, which every CP rank holds whole (it read the whole sample).
@@ -20,10 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention import position_mask
+from kernels.attention import attention_with_lse, merge_attention, position_mask
 from parallel import comm
 
-STRATEGIES = ("allgather",)
+STRATEGIES = ("allgather", "ring")
 
 
 @dataclass
@@ -78,7 +82,9 @@ class ContextParallel:
         """Causal attention of the local queries q [b, hq, s/c, d] over the whole sequence's keys, whose local
         part is k, v [b, hkv, s/c, d] (RoPE applied); `segment_ids` [b, s] of the full sequence or None."""
         s = q.shape[2] * self.size
-        return self._allgather(q, k, v, s, window, segment_ids)
+        if self.strategy == "allgather":
+            return self._allgather(q, k, v, s, window, segment_ids)
+        return self._ring(q, k, v, s, window, segment_ids)
 
     def _allgather(self, q, k, v, s, window, segment_ids):
         heads = k.shape[1]
@@ -91,3 +97,40 @@ class ContextParallel:
         allowed = position_mask(q_pos, k_pos, window, q_seg, k_seg)
         return torch.nn.functional.scaled_dot_product_attention(q, k_all, v_all, attn_mask=allowed,
                                                                 enable_gqa=heads != q.shape[1])
+
+    def _ring(self, q, k, v, s, window, segment_ids):
+        n = s // (2 * self.size)
+        heads = k.shape[1]
+        mine = self.chunk_ids()
+        q_chunks = q.split(n, dim=2)
+        outputs: list = [None, None]  # per query chunk: (output, log-sum-exp) merged so far
+        following, preceding = self.ranks[(self.rank + 1) % self.size], self.ranks[(self.rank - 1) % self.size]
+        blocks = comm.ring_pass(torch.cat((k, v), dim=1), self.group, following, preceding)
+        for step, block in enumerate(blocks):
+            source = (self.rank - step) % self.size  # block `step` is the K/V of the rank that far back
+            k_chunks, v_chunks = block[:, :heads].split(n, dim=2), block[:, heads:].split(n, dim=2)
+            theirs = self.chunk_ids(source)
+            for i, qc in enumerate(mine):
+                visible = [j for j, kc in enumerate(theirs) if _chunk_visible(qc, kc, n, window)]
+                if not visible:  # causality (or the window) hides the whole block from this chunk
+                    continue
+                k_pos = torch.cat([torch.arange(theirs[j] * n, (theirs[j] + 1) * n, device=q.device) for j in visible])
+                q_pos = torch.arange(qc * n, (qc + 1) * n, device=q.device)
+                q_seg = k_seg = None
+                if segment_ids is not None:
+                    q_seg, k_seg = segment_ids[:, q_pos], segment_ids[:, k_pos]
+                part = attention_with_lse(q_chunks[i], torch.cat([k_chunks[j] for j in visible], dim=2),
+                                          torch.cat([v_chunks[j] for j in visible], dim=2),
+                                          position_mask(q_pos, k_pos, window, q_seg, k_seg))
+                # step 0 holds the diagonal chunk: every query sees at least itself there, so the first
+                # partial result has a finite log-sum-exp
+                outputs[i] = part if outputs[i] is None else merge_attention(*outputs[i], *part)
+        return torch.cat([out for out, _ in outputs], dim=2)
+
+
+def _chunk_visible(q_chunk: int, k_chunk: int, n: int, window: int) -> bool:
+    """Whether any query of chunk `q_chunk` may attend any key of chunk `k_chunk` (chunks of n tokens)."""
+    if k_chunk > q_chunk:
+        return False
+    nearest = 0 if k_chunk == q_chunk else q_chunk * n - ((k_chunk + 1) * n - 1)
+    return window == 0 or nearest < window

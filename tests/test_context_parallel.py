@@ -20,7 +20,7 @@ EOD = 3
 MODEL = dict(hidden_size=32, num_layers=2, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=64, vocab_size=61,
              seq_length=32)
 VARIANTS = {"causal": ({}, False), "documents": ({}, True), "window": ({"attention_window": 5}, False)}
-STRATEGIES = ("allgather",)
+STRATEGIES = ("allgather", "ring")
 CURVE = {"model": dict(hidden_size=32, num_layers=2, num_attention_heads=4, num_kv_heads=1, ffn_hidden_size=64,
                        vocab_size=61, seq_length=16),
          "train": dict(micro_batch_size=1, global_batch_size=4, steps=4, seed=7),
@@ -93,6 +93,9 @@ def test_communication_per_layer_matches_the_formula(pools, strategy):
     if strategy == "allgather":  # all-gather of every rank's K, V forward; reduce-scatter of their gradients
         assert cp_fwd == [("all_gather", c * local_kv)] * layers
         assert cp_bwd == [("reduce_scatter", c * local_kv)] * layers
+    elif strategy == "ring":  # c − 1 shifts of one K/V block forward, of its gradient backward
+        assert cp_fwd == [("send", local_kv), ("recv", local_kv)] * (c - 1) * layers
+        assert cp_bwd == [("send", local_kv), ("recv", local_kv)] * (c - 1) * layers
     # the loss: summed over CP forward (one value), nothing backward beyond attention
     assert [(op, n) for op, group, n in fwd if group == "cp" and op == "all_reduce"] == [("all_reduce", 4)]
 

@@ -81,7 +81,8 @@ class ParallelConfig:
     pipeline: int = 1  # pipeline-parallel size; data-parallel size = world size / (tensor × context × pipeline)
     context: int = 1  # context-parallel size c: each rank holds 2 of 2c chunks of every sequence (chunks i and
         # 2c-1-i, balancing causal work); gradients are reduced over DP × CP (parallel/context.py)
-    context_attention: str = "allgather"  # with context > 1: allgather = keys and values gathered over CP
+    context_attention: str = "allgather"  # with context > 1: allgather = keys and values gathered over CP;
+        # ring = K/V blocks passed around the CP ring
     sequence_parallel: bool = False  # shard norms and dropout over the sequence within the TP group
     zero_stage: int = 0  # 0 bucketed DDP, 1 + optimizer state sharded, 2 + gradients, 3 + parameters (FSDP)
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedule)
@@ -274,7 +275,7 @@ CHOICES = {
     ("run", "wandb_mode"): ("online", "offline", "disabled"),
     ("parallel", "rank_order"): tuple("-".join(order) for dims in (("tp", "dp", "pp"), ("tp", "cp", "dp", "pp"))
                                       for order in itertools.permutations(dims)),
-    ("parallel", "context_attention"): ("allgather",),
+    ("parallel", "context_attention"): ("allgather", "ring"),
 }
 
 
