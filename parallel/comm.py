@@ -436,6 +436,30 @@ class _RingPass(torch.autograd.Function):
         return total, None, None, None
 
 
+class _AllToAll(torch.autograd.Function):
+    """Split `scatter_dim` into one chunk per rank, send chunk j to rank j, and concatenate the chunks received
+    along `gather_dim` (in rank order); backward is the same exchange with the two dimensions swapped."""
+
+    @staticmethod
+    def forward(ctx, x, group, scatter_dim, gather_dim):
+        ctx.group, ctx.scatter_dim, ctx.gather_dim = group, scatter_dim, gather_dim
+        return _all_to_all(x, group, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad, ctx.group, ctx.gather_dim, ctx.scatter_dim), None, None, None
+
+
+def _all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    world = group_size(group)
+    if x.shape[scatter_dim] % world:
+        raise ValueError(f"all-to-all: dimension {scatter_dim} of size {x.shape[scatter_dim]} not divisible by {world}")
+    chunks = torch.stack(x.chunk(world, dim=scatter_dim)).contiguous()
+    received = torch.empty_like(chunks)
+    all_to_all_into(received, chunks, group)
+    return torch.cat(received.unbind(0), dim=gather_dim)
+
+
 class _SumOverContext(torch.autograd.Function):
     """A context-parallel rank's share of the loss summed over the CP group forward; backward passes the
     gradient on multiplied by the CP size, because the gradient reduction averages over DP × CP ranks while the
@@ -455,6 +479,10 @@ class _SumOverContext(torch.autograd.Function):
 
 def ring_pass(x, group, next_rank: int, previous_rank: int) -> tuple:
     return (x,) if group is None else _RingPass.apply(x, group, next_rank, previous_rank)
+
+
+def all_to_all_region(x, group, scatter_dim: int, gather_dim: int):
+    return x if group is None else _AllToAll.apply(x, group, scatter_dim, gather_dim)
 
 
 def sum_over_context(x, group):

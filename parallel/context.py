@@ -4,7 +4,7 @@ The sequence of s tokens is cut into 2c chunks of s/2c; CP rank i holds chunks i
 the causal mask every rank has the same work (an early chunk sees few keys, its partner many). Every CP rank
 of a data-parallel replica reads the same samples and keeps its chunks (`shard`); RoPE uses the chunks'
 global positions; the loss is summed over the CP group (`mean_loss`). Everything outside attention is
-per-token and runs on the local chunks unchanged. Attention needs every earlier key, in one of these ways
+per-token and runs on the local chunks unchanged. Attention needs every earlier key, in one of three ways
 (`parallel.context_attention`):
 
     allgather  K and V all-gathered over CP (their gradients reduce-scattered in backward); local queries
@@ -13,21 +13,24 @@ per-token and runs on the local chunks unchanged. Attention needs every earlier 
                merged with the others by its log-sum-exp. Chunk pairs that causality or the window hides
                entirely are not computed. Autograd runs backward through the blocks; the shifts' backward
                passes dK/dV back around the ring (comm.ring_pass).
-    (alltoall follows.)
+    alltoall   Ulysses: one all-to-all turns [heads, local sequence] into [heads / c, full sequence]; ordinary
+               attention over the whole sequence; one all-to-all back. KV heads are repeated just enough that
+               each rank receives the KV heads its query heads use.
 
 Positions here are indices in the full sequence, which decide causality and the window; documents are
 separated by `segment_ids`, which every CP rank holds whole (it read the whole sample).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from kernels.attention import attention_with_lse, merge_attention, position_mask
+from kernels.attention import attention_with_lse, causal_attention, merge_attention, position_mask
 from parallel import comm
 
-STRATEGIES = ("allgather", "ring")
+STRATEGIES = ("allgather", "ring", "alltoall")
 
 
 @dataclass
@@ -84,7 +87,9 @@ class ContextParallel:
         s = q.shape[2] * self.size
         if self.strategy == "allgather":
             return self._allgather(q, k, v, s, window, segment_ids)
-        return self._ring(q, k, v, s, window, segment_ids)
+        if self.strategy == "ring":
+            return self._ring(q, k, v, s, window, segment_ids)
+        return self._alltoall(q, k, v, s, window, segment_ids, backend)
 
     def _allgather(self, q, k, v, s, window, segment_ids):
         heads = k.shape[1]
@@ -126,6 +131,22 @@ class ContextParallel:
                 # partial result has a finite log-sum-exp
                 outputs[i] = part if outputs[i] is None else merge_attention(*outputs[i], *part)
         return torch.cat([out for out, _ in outputs], dim=2)
+
+    def _alltoall(self, q, k, v, s, window, segment_ids, backend):
+        c, hq, hkv = self.size, q.shape[1], k.shape[1]
+        repeat = c // math.gcd(hkv, c)  # KV heads repeated until they split evenly, aligned with the queries
+        if repeat > 1:
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        hk = k.shape[1]
+        b, local, d = q.shape[0], q.shape[2], q.shape[3]
+        # one exchange for q, k and v: rank j's block holds its query heads, then its key and value heads
+        blocks = torch.cat([t.reshape(b, c, -1, local, d) for t in (q, k, v)], dim=2).reshape(b, -1, local, d)
+        full = comm.all_to_all_region(blocks, self.group, scatter_dim=1, gather_dim=2)
+        order = self.gathered_positions(s, q.device)
+        full = full[:, :, torch.argsort(order)]  # CP-rank order to sequence order
+        q_full, k_full, v_full = full.split([hq // c, hk // c, hk // c], dim=1)
+        out = causal_attention(q_full, k_full, v_full, backend=backend, window=window, segment_ids=segment_ids)
+        return comm.all_to_all_region(out[:, :, order], self.group, scatter_dim=2, gather_dim=1)
 
 
 def _chunk_visible(q_chunk: int, k_chunk: int, n: int, window: int) -> bool:

@@ -17,10 +17,11 @@ from tests.test_data_parallel import assert_matches_reference, make_config, sing
 
 TOL = 1e-5
 EOD = 3
+# 4 query heads and 2 KV heads: under alltoall at CP4 each rank gets one query head and the KV head it uses
 MODEL = dict(hidden_size=32, num_layers=2, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=64, vocab_size=61,
              seq_length=32)
 VARIANTS = {"causal": ({}, False), "documents": ({}, True), "window": ({"attention_window": 5}, False)}
-STRATEGIES = ("allgather", "ring")
+STRATEGIES = ("allgather", "ring", "alltoall")
 CURVE = {"model": dict(hidden_size=32, num_layers=2, num_attention_heads=4, num_kv_heads=1, ffn_hidden_size=64,
                        vocab_size=61, seq_length=16),
          "train": dict(micro_batch_size=1, global_batch_size=4, steps=4, seed=7),
@@ -96,6 +97,11 @@ def test_communication_per_layer_matches_the_formula(pools, strategy):
     elif strategy == "ring":  # c − 1 shifts of one K/V block forward, of its gradient backward
         assert cp_fwd == [("send", local_kv), ("recv", local_kv)] * (c - 1) * layers
         assert cp_bwd == [("send", local_kv), ("recv", local_kv)] * (c - 1) * layers
+    else:  # q, k, v (KV heads repeated to c) out, and the output back; the same again backward
+        qkv = b * (hq + 2 * c) * (s // c) * d * 4
+        out = b * hq * (s // c) * d * 4
+        assert sorted(cp_fwd) == sorted([("all_to_all", qkv), ("all_to_all", out)] * layers)
+        assert sorted(cp_bwd) == sorted([("all_to_all", qkv), ("all_to_all", out)] * layers)
     # the loss: summed over CP forward (one value), nothing backward beyond attention
     assert [(op, n) for op, group, n in fwd if group == "cp" and op == "all_reduce"] == [("all_reduce", 4)]
 
@@ -142,6 +148,8 @@ def test_checkpoint_saved_at_cp2_resumes_at_cp1(pools, reference):
 @pytest.mark.parametrize("change, message", [
     ({"model": {"seq_length": 18}}, "parallel.context=2 splits model.seq_length=18 into 2×2 = 4 chunks"),
     ({"model": {"position_embedding": "alibi"}}, "cannot serve model.position_embedding=alibi"),
+    ({"parallel": {"context_attention": "alltoall", "tensor": 4}, "model": {"num_kv_heads": 4}},
+     "parallel.context_attention=alltoall scatters the 1 query heads"),
 ])
 def test_context_parallel_refusals_name_the_key(change, message):
     raw = {k: dict(v) for k, v in CURVE.items()}

@@ -82,7 +82,7 @@ class ParallelConfig:
     context: int = 1  # context-parallel size c: each rank holds 2 of 2c chunks of every sequence (chunks i and
         # 2c-1-i, balancing causal work); gradients are reduced over DP × CP (parallel/context.py)
     context_attention: str = "allgather"  # with context > 1: allgather = keys and values gathered over CP;
-        # ring = K/V blocks passed around the CP ring
+        # ring = K/V blocks passed around the CP ring; alltoall = Ulysses (heads scattered, sequence gathered)
     sequence_parallel: bool = False  # shard norms and dropout over the sequence within the TP group
     zero_stage: int = 0  # 0 bucketed DDP, 1 + optimizer state sharded, 2 + gradients, 3 + parameters (FSDP)
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedule)
@@ -275,7 +275,7 @@ CHOICES = {
     ("run", "wandb_mode"): ("online", "offline", "disabled"),
     ("parallel", "rank_order"): tuple("-".join(order) for dims in (("tp", "dp", "pp"), ("tp", "cp", "dp", "pp"))
                                       for order in itertools.permutations(dims)),
-    ("parallel", "context_attention"): ("allgather", "ring"),
+    ("parallel", "context_attention"): ("allgather", "ring", "alltoall"),
 }
 
 
@@ -592,6 +592,10 @@ def validate_context(cfg: Config) -> None:
         raise ConfigError(f"parallel.context={c} with sequence parallelism splits each rank's {m.seq_length // c} "
                           f"tokens over parallel.tensor={p.tensor} ranks; choose model.seq_length divisible by "
                           f"{c * p.tensor}")
+    if p.context_attention == "alltoall" and (m.num_attention_heads // p.tensor) % c:
+        raise ConfigError(f"parallel.context_attention=alltoall scatters the {m.num_attention_heads // p.tensor} query "
+                          f"heads per tensor-parallel rank over parallel.context={c} ranks; use a context size that "
+                          f"divides them, or parallel.context_attention=allgather or ring")
     refused = [
         (m.position_embedding != "rope", "model.position_embedding=alibi", "use model.position_embedding=rope"),
         (m.attention_dropout > 0 or m.hidden_dropout > 0, "model.attention_dropout / hidden_dropout (their masks "
