@@ -351,7 +351,8 @@ class Checkpointer:
         if meta.get("scaler"):
             self.optimizer.scaler.load_state_dict(meta["scaler"])
         own = path / rank_file(t.tp_rank, t.pp_rank, t.reduce_rank)
-        same_layout = all(meta["layout"].get(k) == v for k, v in self.layout.items() if k != "zero_stage")
+        saved = {"context": 1, **meta["layout"]}  # checkpoints from before context parallelism have no CP size
+        same_layout = all(saved.get(k) == v for k, v in self.layout.items() if k != "zero_stage")
         if not (same_layout and own.name in reader.manifest["files"] and _rng_restore(own)):
             # another layout: per-rank streams cannot carry over, so re-seed deterministically from the step
             seed_all(self.cfg.train.seed + meta["step"], t.tp_rank, t.pp_rank)
