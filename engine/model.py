@@ -99,13 +99,19 @@ class Attention(nn.Module):
             self.slopes = self.slopes.to(fn(torch.empty(0)).device)
         return self
 
-    def forward(self, x, rope, segment_ids=None):
+    def project(self, x) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's queries, keys and values [b, heads, s, head_dim] of the hidden states `x`."""
         x = self.tp.enter(x)
         b, s, _ = x.shape
         d = self.cfg.head_dim
         q = self.q_proj(x).view(b, s, self.local_heads, d).transpose(1, 2)
         k = self.k_proj(x).view(b, s, self.local_kv_heads, d).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.local_kv_heads, d).transpose(1, 2)
+        return q, k, v
+
+    def forward(self, x, rope, segment_ids=None):
+        q, k, v = self.project(x)
+        b, _, s, d = q.shape
         slopes = None
         if self.cfg.position_embedding == "rope":
             cos, sin = rope

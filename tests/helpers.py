@@ -9,8 +9,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = "launch/configs/tiny.yaml"  # relative to ROOT, where the tests and the launcher run
-# The launcher in a plain shell environment: the venv's Python named explicitly, one thread per rank.
-LAUNCH_ENV = {"TRILITH_PYTHON": sys.executable, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+# The launcher in a plain shell environment: the venv's Python named explicitly, one thread per rank, and the
+# collectives under NCCL's semantics (parallel/nccl_semantics.py), as in the worker pools.
+LAUNCH_ENV = {"TRILITH_PYTHON": sys.executable, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
+              "TRILITH_COMM_SEMANTICS": "nccl"}
 
 
 def tiny_trainer(*overrides: str, rank: int = 0, world: int = 1, validated: bool = False, config: str = TINY):

@@ -128,6 +128,15 @@ def test_mutated_manifest_loads_or_names_the_checkpoint(step, data):
         fails_cleanly(lambda: load_everything(step), step)
 
 
+def test_a_dtype_that_is_not_a_string_names_the_checkpoint(step):
+    """Found by the search above: a list where a tensor's dtype belongs once escaped as a TypeError."""
+    manifest = json.loads((step / "manifest.json").read_text())
+    next(iter(manifest["tensors"].values()))["dtype"] = []
+    with replaced(step / "manifest.json", json.dumps(manifest).encode()):
+        with pytest.raises(CheckpointError, match="has an invalid shape, split or dtype"):
+            load_everything(step)
+
+
 @FUZZ
 @given(data=st.data())
 def test_damaged_safetensors_header_reads_or_names_the_file(step, data):

@@ -45,26 +45,28 @@ def test_device_cuda_without_cuda_stops_even_with_nothing_asked():
         choose_device("cuda", False, {})
 
 
+def one_line_refusal(command: list, env: dict) -> str:
+    """`command`'s only line on stderr, after it exited with status 2."""
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
+    return lines[0]
+
+
 @NO_CUDA
 def test_a_rank_given_gpus_it_cannot_use_exits_2_with_one_line(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "engine.train", "--config", TINY, f"run.dir={tmp_path}",
-                           "train.steps=1"], cwd=ROOT, env={**ENV, "SLURM_JOB_GPUS": "0,1"},
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 2, done.stderr[-2000:]
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("trilith: configuration error: SLURM_JOB_GPUS=0,1 asks for GPUs, "
-                                                   "but CUDA is not usable on "), done.stderr[-2000:]
-    assert "CPU-only build" in lines[0] or "sees no usable GPU" in lines[0]
+    line = one_line_refusal([sys.executable, "-m", "engine.train", "--config", TINY, f"run.dir={tmp_path}",
+                             "train.steps=1"], {**ENV, "SLURM_JOB_GPUS": "0,1"})
+    assert line.startswith("trilith: configuration error: SLURM_JOB_GPUS=0,1 asks for GPUs, but CUDA is not usable "
+                           "on "), line
+    assert "CPU-only build" in line or "sees no usable GPU" in line
 
 
 @NO_CUDA
 def test_the_launcher_stops_a_gpu_recipe_before_any_rank_starts(tmp_path):
-    done = subprocess.run(["bash", "launch/run_pretrain.sh", "--nproc", "2", "--config", TINY, "train.device=cuda",
-                           f"run.dir={tmp_path}"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 2, done.stderr[-2000:]
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("trilith: configuration error: train.device=cuda asks for GPUs"), \
-        done.stderr[-2000:]
+    line = one_line_refusal(["bash", "launch/run_pretrain.sh", "--nproc", "2", "--config", TINY, "train.device=cuda",
+                             f"run.dir={tmp_path}"], ENV)
+    assert line.startswith("trilith: configuration error: train.device=cuda asks for GPUs"), line
     assert not (tmp_path / "logs").exists()  # no rank started
 
 
@@ -80,8 +82,6 @@ def test_auto_on_a_machine_that_asked_for_no_gpu_trains_on_the_cpu_and_says_so_f
 
 @NO_CUDA
 def test_evaluate_given_gpus_it_cannot_use_exits_2_with_one_line(tmp_path):
-    done = subprocess.run([sys.executable, "tools/evaluate.py", "--model", str(tmp_path), "--data", str(tmp_path)],
-                          cwd=ROOT, env={**ENV, "SLURM_JOB_GPUS": "0"}, capture_output=True, text=True, timeout=300)
-    lines = done.stderr.strip().splitlines()
-    assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
-    assert lines[0].startswith("evaluate: SLURM_JOB_GPUS=0 asks for GPUs, but CUDA is not usable")
+    line = one_line_refusal([sys.executable, "tools/evaluate.py", "--model", str(tmp_path), "--data", str(tmp_path)],
+                            {**ENV, "SLURM_JOB_GPUS": "0"})
+    assert line.startswith("evaluate: SLURM_JOB_GPUS=0 asks for GPUs, but CUDA is not usable"), line

@@ -130,7 +130,8 @@ def check_manifest(directory: Path, manifest) -> None:
         keys, pieces = entry.get("keys"), entry.get("pieces")
         need(_dims(shape) and _dims(local) and len(shape) == len(local) and isinstance(tp_size, int)
              and tp_size >= 1 and ((tp_dim is None and tp_size == 1) or (_count(tp_dim) and tp_dim < len(shape)))
-             and entry.get("dtype") in ENTRY_BYTES, f"tensor {name[:80]!r} has an invalid shape, split or dtype")
+             and isinstance(entry.get("dtype"), str) and entry["dtype"] in ENTRY_BYTES,
+             f"tensor {name[:80]!r} has an invalid shape, split or dtype")
         full = list(local)
         if tp_dim is not None:
             full[tp_dim] *= tp_size

@@ -34,12 +34,8 @@ class Sampling:
 
 def _attend(attn, x, rope, start: int, cache: list | None):
     """Attention of the new positions [start, start + n) over the cached ones and themselves."""
-    x = attn.tp.enter(x)
-    b, n, _ = x.shape
-    d = attn.cfg.head_dim
-    q = attn.q_proj(x).view(b, n, attn.local_heads, d).transpose(1, 2)
-    k = attn.k_proj(x).view(b, n, attn.local_kv_heads, d).transpose(1, 2)
-    v = attn.v_proj(x).view(b, n, attn.local_kv_heads, d).transpose(1, 2)
+    q, k, v = attn.project(x)
+    b, _, n, d = q.shape
     if rope is not None:
         cos, sin = rope[0][start:start + n], rope[1][start:start + n]
         q, k = apply_rope_fused(q, cos, sin), apply_rope_fused(k, cos, sin)
