@@ -27,6 +27,8 @@ CURVE = {"model": dict(hidden_size=32, num_layers=2, num_attention_heads=4, num_
          "train": dict(micro_batch_size=1, global_batch_size=4, steps=4, seed=7),
          "optim": dict(lr=3e-3, warmup_steps=2), "data": dict(mock=True)}
 
+DEEP_CURVE = {**CURVE, "model": {**CURVE["model"], "num_layers": 4}}  # PP2 × 2 virtual stages: a layer per chunk
+
 
 @pytest.fixture(scope="module")
 def pools():
@@ -118,6 +120,20 @@ def reference():
 def test_context_parallel_composes(pools, reference, strategy, parallel):
     results = pools[4].run(train_run, CURVE, {"context": 2, "context_attention": strategy, **parallel})
     assert_matches_reference(results, reference, tp_size=parallel.get("tensor", 1))
+
+
+@pytest.fixture(scope="module")
+def deep_reference():
+    return single_process_run(DEEP_CURVE)
+
+
+def test_context_parallel_composes_with_interleaved_pipeline(pools, deep_reference):
+    """CP2 × PP2 with two model chunks per pipeline rank (4 layers, one per chunk). The ring only: its CP
+    sends and receives interleave with the pipeline's, where an ordering mistake would deadlock or mismatch;
+    the collective strategies already meet a pipeline in test_context_parallel_composes."""
+    parallel = {"context": 2, "context_attention": "ring", "pipeline": 2, "schedule": "interleaved",
+                "virtual_stages": 2}
+    assert_matches_reference(pools[4].run(train_run, DEEP_CURVE, parallel), deep_reference)
 
 
 def trainer_in(run_dir, rank, world, **parallel):
