@@ -18,7 +18,9 @@ from engine.preflight import preflight_config
 from tests.helpers import ROOT
 
 BIN = Path(sys.executable).parent
-ENV = {"TRILITH_PYTHON": sys.executable, "PATH": f"{BIN}:/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+# PYTHONPATH as launch/run_pretrain.sh sets it: launch/check.py imports this checkout, not an installed one
+ENV = {"TRILITH_PYTHON": sys.executable, "PATH": f"{BIN}:/usr/bin:/bin", "OMP_NUM_THREADS": "1",
+       "PYTHONPATH": str(ROOT)}
 
 
 RECIPES = sorted(p.name for p in (ROOT / "launch" / "configs").glob("*.yaml"))
