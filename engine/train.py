@@ -217,7 +217,7 @@ class Trainer:
         p = cfg.parallel
         self.topo = Topology(Layout.for_world(env.world_size, p.tensor, p.pipeline, p.rank_order, p.context),
                              env.rank)
-        seed_all(cfg.train.seed, self.topo.tp_rank, self.topo.pp_rank)
+        seed_all(cfg.train.seed, self.topo.tp_rank, self.topo.pp_rank, self.topo.cp_rank)
         self.tp = TensorParallel.from_topology(self.topo, p.sequence_parallel)
         self.cp = ContextParallel.from_topology(self.topo, p.context_attention)
         self.dtype = DTYPES[cfg.train.precision]

@@ -154,8 +154,30 @@ def test_launched_tp2_cp2_pp2_with_documents_follows_the_single_process(tmp_path
         assert abs(a - b) <= 1e-4, (step, a, b)
 
 
-def trainer_in(run_dir, rank, world, **parallel):
-    cfg = make_config(CURVE, **parallel)
+def dropout_masks(rank, world, run_dir, sequence_parallel):
+    """(TP rank, CP rank, this rank's embedding-dropout mask in the first step, its losses) at TP2 × CP2."""
+    dropout = {**CURVE, "model": {**CURVE["model"], "hidden_dropout": 0.5}}
+    trainer = trainer_in(run_dir, rank, world, base=dropout, tensor=2, context=2,
+                         sequence_parallel=sequence_parallel)
+    masks = []
+    trainer.chunks[0].embed_dropout.register_forward_hook(lambda module, args, out: masks.append(out == 0))
+    losses = [trainer.train_step()["loss"] for _ in range(2)]
+    return trainer.topo.tp_rank, trainer.topo.cp_rank, masks[0], losses
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["replicated", "sequence-parallel"])
+def test_hidden_dropout_draws_its_own_mask_on_each_context_rank(pools, tmp_path, sequence_parallel):
+    """CP ranks hold different tokens: their masks differ. TP ranks of one CP rank share its activations
+    (equal masks) unless sequence parallelism shards them (each its own)."""
+    results = pools[4].run(dropout_masks, str(tmp_path), sequence_parallel)
+    masks = {(tp, cp): mask for tp, cp, mask, _ in results}
+    assert not torch.equal(masks[0, 0], masks[0, 1]) and not torch.equal(masks[1, 0], masks[1, 1])
+    assert torch.equal(masks[0, 0], masks[1, 0]) != sequence_parallel
+    assert all(abs(loss - results[0][3][i]) < TOL for *_, losses in results for i, loss in enumerate(losses))
+
+
+def trainer_in(run_dir, rank, world, base=CURVE, **parallel):
+    cfg = make_config(base, **parallel)
     cfg.run.dir = run_dir
     validate(cfg, world)
     return Trainer(cfg, DistEnv(rank, world, 0, torch.device("cpu"), "gloo"))
@@ -182,6 +204,7 @@ def test_checkpoint_saved_at_cp2_resumes_at_cp1(pools, reference):
 @pytest.mark.parametrize("change, message", [
     ({"model": {"seq_length": 18}}, "parallel.context=2 splits model.seq_length=18 into 2×2 = 4 chunks"),
     ({"model": {"position_embedding": "alibi"}}, "cannot serve model.position_embedding=alibi"),
+    ({"model": {"attention_dropout": 0.1}}, "cannot serve model.attention_dropout"),
     ({"parallel": {"context_attention": "alltoall", "tensor": 4}, "model": {"num_kv_heads": 4}},
      "parallel.context_attention=alltoall scatters the 1 query heads"),
 ])

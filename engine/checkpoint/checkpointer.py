@@ -355,7 +355,7 @@ class Checkpointer:
         same_layout = all(saved.get(k) == v for k, v in self.layout.items() if k != "zero_stage")
         if not (same_layout and own.name in reader.manifest["files"] and _rng_restore(own)):
             # another layout: per-rank streams cannot carry over, so re-seed deterministically from the step
-            seed_all(self.cfg.train.seed + meta["step"], t.tp_rank, t.pp_rank)
+            seed_all(self.cfg.train.seed + meta["step"], t.tp_rank, t.pp_rank, t.cp_rank)
         reader.close()
         self._barrier()
         log.info(f"checkpoint: resumed from {path} at step {meta['step']} "

@@ -598,8 +598,8 @@ def validate_context(cfg: Config) -> None:
                           f"divides them, or parallel.context_attention=allgather or ring")
     refused = [
         (m.position_embedding != "rope", "model.position_embedding=alibi", "use model.position_embedding=rope"),
-        (m.attention_dropout > 0 or m.hidden_dropout > 0, "model.attention_dropout / hidden_dropout (their masks "
-         "would repeat across CP ranks)", "set them to 0"),
+        (m.attention_dropout > 0, "model.attention_dropout (the context-parallel attention takes no dropout)",
+         "set it to 0"),
         (m.attention_backend in ("flash", "cudnn"), f"model.attention_backend={m.attention_backend}",
          "use model.attention_backend=auto"),
         (cfg.run.monitor_interval > 0, f"run.monitor_interval={cfg.run.monitor_interval} (attention entropy)",
