@@ -2,7 +2,7 @@
 
     python tools/estimate_memory.py --config launch/configs/llama_7b_64gpu.yaml --world-size 64 --device-memory 80GB
     python tools/estimate_memory.py --config FILE --world-size 8 parallel.zero_stage=3 train.recompute=full
-    python tools/estimate_memory.py --config FILE --world-size 64 parallel.context=4 model.seq_length=32768
+    python tools/estimate_memory.py --config launch/configs/llama_7b_64gpu_long.yaml --world-size 64 parallel.context=8
 
 Prints, for each pipeline stage (every rank of a stage holds the same), the parameters, gradients, optimizer
 state, activations (micro-batches the schedule holds at once × one micro-batch's) and communication buffers,
