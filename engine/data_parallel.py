@@ -1,5 +1,6 @@
 """The data-parallel strategy of a run: which gradient synchroniser and which optimizer `parallel.zero_stage`
-selects, with the process groups they need."""
+selects, with the process groups they need. Gradients are reduced over DP × CP (`Topology.reduce_group`): context-
+parallel ranks hold the same weights and each has a part of every sequence's gradient."""
 from __future__ import annotations
 
 import torch
@@ -22,7 +23,7 @@ def build_data_parallel(cfg: Config, topo, tp, chunks: list, named_params: list,
     if p.zero_stage == 0:
         # the most tokens a rank reads in a step (the full batch, after any ramp)
         tokens = cfg.train.global_batch_size // topo.dp_size * cfg.model.seq_length if p.embedding_row_exchange else 0
-        ddp = BucketedDDP(named_params, topo.dp_group, tp, chunks, p.bucket_mb, p.fp32_reduce, hierarchy, tied,
+        ddp = BucketedDDP(named_params, topo.reduce_group, tp, chunks, p.bucket_mb, p.fp32_reduce, hierarchy, tied,
                           tokens)
         return ddp, MixedPrecisionAdamW(named_params, cfg.optim, topo, cfg.train.precision, ddp)
     hsdp = topo.build_hierarchical_dp(p.hsdp_group_size) if p.hsdp_group_size else None
@@ -30,7 +31,7 @@ def build_data_parallel(cfg: Config, topo, tp, chunks: list, named_params: list,
     # the most tokens a rank's micro-batch holds (before and after a micro-batch switch)
     lookup_tokens = max(cfg.train.micro_batch_size, cfg.train.micro_batch_size_after_switch) * \
         cfg.model.seq_length if p.zero3_embedding_rows else 0
-    sdp = ShardedDataParallel(chunks, p.zero_stage, topo.dp_group, topo.dp_size, tp, dtype,
+    sdp = ShardedDataParallel(chunks, p.zero_stage, topo.reduce_group, topo.reduce_size, tp, dtype,
                               p.fp32_reduce, unit_groups, hsdp, hierarchy, tied, p.zero3_keep_last_gathered,
                               lookup_tokens)
     return sdp, ZeroAdamW(sdp, cfg.optim, topo, cfg.train.precision)

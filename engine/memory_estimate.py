@@ -164,8 +164,9 @@ def loss_activation(cfg: Config, tokens: int) -> int:
 
 
 def chunk_activation(cfg: Config, layers: int, pre: bool, post: bool, micro_batch: int, recompute: str) -> int:
-    """Bytes saved for backward by one forward of one micro-batch through a model chunk."""
-    tokens = micro_batch * cfg.model.seq_length
+    """Bytes saved for backward by one forward of one micro-batch through a model chunk (this rank's share of
+    the sequence under context parallelism: activations scale as 1/c)."""
+    tokens = micro_batch * cfg.model.seq_length // cfg.parallel.context
     saved = layers * layer_activation(cfg, tokens, recompute)
     if pre:
         saved += INDEX * tokens * (1 if cfg.parallel.tensor == 1 else 2)  # token ids (and their local copy)
@@ -185,7 +186,7 @@ def queued_output_gradients(cfg: Config, layers: int, post: bool, micro_batch: i
     """Bytes of the linear layers' output gradients a deferring backward keeps until its weight gradients:
     q, k, v, o, gate, up, down per layer, and the output layer's logits gradient unless fused with the loss."""
     m, t, e = cfg.model, cfg.parallel.tensor, DTYPE_BYTES[cfg.train.precision]
-    tokens = micro_batch * m.seq_length
+    tokens = micro_batch * m.seq_length // cfg.parallel.context
     kv = (m.kv_heads // t if m.kv_heads >= t else 1) * m.head_dim
     per_layer = m.num_attention_heads // t * m.head_dim + 2 * kv + 2 * m.hidden_size + 2 * m.ffn_hidden_size // t
     queued = layers * e * tokens * per_layer
@@ -216,7 +217,7 @@ def estimate(cfg: Config, world_size: int, shard_rank: int | None = None) -> lis
     p, t, m = cfg.parallel, cfg.train, cfg.model
     e = DTYPE_BYTES[t.precision]
     dp = data_parallel_size(cfg, world_size)
-    shard_size = p.hsdp_group_size or dp
+    shard_size = p.hsdp_group_size or dp * p.context  # ZeRO shards over DP × CP
     micro = max(t.micro_batch_size, t.micro_batch_size_after_switch)
     micro_batches = t.global_batch_size // (t.micro_batch_size * dp)
     recompute = t.recompute
@@ -269,7 +270,7 @@ def comm_bytes(cfg: Config, units: list, largest_unit: int, e: int, dp: int) -> 
         if p.zero_stage == 3 and p.zero3_keep_last_gathered and p.pipeline > 1:
             total += p.virtual_stages * largest_unit
     if p.pipeline > 1:
-        local = m.seq_length // p.tensor if p.sequence_parallel else m.seq_length
+        local = m.seq_length // p.context // (p.tensor if p.sequence_parallel else 1)
         total += 4 * t.micro_batch_size * local * m.hidden_size * e  # send/receive of activations and gradients
     return total
 
@@ -336,7 +337,8 @@ def report(cfg: Config, world_size: int, device_memory: int = 0) -> str:
     p = cfg.parallel
     dp = data_parallel_size(cfg, world_size)
     stages = estimate(cfg, world_size)
-    lines = [f"memory estimate per rank (TP {p.tensor} × PP {p.pipeline} × DP {dp}, ZeRO {p.zero_stage}"
+    cp = f" × CP {p.context}" if p.context > 1 else ""
+    lines = [f"memory estimate per rank (TP {p.tensor}{cp} × PP {p.pipeline} × DP {dp}, ZeRO {p.zero_stage}"
              f"{f', HSDP {p.hsdp_group_size}' if p.hsdp_group_size else ''}, {cfg.train.precision}, recompute "
              f"{cfg.train.recompute}{', SP' if p.sequence_parallel else ''}):"]
     for s in stages:

@@ -23,6 +23,7 @@ from kernels.recompute import check_mode, recompute
 from kernels.rope import apply_rope_fused, rope_cos_sin
 from kernels.swiglu import swiglu
 from parallel import comm
+from parallel.context import ContextParallel
 from parallel.random import TRACKER
 from parallel.tensor import (ColumnParallelLinear, ReplicatedRowsLinear, RowParallelLinear, TensorParallel,
                              VocabParallelEmbedding, describe, divide, initialize_parameters, padded_vocab_size,
@@ -65,9 +66,9 @@ def _scaled_std(cfg: ModelConfig) -> float:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, cp: ContextParallel):
         super().__init__()
-        self.cfg, self.tp = cfg, tp
+        self.cfg, self.tp, self.cp = cfg, tp, cp
         d, heads, kv = cfg.head_dim, cfg.num_attention_heads, cfg.kv_heads
         self.local_heads = divide(heads, tp.size, "model.num_attention_heads")
         residual_std = _scaled_std(cfg)
@@ -121,8 +122,12 @@ class Attention(nn.Module):
             self.entropy_log.append(attention_entropy(q, k, window=self.cfg.attention_window,
                                                       segment_ids=segment_ids, slopes=slopes))
         p = self.cfg.attention_dropout if self.training else 0.0
-        core = functools.partial(causal_attention, dropout_p=p, backend=self.cfg.attention_backend,
-                                 slopes=slopes, window=self.cfg.attention_window, segment_ids=segment_ids)
+        if self.cp.size > 1:  # keys and values of the other CP ranks' chunks (parallel/context.py)
+            core = functools.partial(self.cp.attention, window=self.cfg.attention_window, segment_ids=segment_ids,
+                                     backend=self.cfg.attention_backend)
+        else:
+            core = functools.partial(causal_attention, dropout_p=p, backend=self.cfg.attention_backend,
+                                     slopes=slopes, window=self.cfg.attention_window, segment_ids=segment_ids)
         # The tracker is forked outside the recomputed region, so the replay restores the forked state.
         with TRACKER.fork() if p > 0 else contextlib.nullcontext():
             out = recompute(core, q, k, v) if self.recompute_core and torch.is_grad_enabled() else core(q, k, v)
@@ -146,10 +151,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, cp: ContextParallel):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, tp, cfg.norm_backend)
-        self.self_attn = Attention(cfg, tp)
+        self.self_attn = Attention(cfg, tp, cp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, tp, cfg.norm_backend)
         self.mlp = MLP(cfg, tp)
         self.dropout = Dropout(cfg.hidden_dropout, tp)
@@ -169,25 +174,27 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     """Hugging Face's `model.` prefix: embeddings, layers and final norm (each present only on its stage)."""
 
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel, layer_ids, pre_process: bool, post_process: bool):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, cp: ContextParallel, layer_ids, pre_process: bool,
+                 post_process: bool):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, cfg.init_std) \
             if pre_process else None
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, tp) for i in layer_ids})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, tp, cp) for i in layer_ids})
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, tp, cfg.norm_backend) if post_process else None
 
 
 class CausalLM(nn.Module):
-    """One model chunk: the whole model by default, or the layers `layer_ids` of a pipeline stage."""
+    """One model chunk: the whole model by default, or the layers `layer_ids` of a pipeline stage. Under
+    context parallelism (`cp`) it runs on this rank's chunks of each sequence (parallel/context.py)."""
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None, layer_ids=None,
-                 pre_process: bool = True, post_process: bool = True):
+                 pre_process: bool = True, post_process: bool = True, cp: ContextParallel | None = None):
         super().__init__()
-        tp = tp or TensorParallel()
-        self.cfg, self.tp = cfg, tp
+        tp, cp = tp or TensorParallel(), cp or ContextParallel()
+        self.cfg, self.tp, self.cp = cfg, tp, cp
         self.pre_process, self.post_process = pre_process, post_process
         layer_ids = list(range(cfg.num_layers)) if layer_ids is None else list(layer_ids)
-        self.model = Backbone(cfg, tp, layer_ids, pre_process, post_process)
+        self.model = Backbone(cfg, tp, cp, layer_ids, pre_process, post_process)
         self.embed_dropout = Dropout(cfg.hidden_dropout, tp)
         self.lm_head = None
         if post_process and not (cfg.tie_embeddings and pre_process):
@@ -253,9 +260,11 @@ class CausalLM(nn.Module):
             x = self.embed_dropout(self.model.embed_tokens(inputs))
         else:
             x = inputs
-        full_seq = x.shape[1] * (self.tp.size if self.tp.sequence_parallel else 1)
+        full_seq = x.shape[1] * (self.tp.size if self.tp.sequence_parallel else 1) * self.cp.size
         dtype = x.dtype if x.is_floating_point() else torch.float32
         rope = self._rope(full_seq, x.device, dtype) if self.cfg.position_embedding == "rope" else None
+        if rope is not None and position_ids is None and self.cp.size > 1:
+            position_ids = self.cp.positions(full_seq, x.device)[None]
         if rope is not None and position_ids is not None:  # per-token angles, broadcast over the heads
             rope = tuple(table[position_ids].unsqueeze(1) for table in rope)
         for layer in self.model.layers.values():
@@ -273,6 +282,8 @@ class CausalLM(nn.Module):
             losses = vocab_parallel_cross_entropy(linear(hidden, self.output_weight()), labels, self.tp,
                                                   self.cfg.vocab_size, self.cfg.loss_chunk_tokens,
                                                   self.loss_compile_backend)
+        if self.cp.size > 1:
+            return self.cp.mean_loss(losses, loss_mask)
         if loss_mask is None:
             return losses.mean()
         return (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)

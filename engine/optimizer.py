@@ -64,7 +64,7 @@ class MixedPrecisionAdamW:
         self.scaler = LossScaler(precision == "fp16")
         self._adam_step = 0
         # Checkpoint interface: every DP rank holds the same state, so only DP rank 0 writes it.
-        self.writes_state = topo.dp_rank == 0
+        self.writes_state = topo.reduce_rank == 0  # DP and CP ranks hold replicas
 
     def zero_grad(self) -> None:
         if self.gradients is not None:

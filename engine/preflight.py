@@ -42,9 +42,18 @@ MEMORY_SLACK_MB, MEMORY_SLACK_FRACTION = 32.0, 0.10  # allowed growth from the e
 
 def scale_to_world(cfg: Config, world_size: int) -> list[str]:
     """Scale in place the settings sized for the real run's world to the one of `world_size` ranks, or turn
-    them off: the global batch (a few micro-batches per rank, as the pre-flight's slice of data), the groups
-    of data-parallel ranks, the batch ramp. One line for each setting changed that the user set."""
+    them off: the context-parallel size when TP × CP × PP outgrows the world, the global batch (a few
+    micro-batches per rank, as the pre-flight's slice of data), the groups of data-parallel ranks, the batch
+    ramp. One line for each setting changed that the user set."""
     p, t, notes = cfg.parallel, cfg.train, []
+    room = world_size // (p.tensor * p.pipeline)  # ranks per TP × PP slot, for CP × DP
+    if world_size % (p.tensor * p.pipeline) == 0 and room % p.context:
+        # CP only divides activations (weights and their gradients are whole on every CP rank), so a smaller
+        # one checks the same code on fewer ranks; TP and PP change the model's split and stay as they are
+        scaled = math.gcd(p.context, room)
+        notes.append(f"parallel.context={p.context} → {scaled}: the pre-flight's {world_size} ranks hold TP "
+                     f"{p.tensor} × PP {p.pipeline} × CP {scaled} at most")
+        p.context = scaled
     dp = data_parallel_size(cfg, world_size)
     for key in ("hierarchical_node_size", "hsdp_group_size"):
         size = getattr(p, key)
@@ -81,17 +90,20 @@ def shrink(cfg: Config, world_size: int, steps: int) -> Config:
     `world_size` ranks."""
     small = copy.deepcopy(cfg)
     m, p, t = small.model, small.parallel, small.train
-    heads = p.tensor * max(1, 4 // p.tensor)
+    t.micro_batch_size = min(t.micro_batch_size, 4)
+    t.micro_batch_size_after_switch = min(t.micro_batch_size_after_switch, 4)
+    scale_to_world(small, world_size)  # first: it may lower parallel.context, which heads and sequence follow
+    per_rank = max(1, 4 // p.tensor)  # query heads per TP rank; alltoall scatters them over CP
+    heads = p.tensor * (math.lcm(per_rank, p.context) if p.context_attention == "alltoall" else per_rank)
     kv = math.gcd(cfg.model.kv_heads, heads)
     m.num_attention_heads, m.num_kv_heads, m.hidden_size = heads, kv, 16 * heads
     m.ffn_hidden_size = 32 * heads
     m.num_layers = max(2, p.pipeline * p.virtual_stages)
     p.stage_layers = []  # the user's split was for the full depth; the shrunk model splits evenly
-    seq_cap = max(p.tensor, 64 // p.tensor * p.tensor)
-    m.seq_length = min(m.seq_length, seq_cap) if m.seq_length % p.tensor == 0 else seq_cap
-    t.micro_batch_size = min(t.micro_batch_size, 4)
-    t.micro_batch_size_after_switch = min(t.micro_batch_size_after_switch, 4)
-    scale_to_world(small, world_size)
+    # the sequence splits over TP (sequence parallelism), into 2c chunks (CP), and with both, each chunk over TP
+    unit = math.lcm(p.tensor, 2 * p.context if p.context > 1 else 1, p.context * p.tensor if p.sequence_parallel else 1)
+    seq_cap = max(unit, 64 // unit * unit)
+    m.seq_length = min(m.seq_length, seq_cap) if m.seq_length % unit == 0 else seq_cap
     if t.recompute_switch_step > 0:
         t.recompute_switch_step = max(1, steps // 2)
     t.steps, t.log_interval = steps, max(1, steps // 10)
@@ -149,7 +161,8 @@ def preflight(cfg: Config, env: DistEnv, steps: int = STEPS) -> bool:
         log.info(f"pre-flight: {note}")
     log.info(f"the real run's {report(real, env.world_size, device_memory(env.device))}")
     m = small.model
-    log.info(f"pre-flight: {env.world_size} ranks, TP {small.parallel.tensor} × PP {small.parallel.pipeline}, "
+    cp = f" × CP {small.parallel.context}" if small.parallel.context > 1 else ""
+    log.info(f"pre-flight: {env.world_size} ranks, TP {small.parallel.tensor}{cp} × PP {small.parallel.pipeline}, "
              f"model {m.num_layers}×{m.hidden_size} (heads {m.num_attention_heads}/{m.num_kv_heads}), seq "
              f"{m.seq_length}, global batch {small.train.global_batch_size}, {steps} steps, {small.train.precision}"
              + (f", recompute switch at step {small.train.recompute_switch_step}"

@@ -52,6 +52,7 @@ from engine.run_lock import hold_run_dir
 from engine.stage_balance import chunk_layers
 from engine.stop import StopControl, StopRun, exit_status, final_failure
 from parallel import comm, heartbeat, nccl_semantics
+from parallel.context import ContextParallel
 from parallel.device import DeviceUnavailable
 from parallel.distributed import DistEnv, describe_failure, exit_now, init_distributed, shutdown
 from parallel.micro_batch import MicroBatch
@@ -145,28 +146,31 @@ def resolve_eod_id(cfg: Config) -> int | None:
         raise ConfigError(str(exc)) from exc
 
 
-def build_model_chunks(cfg: Config, topo: Topology, tp: TensorParallel) -> list[CausalLM]:
+def build_model_chunks(cfg: Config, topo: Topology, tp: TensorParallel,
+                       cp: ContextParallel | None = None) -> list[CausalLM]:
     """This rank's model chunks: the whole model, one pipeline stage, or its v interleaved chunks."""
     if topo.pp_size == 1:
-        return [CausalLM(cfg.model, tp)]
+        return [CausalLM(cfg.model, tp, cp=cp)]
     v = cfg.parallel.virtual_stages
     layer_ids = stage_layer_ids(cfg.model.num_layers, topo.pp_size, v, chunk_layers(cfg))[topo.pp_rank]
     chunks = []
     for j in range(v):
         pre, post = chunk_roles(topo.pp_rank, topo.pp_size, v, j)
-        chunks.append(CausalLM(cfg.model, tp, layer_ids=layer_ids[j], pre_process=pre, post_process=post))
+        chunks.append(CausalLM(cfg.model, tp, layer_ids=layer_ids[j], pre_process=pre, post_process=post, cp=cp))
     return chunks
 
 
-def with_document_extras(tokens: torch.Tensor, eod_id: int | None, data: DataConfig) -> MicroBatch:
-    """The token batch [b, s + 1] with the document extras that data.reset_* / eod_mask_loss ask for."""
+def with_document_extras(tokens: torch.Tensor, eod_id: int | None, data: DataConfig,
+                         context: ContextParallel | None = None) -> MicroBatch:
+    """The token batch [b, s + 1] with the document extras that data.reset_* / eod_mask_loss ask for, cut
+    into this rank's chunks by the model's forward under context parallelism (`context`)."""
     if eod_id is None:
-        return MicroBatch(tokens)
+        return MicroBatch(tokens, context=context)
     inputs = tokens[:, :-1]
     docs = document_ids(inputs, eod_id)
     return MicroBatch(tokens, segment_ids=docs if data.reset_attention_mask else None,
                       position_ids=positions_within_documents(docs) if data.reset_position_ids else None,
-                      loss_mask=loss_mask(inputs, eod_id) if data.eod_mask_loss else None)
+                      loss_mask=loss_mask(inputs, eod_id) if data.eod_mask_loss else None, context=context)
 
 
 def check_token_ids(micro_batches: list, vocab_size: int) -> None:
@@ -211,11 +215,13 @@ class Trainer:
         fill_model_from_hf(cfg)  # checkpoint.load names a Hugging Face directory: its architecture
         self.cfg, self.env = cfg, env
         p = cfg.parallel
-        self.topo = Topology(Layout.for_world(env.world_size, p.tensor, p.pipeline, p.rank_order), env.rank)
-        seed_all(cfg.train.seed, self.topo.tp_rank, self.topo.pp_rank)
+        self.topo = Topology(Layout.for_world(env.world_size, p.tensor, p.pipeline, p.rank_order, p.context),
+                             env.rank)
+        seed_all(cfg.train.seed, self.topo.tp_rank, self.topo.pp_rank, self.topo.cp_rank)
         self.tp = TensorParallel.from_topology(self.topo, p.sequence_parallel)
+        self.cp = ContextParallel.from_topology(self.topo, p.context_attention)
         self.dtype = DTYPES[cfg.train.precision]
-        self.chunks = build_model_chunks(cfg, self.topo, self.tp)
+        self.chunks = build_model_chunks(cfg, self.topo, self.tp, self.cp)
         for chunk in self.chunks:
             chunk.init_weights(cfg.train.seed)
             chunk.to(device=env.device, dtype=self.dtype)
@@ -246,7 +252,8 @@ class Trainer:
                                            self.dtype, env.device) if self.topo.pp_size > 1 else None
         self.schedule_trace = None  # a parallel.pipeline_schedules.ScheduleTrace to record the schedule
         self.eod_id = resolve_eod_id(cfg)
-        self.micro_batch = functools.partial(with_document_extras, eod_id=self.eod_id, data=cfg.data)
+        self.micro_batch = functools.partial(with_document_extras, eod_id=self.eod_id, data=cfg.data,
+                                             context=self.cp if self.cp.size > 1 else None)
         self.monitor = TrainingMonitor(cfg, Path(cfg.run.dir), env.rank, self.topo.dp_size, log.warning)
         self.probes = StepProbes(self.monitor, self.chunks, cfg.model.num_layers, self.topo.tp_rank, env.device,
                                  self.micro_batch)
@@ -467,14 +474,15 @@ def run(cfg: Config, env: DistEnv) -> list[dict]:
     run_dir = setup_run_dir(cfg, env.rank)
     configure_logging(run_dir, env.rank)
     dp = data_parallel_size(cfg, env.world_size)
-    log.info(f"Trilith: {env.world_size} ranks = TP {cfg.parallel.tensor} × PP {cfg.parallel.pipeline} × DP {dp} "
+    log.info(f"Trilith: {env.world_size} ranks = TP {cfg.parallel.tensor} × CP {cfg.parallel.context} × PP "
+             f"{cfg.parallel.pipeline} × DP {dp} "
              f"on {env.device} ({env.backend}{'; ' + env.device_note if env.device_note else ''}); model "
              f"{num_parameters(cfg.model) / 1e6:.2f}M parameters")
     if env.world_size > 1 and env.nodes:
         log.info(f"placement: {describe_placement(list(env.nodes))}")
         p = cfg.parallel
         block_key = "parallel.hsdp_group_size" if p.hsdp_group_size else "parallel.hierarchical_node_size"
-        layout = Layout(tp=p.tensor, pp=p.pipeline, dp=dp, order=p.rank_order)
+        layout = Layout(tp=p.tensor, pp=p.pipeline, dp=dp, order=p.rank_order, cp=p.context)
         for warning in placement_warnings(layout, list(env.nodes), p.hsdp_group_size or p.hierarchical_node_size,
                                           block_key):
             log.warning(f"WARNING: {warning}")

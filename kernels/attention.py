@@ -221,3 +221,43 @@ def causal_attention(q, k, v, bias=None, dropout_p: float = 0.0, backend: str = 
     if chosen == "cudnn":
         return attention_cudnn(q, k, v, bias, dropout_p, window, segment_ids)
     return attention_reference(q, k, v, bias, dropout_p, window, segment_ids)
+
+
+def position_mask(q_positions, k_positions, window: int = 0, q_segments=None, k_segments=None) -> torch.Tensor:
+    """Boolean [b or 1, 1, sq, sk]: True where a query at sequence index q_positions[i] may attend the key at
+    k_positions[j] (causal, sliding window, same document). Positions are the tokens' indices in the full
+    sequence, whatever order the tensors hold them in (context parallelism holds them out of order)."""
+    distance = q_positions[:, None] - k_positions[None, :]
+    allowed = distance >= 0
+    if window > 0:
+        allowed = allowed & (distance < window)
+    allowed = allowed[None, None]
+    if q_segments is not None:
+        allowed = allowed & (q_segments[:, None, :, None] == k_segments[:, None, None, :])
+    return allowed
+
+
+def attention_with_lse(q, k, v, allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q [b, hq, sq, d] over one block of keys k, v [b, hkv, sk, d] under the boolean mask
+    `allowed` [b or 1, 1, sq, sk]: (output [b, hq, sq, d], log-sum-exp of the scores [b, hq, sq], fp32).
+    A query that sees no key of the block gets output 0 and log-sum-exp -inf, so that `merge_attention` gives
+    the block no weight. Pure PyTorch; autograd gives its backward."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = ((q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])).float().masked_fill(~allowed, float("-inf"))
+    seen = allowed.any(-1)
+    # rows with no visible key get a finite stand-in, so that neither the value nor its gradient is NaN
+    lse = torch.logsumexp(scores.masked_fill(~seen[..., None], 0.0), dim=-1)
+    probs = torch.exp(scores - lse[..., None])
+    out = probs.to(v.dtype) @ v
+    return out, lse.masked_fill(~seen, float("-inf"))
+
+
+def merge_attention(out_a, lse_a, out_b, lse_b) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over the union of two disjoint key blocks from each block's output and log-sum-exp (the
+    online-softmax rescaling): each output is weighted by its share of the total exponential mass. `lse_a` must
+    be finite (a block every query sees something of)."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    out = out_a * torch.exp(lse_a - lse)[..., None].to(out_a.dtype) + \
+        out_b * torch.exp(lse_b - lse)[..., None].to(out_b.dtype)
+    return out, lse

@@ -399,3 +399,91 @@ def scatter_to_sequence_region(x, group, dim: int = 1):
 
 def gather_from_last_dim(x, group):
     return x if group is None else _GatherFromLastDim.apply(x, group)
+
+
+# -- context parallelism (parallel/context.py) -----------------------------------------------------
+
+def shift_along_ring(x: torch.Tensor, group, send_to: int, receive_from: int) -> torch.Tensor:
+    """Send `x` to global rank `send_to` and return the tensor of its shape received from `receive_from`: one
+    batch of a send and a receive, waited for here."""
+    received = torch.empty_like(x)
+    works = batch_isend_irecv([("send", x.contiguous(), send_to, 0), ("recv", received, receive_from, 0)], group)
+    for work in works:
+        work.wait()
+    return received
+
+
+class _RingPass(torch.autograd.Function):
+    """The c blocks a rank sees as its block travels once around the ring of c ranks: its own, then the one
+    each shift brings from the preceding rank. Backward sends each block's gradient (with the gradients of
+    the blocks it became further on) back the way it came. All shifts form one autograd node, so every rank
+    runs every backward shift even when causality left some of its received blocks unused."""
+
+    @staticmethod
+    def forward(ctx, x, group, next_rank, previous_rank):
+        ctx.group, ctx.next_rank, ctx.previous_rank = group, next_rank, previous_rank
+        blocks = [x]
+        for _ in range(group_size(group) - 1):
+            blocks.append(shift_along_ring(blocks[-1], group, next_rank, previous_rank))
+        return tuple(blocks)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        grads = [torch.zeros_like(g) if g is None else g for g in grads]
+        total = grads[-1]
+        for step in range(len(grads) - 1, 0, -1):
+            total = shift_along_ring(total, ctx.group, ctx.previous_rank, ctx.next_rank) + grads[step - 1]
+        return total, None, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """Split `scatter_dim` into one chunk per rank, send chunk j to rank j, and concatenate the chunks received
+    along `gather_dim` (in rank order); backward is the same exchange with the two dimensions swapped."""
+
+    @staticmethod
+    def forward(ctx, x, group, scatter_dim, gather_dim):
+        ctx.group, ctx.scatter_dim, ctx.gather_dim = group, scatter_dim, gather_dim
+        return _all_to_all(x, group, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad, ctx.group, ctx.gather_dim, ctx.scatter_dim), None, None, None
+
+
+def _all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    world = group_size(group)
+    if x.shape[scatter_dim] % world:
+        raise ValueError(f"all-to-all: dimension {scatter_dim} of size {x.shape[scatter_dim]} not divisible by {world}")
+    chunks = torch.stack(x.chunk(world, dim=scatter_dim)).contiguous()
+    received = torch.empty_like(chunks)
+    all_to_all_into(received, chunks, group)
+    return torch.cat(received.unbind(0), dim=gather_dim)
+
+
+class _SumOverContext(torch.autograd.Function):
+    """A context-parallel rank's share of the loss summed over the CP group forward; backward passes the
+    gradient on multiplied by the CP size, because the gradient reduction averages over DP × CP ranks while the
+    CP ranks' gradients are parts of one replica's sum."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.size = group_size(group)
+        x = x.clone()
+        all_reduce(x, group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.size, None
+
+
+def ring_pass(x, group, next_rank: int, previous_rank: int) -> tuple:
+    return (x,) if group is None else _RingPass.apply(x, group, next_rank, previous_rank)
+
+
+def all_to_all_region(x, group, scatter_dim: int, gather_dim: int):
+    return x if group is None else _AllToAll.apply(x, group, scatter_dim, gather_dim)
+
+
+def sum_over_context(x, group):
+    return x if group is None else _SumOverContext.apply(x, group)

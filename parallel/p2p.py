@@ -61,7 +61,7 @@ class PipelineComm:
 
     @classmethod
     def for_model(cls, topo, model_cfg, micro_batch_size: int, sequence_parallel: bool, dtype, device):
-        seq = model_cfg.seq_length // (topo.tp_size if sequence_parallel and topo.tp_size > 1 else 1)
+        seq = model_cfg.seq_length // topo.cp_size // (topo.tp_size if sequence_parallel and topo.tp_size > 1 else 1)
         return cls(topo, (micro_batch_size, seq, model_cfg.hidden_size), dtype, device)
 
     def reshape(self, shape: tuple[int, ...]) -> None:

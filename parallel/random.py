@@ -2,7 +2,9 @@
 
 Outside tensor-parallel regions every TP rank must draw the same random numbers (the activations are
 replicated); inside them, and on sequence-parallel shards, each TP rank must draw different ones. The
-tracker keeps a second generator state seeded per TP rank and swaps it in with `fork()`.
+tracker keeps a second generator state seeded per TP rank and swaps it in with `fork()`. Context-parallel
+ranks hold different tokens of a sequence, so both streams differ per CP rank (weights are initialised from
+the seed itself, not from these streams).
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import contextlib
 import torch
 
 TENSOR_PARALLEL_OFFSET = 2718
+CONTEXT_PARALLEL_OFFSET = 1_000_003  # per CP rank: far from the pipeline's 100 per stage and the TP offset
 
 
 class RNGTracker:
@@ -61,12 +64,13 @@ def _set_states(states) -> None:
 TRACKER = RNGTracker()
 
 
-def seed_all(seed: int, tp_rank: int = 0, pp_rank: int = 0) -> None:
-    """Default RNG: same on all TP ranks, distinct per pipeline stage; tracker RNG: distinct per TP rank."""
+def seed_all(seed: int, tp_rank: int = 0, pp_rank: int = 0, cp_rank: int = 0) -> None:
+    """Default RNG: same on all TP ranks, distinct per pipeline stage and CP rank; tracker RNG: also distinct
+    per TP rank. CP rank 0 draws what a run without CP draws."""
     import random
 
     import numpy as np
-    base = seed + 100 * pp_rank
+    base = seed + 100 * pp_rank + CONTEXT_PARALLEL_OFFSET * cp_rank
     random.seed(base)
     np.random.seed(base % 2**32)
     torch.manual_seed(base)

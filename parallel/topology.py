@@ -1,9 +1,14 @@
 """The parallel layout as one validated object, and every process group built from it.
 
-The world of N ranks is factored into tensor (TP) × data (DP) × pipeline (PP) coordinates. `order` lists
-the dimensions fastest-varying first: the default "tp-dp-pp" puts TP ranks on adjacent ranks (inside one
-node), then DP, then PP. All groups are created up front, by every rank, in the same order, because
+The world of N ranks is factored into tensor (TP) × context (CP) × data (DP) × pipeline (PP) coordinates.
+`order` lists the dimensions fastest-varying first: the default "tp-cp-dp-pp" puts TP ranks on adjacent ranks
+(inside one node), then CP (which exchanges keys and values in every layer, so it belongs inside the node too),
+then DP, then PP. An order that leaves out cp (the three-dimensional "tp-dp-pp" of earlier configurations)
+places CP right after TP. All groups are created up front, by every rank, in the same order, because
 `torch.distributed.new_group` is collective over the whole world.
+
+The gradient reduction runs over DP × CP (`reduce_group`), as in Megatron-LM: CP ranks hold the same weights
+and each computes a partial gradient from its part of every sequence.
 """
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ import torch.distributed as dist
 
 from parallel.distributed import collective_timeout
 
-DIMS = ("tp", "dp", "pp")
+DIMS = ("tp", "cp", "dp", "pp")
 
 
 class LayoutError(ValueError):
@@ -27,28 +32,34 @@ class Layout:
     pp: int = 1
     dp: int = 1
     order: str = "tp-dp-pp"
+    cp: int = 1
 
     def __post_init__(self):
         dims = self.order.split("-")
+        if "cp" not in dims and "tp" in dims:
+            dims.insert(dims.index("tp") + 1, "cp")
         if sorted(dims) != sorted(DIMS):
-            raise LayoutError(f"rank order {self.order!r} must name each of tp, dp, pp once, e.g. 'tp-dp-pp'")
+            raise LayoutError(f"rank order {self.order!r} must name each of tp, dp, pp once (and cp at most once), "
+                              "e.g. 'tp-dp-pp' or 'tp-cp-dp-pp'")
+        object.__setattr__(self, "dims", tuple(dims))
         for name in DIMS:
             if getattr(self, name) < 1:
                 raise LayoutError(f"{name} size {getattr(self, name)} must be at least 1")
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     @classmethod
-    def for_world(cls, world_size: int, tp: int = 1, pp: int = 1, order: str = "tp-dp-pp") -> "Layout":
-        if world_size % (tp * pp):
-            raise LayoutError(f"world size {world_size} is not divisible by TP×PP = {tp}×{pp} = {tp * pp}")
-        return cls(tp=tp, pp=pp, dp=world_size // (tp * pp), order=order)
+    def for_world(cls, world_size: int, tp: int = 1, pp: int = 1, order: str = "tp-dp-pp", cp: int = 1) -> "Layout":
+        if world_size % (tp * cp * pp):
+            raise LayoutError(f"world size {world_size} is not divisible by TP×CP×PP = {tp}×{cp}×{pp} = "
+                              f"{tp * cp * pp}")
+        return cls(tp=tp, pp=pp, dp=world_size // (tp * cp * pp), order=order, cp=cp)
 
     def coords(self, rank: int) -> dict:
         out = {}
-        for name in self.order.split("-"):
+        for name in self.dims:
             size = getattr(self, name)
             out[name] = rank % size
             rank //= size
@@ -56,18 +67,20 @@ class Layout:
 
     def rank_of(self, **coords) -> int:
         rank, stride = 0, 1
-        for name in self.order.split("-"):
+        for name in self.dims:
             rank += coords[name] * stride
             stride *= getattr(self, name)
         return rank
 
-    def groups_along(self, dim: str) -> list[list[int]]:
-        """All rank lists that vary only in `dim`, in a fixed order (the same on every rank)."""
-        others = [d for d in DIMS if d != dim]
+    def groups_along(self, *dims: str) -> list[list[int]]:
+        """All rank lists that vary only in `dims` (sorted by rank), in a fixed order (the same on every rank)."""
+        others = [d for d in DIMS if d not in dims]
         result = []
         for fixed in itertools.product(*(range(getattr(self, d)) for d in others)):
             base = dict(zip(others, fixed))
-            result.append([self.rank_of(**base, **{dim: i}) for i in range(getattr(self, dim))])
+            varying = itertools.product(*(range(getattr(self, d)) for d in dims))
+            ranks = [self.rank_of(**base, **dict(zip(dims, v))) for v in varying]
+            result.append(ranks if len(dims) == 1 else sorted(ranks))
         return result
 
 
@@ -76,16 +89,22 @@ class Topology:
 
     def __init__(self, layout: Layout, rank: int = 0, dp_node_size: int = 0):
         if dist.is_initialized() and dist.get_world_size() != layout.world_size:
-            raise LayoutError(f"world size {dist.get_world_size()} ≠ TP×PP×DP = {layout.tp}×{layout.pp}×"
-                              f"{layout.dp} = {layout.world_size}")
+            raise LayoutError(f"world size {dist.get_world_size()} ≠ TP×CP×PP×DP = {layout.tp}×{layout.cp}×"
+                              f"{layout.pp}×{layout.dp} = {layout.world_size}")
         self.layout, self.rank = layout, rank
         c = layout.coords(rank)
-        self.tp_rank, self.dp_rank, self.pp_rank = c["tp"], c["dp"], c["pp"]
-        self.tp_size, self.dp_size, self.pp_size = layout.tp, layout.dp, layout.pp
+        self.tp_rank, self.cp_rank, self.dp_rank, self.pp_rank = c["tp"], c["cp"], c["dp"], c["pp"]
+        self.tp_size, self.cp_size, self.dp_size, self.pp_size = layout.tp, layout.cp, layout.dp, layout.pp
         self.groups: dict[str, object] = {}
         self.group_ranks: dict[str, list[int]] = {}
         for dim in DIMS:
             self._build(dim, layout.groups_along(dim))
+        if layout.cp > 1:  # without CP the reduction group is the DP group itself (no second communicator)
+            self._build("dp_cp", layout.groups_along("dp", "cp"))
+        else:
+            self.groups["dp_cp"], self.group_ranks["dp_cp"] = self.groups["dp"], self.group_ranks["dp"]
+        self.reduce_size = layout.dp * layout.cp
+        self.reduce_rank = self.group_ranks["dp_cp"].index(rank)
         self._build("mp", self._model_parallel_rank_lists())
         self._build("embedding", self._embedding_rank_lists())
         self.hierarchy = None
@@ -109,8 +128,7 @@ class Topology:
 
     def _model_parallel_rank_lists(self) -> list[list[int]]:
         lay = self.layout
-        return [sorted(lay.rank_of(tp=t, pp=p, dp=d) for t in range(lay.tp) for p in range(lay.pp))
-                for d in range(lay.dp)]
+        return lay.groups_along("tp", "pp")
 
     def _embedding_rank_lists(self) -> list[list[int]]:
         lists = []
@@ -166,6 +184,15 @@ class Topology:
         return self.groups["dp"]
 
     @property
+    def cp_group(self):
+        return self.groups["cp"]
+
+    @property
+    def reduce_group(self):
+        """DP × CP: the ranks holding the same weights, over which gradients are reduced and ZeRO shards."""
+        return self.groups["dp_cp"]
+
+    @property
     def pp_group(self):
         return self.groups["pp"]
 
@@ -190,8 +217,8 @@ class Topology:
         return self.group_ranks["pp"][(self.pp_rank + offset) % self.pp_size]
 
     def describe(self) -> str:
-        return (f"rank {self.rank}: tp {self.tp_rank}/{self.tp_size} pp {self.pp_rank}/{self.pp_size} "
-                f"dp {self.dp_rank}/{self.dp_size}")
+        return (f"rank {self.rank}: tp {self.tp_rank}/{self.tp_size} cp {self.cp_rank}/{self.cp_size} "
+                f"pp {self.pp_rank}/{self.pp_size} dp {self.dp_rank}/{self.dp_size}")
 
 
 def single_process() -> Topology:

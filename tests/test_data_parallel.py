@@ -306,8 +306,8 @@ def two_stage_pipeline_step(rank, world, stage):
     sync.finish_gradients()
     opt.step(1e-3)
 
-    ref_opt = MixedPrecisionAdamW(list(ref.named_parameters()), optim, SimpleNamespace(tp_rank=0, dp_rank=0, mp_group=None),
-                                  "fp32")
+    ref_opt = MixedPrecisionAdamW(list(ref.named_parameters()), optim,
+                                  SimpleNamespace(tp_rank=0, dp_rank=0, reduce_rank=0, mp_group=None), "fp32")
     ref(tokens[:, :-1], tokens[:, 1:]).backward()
     ref_opt.step(1e-3)
     expected = dict(ref.named_parameters())

@@ -91,6 +91,8 @@ def test_parameters_gradients_and_optimizer_state_are_exact_on_one_rank(override
     ["parallel.tensor=2", "model.num_kv_heads=1", "train.precision=bf16"],
     ["parallel.pipeline=2", "model.tie_embeddings=true", "parallel.zero_stage=1", "train.precision=bf16"],
     ["parallel.pipeline=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2", "model.num_layers=5"],
+    ["parallel.context=2", "parallel.zero_stage=1", "train.precision=bf16"],  # ZeRO shards over DP × CP
+    ["parallel.context=2", "parallel.zero_stage=3"],
 ])
 def test_parameters_gradients_and_optimizer_state_are_exact_on_every_layout(pool, overrides):
     check_exact(pool.run(allocated, *overrides))
@@ -212,6 +214,9 @@ def test_the_tool_prints_the_estimate_and_refuses_bad_input_in_one_line():
     done = subprocess.run(run + ["--world-size", "2", "--device-memory", "80GB", "parallel.zero_stage=1"],
                           capture_output=True, text=True)
     assert done.returncode == 0 and "stage 0: parameters" in done.stdout and "fits" in done.stdout, done.stderr
+    # without --world-size, one data-parallel rank of the layout, context parallelism included
+    done = subprocess.run(run + ["parallel.context=2", "parallel.tensor=2"], capture_output=True, text=True)
+    assert done.returncode == 0 and "(TP 2 × CP 2 × PP 1 × DP 1" in done.stdout, done.stderr
     for args, message in ((["--device-memory", "lots"], "not a size like 80GB"),
                           (["parallel.tensor=3"], "parallel.tensor"), (["model.hidden_sise=1"], "hidden_size")):
         done = subprocess.run(run + args, capture_output=True, text=True)

@@ -113,17 +113,22 @@ def test_column_parallel_forward_is_bit_exact(pools):
 
 
 def test_layout_errors_name_the_numbers():
-    with pytest.raises(LayoutError, match="world size 6 is not divisible by TP×PP = 4×1"):
+    with pytest.raises(LayoutError, match="world size 6 is not divisible by TP×CP×PP = 4×1×1"):
         Layout.for_world(6, tp=4)
     with pytest.raises(LayoutError, match="rank order"):
         Layout(tp=2, order="tp-pp")
     lay = Layout(tp=2, pp=2, dp=2)
-    assert lay.coords(5) == {"tp": 1, "dp": 0, "pp": 1}
+    assert lay.coords(5) == {"tp": 1, "cp": 0, "dp": 0, "pp": 1}
     assert lay.groups_along("tp")[0] == [0, 1]
     assert lay.groups_along("dp")[0] == [0, 2]
     assert lay.groups_along("pp")[0] == [0, 4]
     other = Layout(tp=2, pp=2, dp=2, order="pp-tp-dp")
     assert other.groups_along("pp")[0] == [0, 1]
+    # context parallelism: right after TP unless the order names it; gradients reduce over DP × CP
+    cp = Layout(tp=2, cp=2, dp=2)
+    assert cp.dims == ("tp", "cp", "dp", "pp") and cp.groups_along("cp")[0] == [0, 2]
+    assert cp.groups_along("dp", "cp")[0] == [0, 2, 4, 6]
+    assert Layout(tp=2, cp=2, dp=2, order="tp-dp-cp-pp").groups_along("cp")[0] == [0, 4]
 
 
 def topology_groups(rank, world):

@@ -1,12 +1,14 @@
 """Will this configuration fit? Bytes per rank before any process starts (engine/memory_estimate.py).
 
-    python tools/estimate_memory.py --config launch/configs/llama_1b.yaml --world-size 64 --device-memory 80GB
+    python tools/estimate_memory.py --config launch/configs/llama_7b_64gpu.yaml --world-size 64 --device-memory 80GB
     python tools/estimate_memory.py --config FILE --world-size 8 parallel.zero_stage=3 train.recompute=full
+    python tools/estimate_memory.py --config launch/configs/llama_7b_64gpu_long.yaml --world-size 64 parallel.context=8
 
 Prints, for each pipeline stage (every rank of a stage holds the same), the parameters, gradients, optimizer
 state, activations (micro-batches the schedule holds at once × one micro-batch's) and communication buffers,
-their total against --device-memory, and, when it does not fit, the single setting that saves the most. The
-pre-flight (engine/preflight.py) prints the same estimate.
+their total against --device-memory, and, when it does not fit, the single setting that saves the most. Under
+context parallelism (parallel.context=c) a rank's activations are those of s/c tokens, and ZeRO shards over
+DP × CP. The pre-flight (engine/preflight.py) prints the same estimate.
 """
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], prog="tools/estimate_memory.py")
     parser.add_argument("--config", required=True, help="the run's YAML configuration")
     parser.add_argument("--world-size", type=int, default=0,
-                        help="ranks of the run (default: parallel.tensor × parallel.pipeline, one data-parallel rank)")
+                        help="ranks of the run (default: parallel.tensor × parallel.context × parallel.pipeline, "
+                             "one data-parallel rank)")
     parser.add_argument("--device-memory", default="", help="memory of one device, e.g. 80GB (GB = GiB = 2**30)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides, as for training")
     args = parser.parse_args(argv)
@@ -37,7 +40,7 @@ def main(argv=None) -> int:
             raise ValueError(f"--world-size {args.world_size}: give the number of ranks (≥ 1), or leave it out")
         cfg = load_config(args.config, args.overrides)
         fill_model_from_hf(cfg)
-        world = args.world_size or cfg.parallel.tensor * cfg.parallel.pipeline
+        world = args.world_size or cfg.parallel.tensor * cfg.parallel.context * cfg.parallel.pipeline
         validate(cfg, world)
     except (ConfigError, ValueError) as exc:
         print(f"estimate_memory: {exc}", file=sys.stderr)

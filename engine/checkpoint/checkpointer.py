@@ -131,7 +131,7 @@ class Checkpointer:
     @property
     def layout(self) -> dict:
         t, p = self.topo, self.cfg.parallel
-        return {"tensor": t.tp_size, "pipeline": t.pp_size, "data": t.dp_size, "world_size": self.world,
+        return {"tensor": t.tp_size, "pipeline": t.pp_size, "data": t.dp_size, "context": t.cp_size, "world_size": self.world,
                 "zero_stage": p.zero_stage, "rank_order": p.rank_order}
 
     # ---- save ----------------------------------------------------------------------------------------
@@ -151,7 +151,7 @@ class Checkpointer:
         self.wait()
         copy = self.ck.async_save  # the live tensors keep changing while a background write runs
         t = self.topo
-        file = rank_file(t.tp_rank, t.pp_rank, t.dp_rank)
+        file = rank_file(t.tp_rank, t.pp_rank, t.reduce_rank)
         tensors, rng_json = _rng_snapshot()
         entries = {}
         for name, state in self._owned().items():
@@ -350,11 +350,12 @@ class Checkpointer:
         self.optimizer.load_owned_state(read)
         if meta.get("scaler"):
             self.optimizer.scaler.load_state_dict(meta["scaler"])
-        own = path / rank_file(t.tp_rank, t.pp_rank, t.dp_rank)
-        same_layout = all(meta["layout"].get(k) == v for k, v in self.layout.items() if k != "zero_stage")
+        own = path / rank_file(t.tp_rank, t.pp_rank, t.reduce_rank)
+        saved = {"context": 1, **meta["layout"]}  # checkpoints from before context parallelism have no CP size
+        same_layout = all(saved.get(k) == v for k, v in self.layout.items() if k != "zero_stage")
         if not (same_layout and own.name in reader.manifest["files"] and _rng_restore(own)):
             # another layout: per-rank streams cannot carry over, so re-seed deterministically from the step
-            seed_all(self.cfg.train.seed + meta["step"], t.tp_rank, t.pp_rank)
+            seed_all(self.cfg.train.seed + meta["step"], t.tp_rank, t.pp_rank, t.cp_rank)
         reader.close()
         self._barrier()
         log.info(f"checkpoint: resumed from {path} at step {meta['step']} "

@@ -63,7 +63,7 @@ class LightSnapshots:
         since both coordinate on the checkpointer's group)."""
         ck, t = self.ck, self.ck.topo
         ck.wait()
-        file = rank_file(t.tp_rank, t.pp_rank, t.dp_rank)
+        file = rank_file(t.tp_rank, t.pp_rank, t.reduce_rank)
         tensors, entries = {}, {}
         for name, state in ck._owned().items():
             p, (start, end) = ck.params[name], state["range"]

@@ -44,7 +44,7 @@ RANGES = {
                                              "vocab_size", "seq_length")},
     ("model", "rope_theta"): POSITIVE, ("model", "norm_eps"): POSITIVE, ("model", "init_std"): POSITIVE,
     ("model", "attention_dropout"): BELOW_ONE, ("model", "hidden_dropout"): BELOW_ONE,
-    **{("parallel", k): AT_LEAST_ONE for k in ("tensor", "pipeline", "virtual_stages", "stage_layers")},
+    **{("parallel", k): AT_LEAST_ONE for k in ("tensor", "context", "pipeline", "virtual_stages", "stage_layers")},
     ("parallel", "zero_stage"): Interval(0, 3),
     ("parallel", "timeout_minutes"): Interval(0, 10**6, open_low=True),  # ~2 years; far beyond, timedelta overflows
     ("parallel", "bucket_mb"): POSITIVE,

@@ -75,10 +75,14 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    """How the ranks share the work: the TP × PP × DP layout, pipeline schedule and data-parallel sharding."""
+    """How the ranks share the work: the TP × CP × PP × DP layout, pipeline schedule and data-parallel sharding."""
 
     tensor: int = 1  # tensor-parallel size
-    pipeline: int = 1  # pipeline-parallel size; data-parallel size = world size / (tensor × pipeline)
+    pipeline: int = 1  # pipeline-parallel size; data-parallel size = world size / (tensor × context × pipeline)
+    context: int = 1  # context-parallel size c: each rank holds 2 of 2c chunks of every sequence (chunks i and
+        # 2c-1-i, balancing causal work); gradients are reduced over DP × CP (parallel/context.py)
+    context_attention: str = "allgather"  # with context > 1: allgather = keys and values gathered over CP;
+        # ring = K/V blocks passed around the CP ring; alltoall = Ulysses (heads scattered, sequence gathered)
     sequence_parallel: bool = False  # shard norms and dropout over the sequence within the TP group
     zero_stage: int = 0  # 0 bucketed DDP, 1 + optimizer state sharded, 2 + gradients, 3 + parameters (FSDP)
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedule)
@@ -91,7 +95,8 @@ class ParallelConfig:
     defer_weight_grads: bool = True  # gpipe/1f1b with zero_stage 0, 1 or 3: where a stage would then only wait (cool-down),
         # it sends a backward's input gradient before computing its weight gradients; bit-identical, shorter steps,
         # one backward's output gradients held longer (docs/parallelism.md)
-    rank_order: str = "tp-dp-pp"  # fastest-varying dimension first: TP ranks adjacent by default
+    rank_order: str = "tp-dp-pp"  # fastest-varying dimension first: TP ranks adjacent by default; CP, when not
+        # named (e.g. tp-cp-dp-pp), comes right after TP
     backend: str = "auto"  # collective backend; auto = nccl with CUDA, else gloo
     timeout_minutes: float = 10.0  # collective timeout: a dead or hung rank ends the job instead of hanging it
     bucket_mb: float = 25.0  # zero_stage 0: size of each gradient all-reduce bucket (MB)
@@ -270,7 +275,9 @@ CHOICES = {
     ("train", "cpu_allocator"): ("reuse", "default"),
     ("optim", "schedule"): ("cosine", "linear", "constant", "wsd", "two_phase"),
     ("run", "wandb_mode"): ("online", "offline", "disabled"),
-    ("parallel", "rank_order"): tuple("-".join(order) for order in itertools.permutations(("tp", "dp", "pp"))),
+    ("parallel", "rank_order"): tuple("-".join(order) for dims in (("tp", "dp", "pp"), ("tp", "cp", "dp", "pp"))
+                                      for order in itertools.permutations(dims)),
+    ("parallel", "context_attention"): ("allgather", "ring", "alltoall"),
 }
 
 
@@ -446,11 +453,14 @@ def save_config(cfg: Config, path: str | Path) -> None:
 
 
 def data_parallel_size(cfg: Config, world_size: int) -> int:
-    model_parallel = cfg.parallel.tensor * cfg.parallel.pipeline
+    p = cfg.parallel
+    model_parallel = p.tensor * p.context * p.pipeline
     if world_size % model_parallel:
+        keys, sizes = ("tensor", "context", "pipeline"), (p.tensor, p.context, p.pipeline)
+        shown = [(k, n) for k, n in zip(keys, sizes) if k != "context" or n > 1]  # CP named only when in use
         raise ConfigError(
-            f"world size {world_size} is not divisible by parallel.tensor × parallel.pipeline = "
-            f"{cfg.parallel.tensor}×{cfg.parallel.pipeline} = {model_parallel}; "
+            f"world size {world_size} is not divisible by {' × '.join(f'parallel.{k}' for k, _ in shown)} = "
+            f"{'×'.join(str(n) for _, n in shown)} = {model_parallel}; "
             f"use a world size that is a multiple of {model_parallel} or change the layout")
     return world_size // model_parallel
 
@@ -498,6 +508,7 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"parallel.stage_layers={p.stage_layers} must list layers for each of parallel.pipeline × "
                           f"virtual_stages = {p.pipeline}×{p.virtual_stages} = {chunks} chunks (in chunk order), "
                           f"each at least 1, summing to model.num_layers={m.num_layers}")
+    validate_context(cfg)
     dp = data_parallel_size(cfg, world_size)
     validate_data_parallel(p, dp)
     per_step = t.micro_batch_size * dp
@@ -574,6 +585,43 @@ def validate(cfg: Config, world_size: int) -> None:
     if r.rollback_after and not (cfg.checkpoint.interval or cfg.checkpoint.interval_minutes):
         raise ConfigError(f"run.rollback_after={r.rollback_after} reloads a checkpoint, but none is saved; set "
                           f"checkpoint.interval (or checkpoint.interval_minutes), or run.rollback_after=0")
+
+
+def validate_context(cfg: Config) -> None:
+    """Context parallelism: the sequence must split into 2c equal chunks, and what CP cannot serve yet is
+    refused by name."""
+    m, p = cfg.model, cfg.parallel
+    c = p.context
+    if c == 1:
+        return
+    if m.seq_length % (2 * c):
+        raise ConfigError(f"parallel.context={c} splits model.seq_length={m.seq_length} into 2×{c} = {2 * c} chunks; "
+                          f"choose a sequence length divisible by {2 * c}")
+    if p.sequence_parallel and m.seq_length % (c * p.tensor):
+        raise ConfigError(f"parallel.context={c} with sequence parallelism splits each rank's {m.seq_length // c} "
+                          f"tokens over parallel.tensor={p.tensor} ranks; choose model.seq_length divisible by "
+                          f"{c * p.tensor}")
+    if p.context_attention == "alltoall" and (m.num_attention_heads // p.tensor) % c:
+        raise ConfigError(f"parallel.context_attention=alltoall scatters the {m.num_attention_heads // p.tensor} query "
+                          f"heads per tensor-parallel rank over parallel.context={c} ranks; use a context size that "
+                          f"divides them, or parallel.context_attention=allgather or ring")
+    refused = [
+        (m.position_embedding != "rope", "model.position_embedding=alibi", "use model.position_embedding=rope"),
+        (m.attention_dropout > 0, "model.attention_dropout (the context-parallel attention takes no dropout)",
+         "set it to 0"),
+        (m.attention_backend in ("flash", "cudnn"), f"model.attention_backend={m.attention_backend}",
+         "use model.attention_backend=auto"),
+        (cfg.run.monitor_interval > 0, f"run.monitor_interval={cfg.run.monitor_interval} (attention entropy)",
+         "set run.monitor_interval=0"),
+        (bool(cfg.train.eval_tasks or cfg.train.diary_prompts), "train.eval_tasks / train.diary_prompts "
+         "(generation and scoring run unsplit sequences)", "leave them empty"),
+        (bool(p.hsdp_group_size or p.hierarchical_node_size or p.unit_process_groups),
+         "parallel.hsdp_group_size / hierarchical_node_size / unit_process_groups (their groups span DP only)",
+         "set them to 0 / false"),
+    ]
+    for bad, what, fix in refused:
+        if bad:
+            raise ConfigError(f"parallel.context={c} cannot serve {what} yet; {fix} or parallel.context=1")
 
 
 def validate_data_parallel(p: ParallelConfig, dp: int) -> None:

@@ -25,7 +25,7 @@ def replica_sets(named_params: list, data_parallel, topo, zero_stage: int) -> li
         return [("tensor-parallel", topo.tp_group, tp_named),
                 ("HSDP replica", data_parallel.replicate_group, [(n, t) for n, t, _ in pieces])]
     tp_named = [(n, p) for n, p in named_params if id(p) in whole_on_tp]
-    return [("tensor-parallel", topo.tp_group, tp_named), ("data-parallel", topo.dp_group, named_params)]
+    return [("tensor-parallel", topo.tp_group, tp_named), ("data-parallel", topo.reduce_group, named_params)]
 
 
 def check_replicas(sets: list, step: int, rank: int, device: torch.device) -> None:

@@ -1,0 +1,229 @@
+"""Context parallelism equals the single-process model (gloo, CPU, fp32, max abs ≤ 1e-5), for each attention
+strategy, with packed documents and sliding windows, and composed with TP, PP and ZeRO-3."""
+import tempfile
+
+import pytest
+import torch
+
+from engine.config.schema import ConfigError, ModelConfig, validate
+from engine.model import CausalLM
+from engine.train import Trainer, with_document_extras
+from parallel import comm
+from parallel.context import ContextParallel
+from parallel.distributed import DistEnv
+from parallel.topology import Layout, Topology
+from tests.distributed import worker_pools
+from tests.helpers import launch, launch_process, read_metrics
+from tests.test_data_parallel import assert_matches_reference, make_config, single_process_run, train_run
+
+TOL = 1e-5
+EOD = 3
+# 4 query heads and 2 KV heads: under alltoall at CP4 each rank gets one query head and the KV head it uses
+MODEL = dict(hidden_size=32, num_layers=2, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=64, vocab_size=61,
+             seq_length=32)
+VARIANTS = {"causal": ({}, False), "documents": ({}, True), "window": ({"attention_window": 5}, False)}
+STRATEGIES = ("allgather", "ring", "alltoall")
+CURVE = {"model": dict(hidden_size=32, num_layers=2, num_attention_heads=4, num_kv_heads=1, ffn_hidden_size=64,
+                       vocab_size=61, seq_length=16),
+         "train": dict(micro_batch_size=1, global_batch_size=4, steps=4, seed=7),
+         "optim": dict(lr=3e-3, warmup_steps=2), "data": dict(mock=True)}
+
+DEEP_CURVE = {**CURVE, "model": {**CURVE["model"], "num_layers": 4}}  # PP2 × 2 virtual stages: a layer per chunk
+
+
+@pytest.fixture(scope="module")
+def pools():
+    with worker_pools(2, 4) as made:
+        yield made
+
+
+def micro_batch(variant: str, context=None):
+    """Two samples; with documents, end-of-document tokens split them (segment ids, positions, loss mask)."""
+    tokens = torch.randint(4, MODEL["vocab_size"], (2, MODEL["seq_length"] + 1),
+                           generator=torch.Generator().manual_seed(5))
+    documents = VARIANTS[variant][1]
+    if documents:
+        tokens[0, [6, 19]] = EOD
+        tokens[1, [11, 12, 27]] = EOD
+    data = make_config({"model": MODEL, "data": dict(mock=True, reset_attention_mask=documents,
+                                                      reset_position_ids=documents, eod_mask_loss=documents,
+                                                      eod_token_id=EOD)}).data
+    return with_document_extras(tokens, EOD if documents else None, data, context)
+
+
+def compare_with_single_process(rank, world, strategy, variant):
+    """(largest difference of loss and every gradient from the single process, forward and backward comm)."""
+    cfg = ModelConfig(**MODEL, **VARIANTS[variant][0])
+    topo = Topology(Layout(cp=world), rank)
+    cp = ContextParallel.from_topology(topo, strategy)
+    model, ref = CausalLM(cfg, cp=cp), CausalLM(cfg)
+    model.init_weights(11)
+    ref.init_weights(11)
+    args, kwargs = micro_batch(variant, cp).forward_args(first=True, last=True)
+    with comm.RECORD.capture() as fwd:
+        loss = model(*args, **kwargs)
+    with comm.RECORD.capture() as bwd:
+        loss.backward()
+    ref_args, ref_kwargs = micro_batch(variant).forward_args(first=True, last=True)
+    ref_loss = ref(*ref_args, **ref_kwargs)
+    ref_loss.backward()
+    diffs = {"loss": abs(loss.item() - ref_loss.item())}
+    reference = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        # what the DP × CP reduction does at DP = 1: the CP ranks' gradients averaged
+        grad = p.grad.clone()
+        comm.all_reduce(grad, topo.cp_group)
+        diffs[name] = (grad / world - reference[name].grad).abs().max().item()
+    return diffs, [(e.op, e.group, e.bytes) for e in fwd], [(e.op, e.group, e.bytes) for e in bwd]
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_context_parallel_matches_single_process(pools, strategy, world, variant):
+    for diffs, _, _ in pools[world].run(compare_with_single_process, strategy, variant):
+        worst = max(diffs, key=diffs.get)
+        assert diffs[worst] <= TOL, f"{worst}: {diffs[worst]}"
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_communication_per_layer_matches_the_formula(pools, strategy):
+    """Bytes each CP4 rank moves per layer and direction (fp32, b = 2, local sequence s/c, d = 8)."""
+    c, b, s, d, hq, hkv, layers = 4, 2, MODEL["seq_length"], 8, 4, 2, MODEL["num_layers"]
+    _, fwd, bwd = pools[c].run(compare_with_single_process, strategy, "causal")[1]
+    local_kv = 2 * b * hkv * (s // c) * d * 4  # this rank's K and V
+    cp_fwd = [(op, n) for op, group, n in fwd if group == "cp" and op != "all_reduce"]
+    cp_bwd = [(op, n) for op, group, n in bwd if group == "cp"]
+    if strategy == "allgather":  # all-gather of every rank's K, V forward; reduce-scatter of their gradients
+        assert cp_fwd == [("all_gather", c * local_kv)] * layers
+        assert cp_bwd == [("reduce_scatter", c * local_kv)] * layers
+    elif strategy == "ring":  # c − 1 shifts of one K/V block forward, of its gradient backward
+        assert cp_fwd == [("send", local_kv), ("recv", local_kv)] * (c - 1) * layers
+        assert cp_bwd == [("send", local_kv), ("recv", local_kv)] * (c - 1) * layers
+    else:  # q, k, v (KV heads repeated to c) out, and the output back; the same again backward
+        qkv = b * (hq + 2 * c) * (s // c) * d * 4
+        out = b * hq * (s // c) * d * 4
+        assert sorted(cp_fwd) == sorted([("all_to_all", qkv), ("all_to_all", out)] * layers)
+        assert sorted(cp_bwd) == sorted([("all_to_all", qkv), ("all_to_all", out)] * layers)
+    # the loss: summed over CP forward (one value), nothing backward beyond attention
+    assert [(op, n) for op, group, n in fwd if group == "cp" and op == "all_reduce"] == [("all_reduce", 4)]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return single_process_run(CURVE)
+
+
+@pytest.mark.parametrize("parallel", [{"tensor": 2, "sequence_parallel": True},
+                                      {"pipeline": 2, "schedule": "1f1b"},
+                                      {"zero_stage": 3}], ids=["tp2", "pp2-1f1b", "zero3-dp2"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_context_parallel_composes(pools, reference, strategy, parallel):
+    results = pools[4].run(train_run, CURVE, {"context": 2, "context_attention": strategy, **parallel})
+    assert_matches_reference(results, reference, tp_size=parallel.get("tensor", 1))
+
+
+@pytest.fixture(scope="module")
+def deep_reference():
+    return single_process_run(DEEP_CURVE)
+
+
+def test_context_parallel_composes_with_interleaved_pipeline(pools, deep_reference):
+    """CP2 × PP2 with two model chunks per pipeline rank (4 layers, one per chunk). The ring only: its CP
+    sends and receives interleave with the pipeline's, where an ordering mistake would deadlock or mismatch;
+    the collective strategies already meet a pipeline in test_context_parallel_composes."""
+    parallel = {"context": 2, "context_attention": "ring", "pipeline": 2, "schedule": "interleaved",
+                "virtual_stages": 2}
+    assert_matches_reference(pools[4].run(train_run, DEEP_CURVE, parallel), deep_reference)
+
+
+def test_launched_tp2_cp2_pp2_with_documents_follows_the_single_process(tmp_path):
+    """launch/run_pretrain.sh on 8 ranks: TP2 + SP × CP2 (ring) × PP2 on the tiny recipe with packed documents
+    (end-of-document token 5 of 64 ends a document about every other sample); 10 losses within 1e-4."""
+    documents = ["model.vocab_size=64", "data.eod_token_id=5", "data.reset_attention_mask=true",
+                 "data.reset_position_ids=true", "data.eod_mask_loss=true", "train.steps=10"]
+    single = [r["loss"] for r in launch(tmp_path / "single", *documents)]
+    layout = ["parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.context=2",
+              "parallel.context_attention=ring", "parallel.pipeline=2"]
+    done = launch_process(tmp_path / "cp", *documents, *layout, nproc=8)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "8 ranks = TP 2 × CP 2 × PP 2 × DP 1" in done.stdout + done.stderr
+    split = [r["loss"] for r in read_metrics(tmp_path / "cp")]
+    assert len(split) == len(single) == 10
+    for step, (a, b) in enumerate(zip(single, split), 1):
+        assert abs(a - b) <= 1e-4, (step, a, b)
+
+
+def dropout_masks(rank, world, run_dir, sequence_parallel):
+    """(TP rank, CP rank, this rank's embedding-dropout mask in the first step, its losses) at TP2 × CP2."""
+    dropout = {**CURVE, "model": {**CURVE["model"], "hidden_dropout": 0.5}}
+    trainer = trainer_in(run_dir, rank, world, base=dropout, tensor=2, context=2,
+                         sequence_parallel=sequence_parallel)
+    masks = []
+    trainer.chunks[0].embed_dropout.register_forward_hook(lambda module, args, out: masks.append(out == 0))
+    losses = [trainer.train_step()["loss"] for _ in range(2)]
+    return trainer.topo.tp_rank, trainer.topo.cp_rank, masks[0], losses
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["replicated", "sequence-parallel"])
+def test_hidden_dropout_draws_its_own_mask_on_each_context_rank(pools, tmp_path, sequence_parallel):
+    """CP ranks hold different tokens: their masks differ. TP ranks of one CP rank share its activations
+    (equal masks) unless sequence parallelism shards them (each its own)."""
+    results = pools[4].run(dropout_masks, str(tmp_path), sequence_parallel)
+    masks = {(tp, cp): mask for tp, cp, mask, _ in results}
+    assert not torch.equal(masks[0, 0], masks[0, 1]) and not torch.equal(masks[1, 0], masks[1, 1])
+    assert torch.equal(masks[0, 0], masks[1, 0]) != sequence_parallel
+    assert all(abs(loss - results[0][3][i]) < TOL for *_, losses in results for i, loss in enumerate(losses))
+
+
+def trainer_in(run_dir, rank, world, base=CURVE, **parallel):
+    cfg = make_config(base, **parallel)
+    cfg.run.dir = run_dir
+    validate(cfg, world)
+    return Trainer(cfg, DistEnv(rank, world, 0, torch.device("cpu"), "gloo"))
+
+
+def save_at_context_two(rank, world, run_dir):
+    trainer = trainer_in(run_dir, rank, world, context=2, zero_stage=1)
+    losses = [trainer.train_step()["loss"] for _ in range(2)]
+    trainer.save_checkpoint()
+    trainer.checkpointer.wait()
+    return losses
+
+
+def test_checkpoint_saved_at_cp2_resumes_at_cp1(pools, reference):
+    """Checkpoints hold global tensors: the ZeRO-1 shards of the DP × CP group load whole into one process."""
+    with tempfile.TemporaryDirectory() as run_dir:
+        first = pools[2].run(save_at_context_two, run_dir)[0]
+        resumed = trainer_in(run_dir, 0, 1)
+        assert resumed.step == 2
+        rest = [resumed.train_step()["loss"] for _ in range(2)]
+    assert first + rest == pytest.approx(reference[0], abs=TOL)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model": {"seq_length": 18}}, "parallel.context=2 splits model.seq_length=18 into 2×2 = 4 chunks"),
+    ({"model": {"position_embedding": "alibi"}}, "cannot serve model.position_embedding=alibi"),
+    ({"model": {"attention_dropout": 0.1}}, "cannot serve model.attention_dropout"),
+    ({"parallel": {"context_attention": "alltoall", "tensor": 4}, "model": {"num_kv_heads": 4}},
+     "parallel.context_attention=alltoall scatters the 1 query heads"),
+])
+def test_context_parallel_refusals_name_the_key(change, message):
+    raw = {k: dict(v) for k, v in CURVE.items()}
+    for section, values in change.items():
+        raw.setdefault(section, {}).update(values)
+    parallel = {"context": 2, **raw.pop("parallel", {})}
+    cfg = make_config(raw, **parallel)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        validate(cfg, 2 * parallel.get("tensor", 1))
+
+
+def test_chunks_are_balanced_and_cover_the_sequence():
+    shards = [ContextParallel(size=4, rank=r).positions(32) for r in range(4)]
+    assert sorted(torch.cat(shards).tolist()) == list(range(32))
+    assert shards[1].tolist() == [4, 5, 6, 7, 24, 25, 26, 27]  # chunks 1 and 2c − 2 = 6
+    # causal work per rank (keys each query sees) is the same on every rank
+    assert len({int((p + 1).sum()) for p in shards}) == 1
+    x = torch.arange(32)[None]
+    assert torch.equal(ContextParallel(size=4, rank=1).shard(x)[0], shards[1])
+
