@@ -16,7 +16,8 @@ heavily, so most chunks are cache hits. The other families cut at their own pre-
 boundaries (tools/_chunk_rules.py says where, and why). Each chunk costs one dictionary lookup, which
 also collects the misses; those are encoded many at a time, as the words of a pre-tokenized input (each
 encoded as a text of its own) or, for Metaspace, joined into one text whose pre-tokenizer cuts it back at
-the chunks' spaces.
+the chunks' spaces, or (vocabularies with whitespace runs) that is one word no token of which spans two
+chunks.
 
 The argument needs: a pre-tokenizer of those families, a model without dropout, a post-processor
 that only puts fixed tokens around a document (read off two probes and added back), whitespace on
