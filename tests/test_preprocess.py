@@ -244,13 +244,13 @@ def test_sentencepiece_tokenizer(tmp_path, tok):
 
 @pytest.fixture(scope="module")
 def families(tmp_path_factory):
-    """A GPT-2, a Llama-3-style (Split + ByteLevel, BOS template) and a Metaspace (Llama 2 / Mistral) tokenizer."""
+    """A GPT-2, a Llama-3-style (Split + ByteLevel, BOS template), a Metaspace and a Llama 2 / Mistral tokenizer."""
     from tools.bench_preprocess import FAMILIES, build_family
     d = tmp_path_factory.mktemp("families")
     return {f: (str(d / f"{f}.json"), build_family(f, TEXTS * 3, 600, str(d / f"{f}.json"))) for f in FAMILIES}
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama3", "metaspace"])
+@pytest.mark.parametrize("family", ["gpt2", "llama3", "metaspace", "llama2"])
 def test_chunk_cache_is_exact_for_each_tokenizer_family(tmp_path, families, family, capsys):
     """Random text built to stress the cuts (runs of mixed whitespace and line breaks, identifiers next to
     punctuation, contractions, the Metaspace mark itself): cached ids equal the plain encoder's. Then the
@@ -290,18 +290,22 @@ def test_summary_reports_a_cache_the_workers_turned_off(tmp_path, tok, monkeypat
 
 
 @pytest.mark.parametrize("scheme", ["always", "never"])
-def test_metaspace_cache_is_exact_for_each_prepend_scheme(tmp_path, families, scheme):
+@pytest.mark.parametrize("family", ["metaspace", "llama2"])
+def test_metaspace_cache_is_exact_for_each_prepend_scheme(tmp_path, families, family, scheme):
     """The first chunk of a text: cached as a space-led chunk where the tokenizer prepends "▁" ("first", tested
-    above, and "always"), encoded on its own where it does not ("never")."""
+    above, and "always"); where it does not ("never"), encoded on its own (Metaspace) or as a word that gets no
+    "▁" (whitespace runs)."""
     from tokenizers import Tokenizer
     from data.offline import chunk_rules
-    config = json.load(open(families["metaspace"][0]))
+    config = json.load(open(families[family][0]))
     config["pre_tokenizer"]["prepend_scheme"] = scheme
     reference = Tokenizer.from_str(json.dumps(config))
     encoder = load_encoder(("hf", json.dumps(config)))
-    assert encoder.rule is (chunk_rules.METASPACE if scheme == "always" else chunk_rules.METASPACE_NEVER)
+    rules = {"metaspace": (chunk_rules.METASPACE, chunk_rules.METASPACE_NEVER),
+             "llama2": (chunk_rules.METASPACE_RUNS, chunk_rules.METASPACE_RUNS_NEVER)}[family]
+    assert encoder.rule is rules[scheme == "never"]
     encoder.verify_first = 0
-    if scheme == "never":  # and the words of the joined misses from the encoder's word ids
+    if scheme == "never" and family == "metaspace":  # and the words of the joined misses from the word ids
         encoder._build_inner()
         encoder._word_start = None
     rng = np.random.RandomState(2)
@@ -309,4 +313,122 @@ def test_metaspace_cache_is_exact_for_each_prepend_scheme(tmp_path, families, sc
     texts = ["".join(rng.choice(alphabet, rng.randint(1, 40))) for _ in range(400)] + TEXTS
     out = [ids for i in range(0, len(texts), 100) for ids in encoder.encode_batch(texts[i:i + 100])]
     for t, ids in zip(texts, out):
+        assert ids.tolist() == reference.encode(t).ids, repr(t)
+
+
+def _source_code(rng, n):
+    """Python-like documents full of indentation, alignment runs, blank lines holding spaces, tabs and trailing
+    spaces, with characters a small vocabulary lacks (byte fallback) and the mark itself."""
+    words = ["def", "return", "self.x", "if", "else:", "for", "in", "range(n):", "=", "==", "+=", "#", "x", "None",
+             "'s'", "foo(a,", "b)", "[1,", "2]", "日本", "😀", "\u2581", "\u2581\u2581x", "é", "\t", "pass", ""]
+    docs = []
+    for _ in range(n):
+        lines = []
+        for _ in range(rng.randint(1, 12)):
+            indent = " " * rng.choice([0, 0, 1, 2, 3, 4, 4, 5, 8, 8, 12, 16, 17])
+            gaps = [" " * rng.choice([1, 1, 1, 2, 3, 4, 7]) for _ in range(8)]
+            line = indent + "".join(w + g for w, g in zip(rng.choice(words, rng.randint(0, 7)), gaps))
+            lines.append(line if rng.rand() < 0.7 else line.rstrip(" "))
+        docs.append("\n".join(lines) + rng.choice(["", "\n", "  \n", "   "]))
+    return docs
+
+
+@pytest.fixture(scope="module")
+def llama2_code(tmp_path_factory):
+    """A Llama 2 / Mistral layout tokenizer trained on standard-library source, and held-out source texts."""
+    from tools.bench_preprocess import build_family
+    from tools.stdlib_corpus import stdlib_python_files
+    root, files = stdlib_python_files()
+    texts = [open(os.path.join(root, f), encoding="utf-8").read() for f in files if f.startswith("json" + os.sep)]
+    path = str(tmp_path_factory.mktemp("llama2") / "tokenizer.json")
+    eod_token = build_family("llama2", texts[1:], 1200, path)
+    return path, eod_token, texts[:1]
+
+
+@pytest.mark.parametrize("byte_fallback", [True, False])
+def test_llama2_layout_cache_is_exact_on_source_code(tmp_path, llama2_code, capsys, byte_fallback):
+    """Whitespace-run tokens, byte fallback and split false, as converted Llama 2 and Mistral tokenizers have
+    them: the cache stays on with cuts only where a space follows another character, and source code with runs
+    of spaces everywhere gives the ids of the whole-document encoder, in-process and through --workers 2.
+    Without byte fallback, characters outside the vocabulary are unknown tokens of unknown length: their
+    chunks are encoded one at a time."""
+    from tokenizers import Tokenizer
+    from data.offline import chunk_rules
+    path, eod_token, held_out = llama2_code
+    config = json.load(open(path))
+    vocab = config["model"]["vocab"]
+    assert config["pre_tokenizer"]["split"] is False and config["model"]["byte_fallback"]
+    assert "\u2581\u2581\u2581\u2581" in vocab and "<0xE6>" in vocab  # runs of "▁"; the bytes of 日
+    if not byte_fallback:
+        config["model"]["byte_fallback"] = False
+        path = str(tmp_path / "unk.json")
+        with open(path, "w") as f:
+            json.dump(config, f)
+    reference = Tokenizer.from_file(path)
+    encoder = load_encoder(tokenizer_spec(None, path))
+    assert encoder.rule is chunk_rules.METASPACE_RUNS, encoder.cache_reason
+    encoder.verify_first = 0  # the comparison below is the check
+    rng = np.random.RandomState(3)
+    texts = (held_out + _source_code(rng, 300) + ["    x", "\u2581  y", " ", "x    ", "\n  \n", "a b  c   d"]
+             + [t.replace("    ", "\t") for t in held_out])
+    out = [ids for i in range(0, len(texts), 100) for ids in encoder.encode_batch(texts[i:i + 100])]
+    for t, ids in zip(texts, out):
+        assert ids.tolist() == reference.encode(t).ids, repr(t)
+    assert encoder.cached and len(encoder._index) > 100
+    assert (reference.token_to_id("<unk>") in np.concatenate(out)) != byte_fallback
+    docs = [t for t in texts if t.strip()]
+    prefix = run(tmp_path, path, [write_jsonl(tmp_path / "a.jsonl", [{"text": t} for t in docs])],
+                 "--append-eod", "--eod-token", eod_token, "--workers", "2", "--batch-size", "40")
+    eod = reference.token_to_id(eod_token)
+    ds = IndexedDataset(prefix)
+    assert [ds[i].tolist() for i in range(len(ds))] == [reference.encode(t).ids + [eod] for t in docs]
+    assert "; cache on (Metaspace whitespace-run cuts) in all " in capsys.readouterr().out
+
+
+def test_metaspace_vocabulary_the_rule_cannot_cover_keeps_the_cache_off(tmp_path, llama2_code, monkeypatch,
+                                                                     capsys):
+    """A merge that makes a token with "▁" after another character ('e▁') can join text across a space: the
+    cache stays off, the summary names the token, and the output is still the whole-document encoding. Cutting
+    anyway would be wrong, which is why the rule refuses it (the encoder finds the token spanning two chunks)."""
+    from tokenizers import Tokenizer
+    from data.offline import chunk_rules
+    path, eod_token, held_out = llama2_code
+    config = json.load(open(path))
+    model = config["model"]
+    model["vocab"]["e\u2581"] = max(model["vocab"].values()) + 1
+    model["merges"].insert(0, ["e", "\u2581"])
+    crossing = str(tmp_path / "crossing.json")
+    with open(crossing, "w") as f:
+        json.dump(config, f)
+    reference = Tokenizer.from_file(crossing)
+    encoder = load_encoder(tokenizer_spec(None, crossing))
+    assert not encoder.cached and "'e\u2581'" in encoder.cache_reason
+    texts = ["the cat\n    we see\n", held_out[0][:2000]]
+    assert "e\u2581" in [reference.id_to_token(i) for i in reference.encode(texts[0]).ids]
+    prefix = run(tmp_path, crossing, [write_jsonl(tmp_path / "a.jsonl", [{"text": t} for t in texts])],
+                 "--append-eod", "--eod-token", eod_token, "--workers", "2")
+    ds = IndexedDataset(prefix)
+    eod = reference.token_to_id(eod_token)
+    assert [ds[i].tolist() for i in range(len(ds))] == [reference.encode(t).ids + [eod] for t in texts]
+    assert "; cache off: Metaspace merges make 'e\u2581'" in capsys.readouterr().out
+    monkeypatch.setattr(chunk_rules, "_metaspace_rule", lambda *args: (chunk_rules.METASPACE_RUNS, None))
+    forced = load_encoder(tokenizer_spec(None, crossing))
+    with pytest.raises(RuntimeError, match="a token spans two chunks"):
+        forced.encode_batch(texts[:1])
+
+
+def test_metaspace_split_true_cuts_at_every_space_whatever_the_vocabulary(llama2_code):
+    """With `split` true the pre-tokenizer cuts before every "▁" itself, so whitespace-run tokens cannot span
+    one: the finer cuts apply (the whitespace-run chunks would join what the tokenizer keeps apart)."""
+    from tokenizers import Tokenizer
+    from data.offline import chunk_rules
+    path, _, held_out = llama2_code
+    config = json.load(open(path))
+    config["pre_tokenizer"]["split"] = True
+    reference = Tokenizer.from_str(json.dumps(config))
+    encoder = load_encoder(("hf", json.dumps(config)))
+    assert encoder.rule is chunk_rules.METASPACE
+    encoder.verify_first = 0
+    texts = held_out + _source_code(np.random.RandomState(4), 100)
+    for t, ids in zip(texts, encoder.encode_batch(texts)):
         assert ids.tolist() == reference.encode(t).ids, repr(t)

@@ -2,12 +2,15 @@
 Megatron-LM's own tools/preprocess_data.py.
 
     python tools/bench_preprocess.py --input corpus.jsonl --tokenizer-model tok/tokenizer.json
-    python tools/bench_preprocess.py --input corpus.jsonl --families gpt2 llama3 metaspace \\
+    python tools/bench_preprocess.py --input corpus.jsonl --families gpt2 llama3 metaspace llama2 \\
         [--megatron Megatron-LM/ --megatron-python megatron-venv/bin/python]
 
 With --families, a tokenizer of each family is trained here on the corpus's first documents (no download):
-GPT-2 (ByteLevel), Llama-3-style (regex Split + ByteLevel, a BOS template) and Metaspace (Llama 2 / Mistral:
-"▁" for spaces, byte fallback, a BOS template). For each tokenizer, Trilith runs as a subprocess (whole-job
+GPT-2 (ByteLevel), Llama-3-style (regex Split + ByteLevel, a BOS template), Metaspace ("▁" for spaces, byte
+fallback, a BOS template; trained on words, so no token holds a space run) and Llama 2 / Mistral (a SentencePiece
+BPE model trained with Llama 2's settings, whitespace-only pieces included, converted as transformers converts
+Llama 2 and Mistral: its pieces and merges, byte fallback, Metaspace with prepend_scheme "first" and split
+false, "<s> $A"). For each tokenizer, Trilith runs as a subprocess (whole-job
 wall time, start-up included) and the plain loop in-process (`tokenizer.encode(text).ids` + EOD per
 document); the outputs are compared token for token, then both times, the ratio and whether the workers
 used the chunk cache (the tool's own summary) are printed.
@@ -40,14 +43,42 @@ import numpy as np  # noqa: E402
 from data.indexed import IndexedDataset  # noqa: E402
 from data.offline.chunk_rules import SPLIT_PATTERNS  # noqa: E402
 
-FAMILIES = ("gpt2", "llama3", "metaspace")
-EOD = {"gpt2": "<|endoftext|>", "llama3": "<|end_of_text|>", "metaspace": "</s>"}
-BOS = {"llama3": "<|begin_of_text|>", "metaspace": "<s>"}
+FAMILIES = ("gpt2", "llama3", "metaspace", "llama2")
+EOD = {"gpt2": "<|endoftext|>", "llama3": "<|end_of_text|>", "metaspace": "</s>", "llama2": "</s>"}
+BOS = {"llama3": "<|begin_of_text|>", "metaspace": "<s>", "llama2": "<s>"}
 
 
-def build_family(family, texts, vocab_size, path):
-    """Train a tokenizer.json of `family` on `texts` into `path`; returns its end-of-document token."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+def llama2_tokenizer(texts, vocab_size):
+    """A tokenizer laid out as converted Llama 2 and Mistral tokenizer.json files are: a SentencePiece BPE model
+    trained with Llama 2's trainer settings (whitespace-only pieces, byte fallback, digits split, no whitespace
+    clean-up), its pieces and merges (transformers' conversion: every split of a piece into two pieces, ranked
+    by the piece's score) in a BPE model with byte fallback and fused unknowns, Metaspace with prepend_scheme
+    "first" and split false, no normalizer."""
+    import io
+
+    import sentencepiece as spm
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from data.offline.hf_tokenizer import spm_merges
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter([line for text in texts for line in text.splitlines() if line]), model_writer=model,
+        model_type="bpe", vocab_size=vocab_size, hard_vocab_limit=False, byte_fallback=True, split_digits=True,
+        allow_whitespace_only_pieces=True, remove_extra_whitespaces=False, normalization_rule_name="identity",
+        character_coverage=0.99995, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    pieces = [(sp.id_to_piece(i), sp.get_score(i)) for i in range(sp.get_piece_size())]
+    tok = Tokenizer(models.BPE({piece: i for i, (piece, _) in enumerate(pieces)}, spm_merges(pieces),
+                               unk_token="<unk>", fuse_unk=True, byte_fallback=True))
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return tok
+
+
+def trained_bpe(family, texts, vocab_size):
+    """A tokenizer of one of the other families, trained with `tokenizers`' BPE trainer."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     if family == "metaspace":
         tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
         # Trained on whitespace-split words, as SentencePiece does; encoded as one piece, as Llama 2's is.
@@ -69,6 +100,13 @@ def build_family(family, texts, vocab_size, path):
     tok.train_from_iterator(texts, trainer)
     if family == "metaspace":
         tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+    return tok
+
+
+def build_family(family, texts, vocab_size, path):
+    """Train a tokenizer.json of `family` on `texts` into `path`; returns its end-of-document token."""
+    from tokenizers import processors
+    tok = llama2_tokenizer(texts, vocab_size) if family == "llama2" else trained_bpe(family, texts, vocab_size)
     bos = BOS.get(family)
     if bos:
         tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",

@@ -15,11 +15,25 @@ first documents of every process are checked against the plain encoder.
   takes only line breaks: a space or tab after the last line break starts a piece. A run of spaces or tabs
   before a non-whitespace character gives all but its last character to `\s+(?!\S)`: its last one starts
   a piece.
-- `Metaspace` (Llama 2, Mistral; `split` true or false): spaces become "▁" and, with `split` false, the
-  whole text is one piece for the model. When no vocabulary entry holds "▁" after its first character, no
-  BPE merge (each merge yields a vocabulary entry) crosses the position before a "▁", and the merges on
-  either side never interact, so cutting before every space is exact. A chunk starting with a space gets
-  no second "▁" prepended, and a document's first chunk gets the one the document gets.
+- `Metaspace` (Llama 2, Mistral): spaces become "▁". With `split` true the pre-tokenizer cuts before every "▁"
+  itself. With `split` false (converted Llama 2 and Mistral tokenizers) the whole text is one piece for the
+  model, so with a BPE model only the merges decide where tokens may span. BPE starts
+  from one symbol per character (a character outside the vocabulary: its bytes' tokens, or the unknown token,
+  consecutive ones fused) and every later symbol is a merge's result. Take a position p in the "▁"-replaced text
+  with a "▁" at p and another character c before it. "▁" is a vocabulary entry, so the symbol at p starts with
+  "▁" and no unknown run crosses p; the symbol ending before p ends with c, with ">" of a byte token "<0xNN>",
+  or with the last character of the unknown token's text (not "▁"). A merge that joined the two would therefore
+  make a token whose text holds a character other than "▁" followed by "▁". When no merge makes one, no symbol
+  ever spans p: the merges on either side never meet, and the heap of merges (lowest rank, then leftmost)
+  applies each side's merges in the order that side alone would. So a text's ids are the concatenation of its
+  chunks' ids, a chunk being a run of spaces (or "▁") and the text up to the next one. Converted Llama 2 and
+  Mistral vocabularies qualify: their only tokens with an inner "▁" are whitespace runs ("▁▁", "▁▁▁▁", ...),
+  and a run followed by a word would too. When no merge makes a token with "▁" after its first character at
+  all, a cut before every space is exact, a finer rule that keeps indentation out of the words' chunks. Not
+  covered, so encoded whole: `ignore_merges` (a whole text found in the vocabulary is one token), a
+  `continuing_subword_prefix` or `end_of_word_suffix`, a vocabulary without "▁" itself, and other models. A
+  chunk starting with a space gets no second "▁" prepended; a document's first chunk gets the one the
+  document gets.
 
 Documents holding whitespace that Python's `re` and the tokenizer's regex engine may classify differently
 (OTHER_SPACES in _encoder.py) go to the plain encoder.
@@ -65,9 +79,10 @@ class CutRule:
 
     `alone(chunk)`, if given: the chunk must be encoded as a text of its own (a Metaspace chunk without a
     leading space gets the "▁" a text's start gets); the others are encoded many at a time. By default as
-    the words of a pre-tokenized input; with `joined_pre_tokenizer` (the pre-tokenizer's config -> one under
-    which the concatenated chunks split back into them), as one text, chunk i owning the pre-tokenizer's
-    next `pieces(chunk i)` words, each of which starts with `word_mark`."""
+    the words of a pre-tokenized input; with `joined_pre_tokenizer` (the pre-tokenizer's config -> one
+    under which the concatenated chunks encode as they do alone), as one text: chunk i owns the
+    pre-tokenizer's next `pieces(chunk i)` words, each of which starts with `word_mark`, or without
+    `pieces` (one word, no token spanning two chunks) the tokens that make up its bytes."""
 
     def __init__(self, name, split, alone=None, joined_pre_tokenizer=None, pieces=None, word_mark=None):
         self.name, self.split, self.alone = name, split, alone
@@ -78,13 +93,15 @@ GPT2 = CutRule("GPT-2 byte-level", _GPT2_CHUNK_RE.findall)
 SPLIT = CutRule("regex Split + ByteLevel", _SPLIT_CHUNK_RE.findall)
 
 
-def _metaspace_prepended(text):
+def _prepended(findall):
     """Metaspace chunks when the tokenizer prepends "▁" to a text that does not start with one: the first
     chunk gets it as a space, and is then cached like any other."""
-    chunks = _SPACE_CHUNK_RE.findall(text)
-    if chunks[0][0] not in " \u2581":
-        chunks[0] = " " + chunks[0]
-    return chunks
+    def split(text):
+        chunks = findall(text)
+        if chunks[0][0] not in " \u2581":
+            chunks[0] = " " + chunks[0]
+        return chunks
+    return split
 
 
 # Joined, no chunk that starts with a space gets a "▁" prepended, and `split` true cuts before every "▁" (a
@@ -92,13 +109,48 @@ def _metaspace_prepended(text):
 # gives the same ids as false. With `prepend_scheme` "never" a first chunk without a space is encoded alone.
 _JOINED = dict(joined_pre_tokenizer=lambda pre: dict(pre, split=True),
                pieces=lambda c: c.count(" ") + c.count("\u2581"), word_mark="\u2581")
-METASPACE = CutRule("Metaspace", _metaspace_prepended, **_JOINED)
+METASPACE = CutRule("Metaspace", _prepended(_SPACE_CHUNK_RE.findall), **_JOINED)
 METASPACE_NEVER = CutRule("Metaspace", _SPACE_CHUNK_RE.findall, lambda c: c[0] != " ", **_JOINED)
+# A vocabulary with whitespace-run tokens: a chunk is a run of spaces or "▁" and what follows up to the next
+# one. Joined, the chunks are one word given no "▁" (the first chunk's, if any, is in it), cut only where a
+# "▁" follows another character, which no token spans (see above); a chunk that does not start with a space
+# or ends with one (a document's last run) would not be cut so, and is encoded alone.
+_RUN_CHUNK_RE = re.compile("[ \u2581]++[^ \u2581]*+|[^ \u2581]++")
+_RUNS = dict(alone=lambda c: c[0] not in " \u2581" or c[-1] in " \u2581",
+             joined_pre_tokenizer=lambda pre: dict(pre, split=False, prepend_scheme="never"))
+METASPACE_RUNS = CutRule("Metaspace whitespace-run", _prepended(_RUN_CHUNK_RE.findall), **_RUNS)
+METASPACE_RUNS_NEVER = CutRule("Metaspace whitespace-run", _RUN_CHUNK_RE.findall, **_RUNS)
 
 
 def _byte_level(pre, use_regex):
     return (pre.get("type") == "ByteLevel" and not pre.get("add_prefix_space")
             and bool(pre.get("use_regex", True)) == use_regex)
+
+
+def _metaspace_rule(pre, model, vocab):
+    """(the Metaspace CutRule for this BPE model, None) or (None, why no cut is proven); see the docstring."""
+    mark = "\u2581"
+    first = pre.get("prepend_scheme") in ("first", "always")
+    if pre.get("replacement") != mark:
+        return None, f"Metaspace with the replacement {pre.get('replacement')!r}"
+    if pre.get("split", True):  # the pre-tokenizer itself cuts before every "▁"
+        return (METASPACE if first else METASPACE_NEVER), None
+    if model.get("type") != "BPE":
+        return None, f"Metaspace with a {model.get('type')} model (the cuts are proven for BPE merges)"
+    if model.get("ignore_merges"):
+        return None, "Metaspace with ignore_merges (a whole document found in the vocabulary is one token)"
+    if model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
+        return None, "Metaspace with a BPE subword prefix or suffix (they mark the document's ends, not chunks')"
+    if mark not in vocab or (model.get("unk_token") or "").endswith(mark):
+        return None, "Metaspace whose '\u2581' is not a token of its own"
+    made = ["".join(m) if isinstance(m, list) else m.replace(" ", "", 1) for m in model.get("merges") or ()]
+    crossing = next((t for t in made if re.search("[^\u2581]\u2581", t)), None)
+    if crossing is not None:
+        return None, (f"Metaspace merges make {crossing!r}, with '\u2581' after another character (a merge may "
+                      f"cross a space)")
+    if any(mark in t[1:] for t in made):  # whitespace runs, possibly followed by a word
+        return (METASPACE_RUNS if first else METASPACE_RUNS_NEVER), None
+    return (METASPACE if first else METASPACE_NEVER), None
 
 
 def cut_rule(config, vocab):
@@ -119,8 +171,5 @@ def cut_rule(config, vocab):
     if pre.get("type") == "Metaspace":
         if config.get("normalizer") is not None:
             return None, "Metaspace after a normalizer (it may prepend or replace across chunks)"
-        mark = pre.get("replacement", "\u2581")
-        if pre.get("replacement") != "\u2581" or any(mark in token[1:] for token in vocab):
-            return None, "Metaspace vocabulary holds '\u2581' inside tokens (merges may cross spaces)"
-        return (METASPACE if pre.get("prepend_scheme") in ("first", "always") else METASPACE_NEVER), None
+        return _metaspace_rule(pre, model, vocab)
     return None, f"pre-tokenizer {pre.get('type')} (the cache knows GPT-2 ByteLevel, Llama-3-style Split, Metaspace)"

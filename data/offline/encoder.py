@@ -16,7 +16,8 @@ heavily, so most chunks are cache hits. The other families cut at their own pre-
 boundaries (data/offline/chunk_rules.py says where, and why). Each chunk costs one dictionary lookup, which
 also collects the misses; those are encoded many at a time, as the words of a pre-tokenized input (each
 encoded as a text of its own) or, for Metaspace, joined into one text whose pre-tokenizer cuts it back at
-the chunks' spaces.
+the chunks' spaces, or (vocabularies with whitespace runs) that is one word no token of which spans two
+chunks.
 
 The argument needs: a pre-tokenizer of those families, a model without dropout, a post-processor
 that only puts fixed tokens around a document (read off two probes and added back), whitespace on
@@ -156,6 +157,20 @@ class HFEncoder:
             unk = plain["model"].get("unk_token")
             if unk in vocab:
                 self._word_start[vocab[unk]] = False
+        self._token_chars = None
+        if self._joined is not None and self.rule.pieces is None:
+            # The joined chunks are one word whose cuts no token spans: a chunk's tokens are those whose lengths
+            # in characters add up to its own ("▁" stands for a space). A byte-fallback token <0xNN> counts for
+            # the character it starts (a UTF-8 lead byte: 1) or continues (0x80-0xBF: 0). The unknown token's
+            # length is not known (-1): a group holding one is encoded a chunk at a time.
+            model = plain["model"]
+            byte_token = re.compile("<0x([0-9A-F]{2})>") if model.get("byte_fallback") else None
+            self._token_chars = np.zeros(max(vocab.values()) + 1, np.int64)
+            for token, i in vocab.items():
+                byte = byte_token.fullmatch(token) if byte_token else None
+                self._token_chars[i] = len(token) if byte is None else not 0x80 <= int(byte.group(1), 16) <= 0xBF
+            if model.get("unk_token") in vocab:
+                self._token_chars[vocab[model["unk_token"]]] = -1
 
     def _add_chunks(self, chunks, first):
         """Encode the chunks that just got the cache slots first, first + 1, ...: each as if on its own."""
@@ -176,16 +191,20 @@ class HFEncoder:
         # Many chunks to one input: the tokenizer encodes each word as a text of its own.
         groups = [words[k:k + _GROUP_CHUNKS] for k in range(0, len(words), _GROUP_CHUNKS)]
         if self._joined is not None:
-            encode = self._joined.encode_batch if self._word_start is None else self._joined.encode_batch_fast
+            fast = self._word_start is not None or self._token_chars is not None
+            encode = self._joined.encode_batch_fast if fast else self._joined.encode_batch
             encodings = encode(["".join(g) for g in groups], add_special_tokens=False)
-            pieces = [[self.rule.pieces(c) for c in g] for g in groups]
+            pieces = [[self.rule.pieces(c) for c in g] for g in groups] if self.rule.pieces else None
         else:
             encodings = self._inner.encode_batch(groups, is_pretokenized=True, add_special_tokens=False)
             pieces = None
         ids, counts = [], []
         for k, (g, enc) in enumerate(zip(groups, encodings)):
             ids.append(np.asarray(enc.ids, np.int32))
-            if pieces is None:
+            if self._token_chars is not None:
+                ids[-1], per_chunk = self._counts_by_length(g, ids[-1])
+                counts.append(per_chunk)
+            elif pieces is None:
                 counts.append(np.bincount(np.asarray(enc.word_ids, np.int64), minlength=len(g)))
             else:  # a chunk's tokens are those of its pieces (the pre-tokenizer's words of the joined text)
                 word = (np.asarray(enc.word_ids, np.int64) if self._word_start is None
@@ -195,6 +214,21 @@ class HFEncoder:
         if groups:
             self._store(first + (np.arange(len(words)) if slots is None else np.asarray(slots, np.int64)), ids,
                         np.concatenate(counts))
+
+    def _counts_by_length(self, chunks, ids):
+        """(ids, tokens per chunk) of chunks joined into one word, from the tokens' lengths."""
+        lengths = self._token_chars[ids]
+        ends = np.cumsum(lengths)
+        if ends.size and lengths.min() < 0:
+            encodings = self._joined.encode_batch_fast(chunks, add_special_tokens=False)
+            return (np.asarray([i for e in encodings for i in e.ids], np.int32),
+                    np.asarray([len(e.ids) for e in encodings], np.int64))
+        chunk_ends = np.cumsum(np.fromiter(map(len, chunks), np.int64, len(chunks)))
+        # Each chunk's last token: the last one ending where it ends (continuation bytes add no length).
+        last = np.searchsorted(ends, chunk_ends, side="right") - 1
+        if not np.array_equal(ends[np.maximum(last, 0)], chunk_ends):
+            raise RuntimeError("preprocess: a token spans two chunks of the Metaspace cache; the cut rule is wrong")
+        return ids, np.diff(last, prepend=-1)
 
     def _store(self, slots, ids, counts):
         """Append the chunks' ids (a list of arrays, the chunks' in order) and point their slots at them."""
