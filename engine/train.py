@@ -474,9 +474,9 @@ def run(cfg: Config, env: DistEnv) -> list[dict]:
     run_dir = setup_run_dir(cfg, env.rank)
     configure_logging(run_dir, env.rank)
     dp = data_parallel_size(cfg, env.world_size)
-    log.info(f"Trilith: {env.world_size} ranks = TP {cfg.parallel.tensor} × CP {cfg.parallel.context} × PP "
-             f"{cfg.parallel.pipeline} × DP {dp} "
-             f"on {env.device} ({env.backend}{'; ' + env.device_note if env.device_note else ''}); model "
+    context = f" × CP {cfg.parallel.context}" if cfg.parallel.context > 1 else ""  # named only when in use
+    log.info(f"Trilith: {env.world_size} ranks = TP {cfg.parallel.tensor}{context} × PP {cfg.parallel.pipeline} × "
+             f"DP {dp} on {env.device} ({env.backend}{'; ' + env.device_note if env.device_note else ''}); model "
              f"{num_parameters(cfg.model) / 1e6:.2f}M parameters")
     if env.world_size > 1 and env.nodes:
         log.info(f"placement: {describe_placement(list(env.nodes))}")
