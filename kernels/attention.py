@@ -59,14 +59,7 @@ def alibi_bias(slopes: torch.Tensor, seq_length: int, device=None) -> torch.Tens
 def allowed_mask(seq_length: int, device, window: int = 0, segment_ids=None) -> torch.Tensor:
     """Boolean [b or 1, 1, s, s]: True where query i may attend key j (causal, window, same document)."""
     pos = torch.arange(seq_length, device=device)
-    distance = pos[:, None] - pos[None, :]
-    allowed = distance >= 0
-    if window > 0:
-        allowed = allowed & (distance < window)
-    allowed = allowed[None, None]
-    if segment_ids is not None:
-        allowed = allowed & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
-    return allowed
+    return position_mask(pos, pos, window, segment_ids, segment_ids)
 
 
 def attention_reference(q, k, v, bias=None, dropout_p: float = 0.0, window: int = 0, segment_ids=None):
