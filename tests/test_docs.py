@@ -202,3 +202,14 @@ def test_memory_example_is_what_the_tool_prints():
                           timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout == shown, f"docs/memory.md's example is stale; paste what `{command}` prints now:\n{done.stdout}"
+
+
+ESTIMATES = sorted({line.strip() for page in PAGES for line in page.read_text().splitlines()
+                    if line.strip().startswith("python tools/estimate_memory.py ")})
+
+
+@pytest.mark.parametrize("command", ESTIMATES)
+def test_every_memory_estimate_the_docs_show_runs_as_written(command):
+    done = subprocess.run([sys.executable, *shlex.split(command)[1:]], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
