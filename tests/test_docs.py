@@ -213,3 +213,74 @@ def test_every_memory_estimate_the_docs_show_runs_as_written(command):
     done = subprocess.run([sys.executable, *shlex.split(command)[1:]], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def shell_commands(page: Path) -> list[str]:
+    """The commands of a page's bash blocks, continuation lines joined, comments dropped."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", page.read_text(), re.S):
+        for command in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(command, comments=True) if command.strip() else []
+            if words:
+                commands.append(shlex.join(words))
+    return commands
+
+
+LAUNCHERS = ("launch/run_pretrain.sh", "engine.train")
+
+
+def launch_world_size(words: list[str]) -> int:
+    """The ranks a documented launch starts, read as its launcher reads its options (run_pretrain.sh's own
+    SLURM default is 8 tasks per node)."""
+    def option(*names, default=None):
+        for i, word in enumerate(words):
+            for name in names:
+                if word == name:
+                    return int(words[i + 1])
+                if word.startswith(name + "="):
+                    return int(word.split("=", 1)[1])
+        return default
+    first = words[0]
+    if first in ("mpirun", "mpiexec"):
+        return option("-np", "-n")
+    if first == "torchrun":
+        return option("--nproc-per-node") * option("--nnodes", default=1)
+    if first in ("sbatch", "srun"):
+        return option("-n", "--ntasks") or option("--nodes", "-N", default=1) * option("--ntasks-per-node", default=8)
+    return option("--nproc", default=1) * option("--nnodes", default=1)
+
+
+def documented_launches() -> list[tuple[str, str]]:
+    return [(str(page.relative_to(ROOT)), command) for page in PAGES for command in shell_commands(page)
+            if any(launcher in command for launcher in LAUNCHERS) and "--config" in command]
+
+
+def launch_check_arguments(command: str) -> list[str]:
+    words = shlex.split(command)
+    config = words.index("--config")
+    overrides = [w for w in words[config + 2:] if "=" in w and not w.startswith("-")]
+    preflight = ["--preflight"] if "--preflight" in words else []
+    return ["--world-size", str(launch_world_size(words)), *preflight, "--config", words[config + 1], *overrides]
+
+
+@pytest.mark.parametrize("page,command", documented_launches())
+def test_every_documented_launch_configures_a_valid_run(page, command):
+    """Each training launch the docs show names a shipped config that validates at the world size its launcher
+    starts (launch/check.py, the launcher's own first step) — except that its data and GPUs are the reader's."""
+    arguments = launch_check_arguments(command)
+    if any(w.startswith("checkpoint.load=") for w in arguments):  # needs a checkpoint made by an earlier command
+        arguments = [w for w in arguments if not w.startswith("checkpoint.load=")]
+    done = subprocess.run([sys.executable, "launch/check.py", *arguments], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    refusal = done.stderr.strip()
+    gpu_only = "train.device=cuda asks for GPUs, but CUDA is not usable" in refusal  # checked after the config
+    assert done.returncode == 0 or gpu_only, f"{page}: `{command}` is refused before any rank starts: {refusal}"
+
+
+def test_launch_world_sizes_are_read_as_the_launchers_read_them():
+    sizes = {"launch/run_pretrain.sh --nproc 8 --nnodes 2 --config c": 16,
+             "torchrun --nproc-per-node 4 -m engine.train --config c": 4,
+             "sbatch launch/run_pretrain.sh --config c": 8, "sbatch -n 16 launch/run_pretrain.sh --config c": 16,
+             "sbatch --nodes=8 --ntasks-per-node=8 launch/run_pretrain.sh --config c": 64,
+             "mpirun -np 16 launch/run_pretrain.sh --config c": 16, "python -m engine.train --config c": 1}
+    assert {c: launch_world_size(shlex.split(c)) for c in sizes} == sizes
