@@ -115,17 +115,22 @@ def _name(op: str, group) -> str:
     return f"{op}[{_GROUP_NAMES.get(group, '?')}]"
 
 
+def _issue_flat(op: str, group, launch, inputs: list, outputs: list, async_op: bool, in_place=()):
+    """`launch(inputs, outputs, async_op)`: one flat collective. Asynchronous under NCCL semantics it runs on
+    private buffers and its outputs (and `in_place` tensors, read and written) hold poison until waited for."""
+    if async_op and nccl.ENABLED:
+        return issue(op, group, lambda: nccl.deferred(
+            _name(op, group), lambda inp, out: [launch(inp, out, True)], inputs, outputs, list(in_place)), True)
+    return issue(op, group, lambda: launch(inputs, [*outputs, *in_place], async_op), async_op)
+
+
 def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = False):
     if group is None:
         return None
     RECORD.add("all_reduce", group, tensor)
     nccl.check("all_reduce", [tensor], op)
-    if async_op and nccl.ENABLED:
-        return issue("all_reduce", group, lambda: nccl.deferred(
-            _name("all_reduce", group), lambda _, out: [dist.all_reduce(out[0], op=op, group=group, async_op=True)],
-            [], [], in_place=[tensor]), async_op)
-    return issue("all_reduce", group, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op),
-                 async_op)
+    return _issue_flat("all_reduce", group, lambda _, out, a: dist.all_reduce(out[0], op=op, group=group, async_op=a),
+                       [], [], async_op, in_place=[tensor])
 
 
 def all_reduce_flat(tensors: list, group, dtype: torch.dtype | None = None) -> None:
@@ -167,12 +172,9 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group, async_op: 
         return None
     RECORD.add("all_gather", group, output)
     nccl.check("all_gather", [shard])
-    if async_op and nccl.ENABLED:
-        return issue("all_gather", group, lambda: nccl.deferred(
-            _name("all_gather", group), lambda inp, out: [_all_gather_flat(out[0], inp[0], group=group, async_op=True)],
-            [shard], [output]), async_op)
-    return issue("all_gather", group,
-                 lambda: _all_gather_flat(output, shard, group=group, async_op=async_op), async_op)
+    return _issue_flat("all_gather", group,
+                       lambda inp, out, a: _all_gather_flat(out[0], inp[0], group=group, async_op=a),
+                       [shard], [output], async_op)
 
 
 def reduce_scatter(tensor: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
@@ -197,13 +199,9 @@ def reduce_scatter_into(output: torch.Tensor, flat: torch.Tensor, group, async_o
         return None
     RECORD.add("reduce_scatter", group, flat)
     nccl.check("reduce_scatter", [flat])
-    if async_op and nccl.ENABLED:
-        return issue("reduce_scatter", group, lambda: nccl.deferred(
-            _name("reduce_scatter", group),
-            lambda inp, out: [_reduce_scatter_flat(out[0], inp[0], group=group, async_op=True)],
-            [flat], [output]), async_op)
-    return issue("reduce_scatter", group,
-                 lambda: _reduce_scatter_flat(output, flat, group=group, async_op=async_op), async_op)
+    return _issue_flat("reduce_scatter", group,
+                       lambda inp, out, a: _reduce_scatter_flat(out[0], inp[0], group=group, async_op=a),
+                       [flat], [output], async_op)
 
 
 def all_to_all_into(output: torch.Tensor, chunks: torch.Tensor, group) -> None:
