@@ -139,9 +139,9 @@ def test_context_parallel_composes_with_interleaved_pipeline(pools, deep_referen
 
 def test_launched_tp2_cp2_pp2_with_documents_follows_the_single_process(tmp_path):
     """launch/run_pretrain.sh on 8 ranks: TP2 + SP × CP2 (ring) × PP2 on the tiny recipe with packed documents
-    (end-of-document token 5 of 64 ends a document about every other sample); 10 losses within 1e-4."""
+    (end-of-document token 5 of 64 ends a document about every other sample); 20 losses within 1e-4."""
     documents = ["model.vocab_size=64", "data.eod_token_id=5", "data.reset_attention_mask=true",
-                 "data.reset_position_ids=true", "data.eod_mask_loss=true", "train.steps=10"]
+                 "data.reset_position_ids=true", "data.eod_mask_loss=true", "train.steps=20"]
     single = [r["loss"] for r in launch(tmp_path / "single", *documents)]
     layout = ["parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.context=2",
               "parallel.context_attention=ring", "parallel.pipeline=2"]
@@ -149,7 +149,7 @@ def test_launched_tp2_cp2_pp2_with_documents_follows_the_single_process(tmp_path
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "8 ranks = TP 2 × CP 2 × PP 2 × DP 1" in done.stdout + done.stderr
     split = [r["loss"] for r in read_metrics(tmp_path / "cp")]
-    assert len(split) == len(single) == 10
+    assert len(split) == len(single) == 20
     for step, (a, b) in enumerate(zip(single, split), 1):
         assert abs(a - b) <= 1e-4, (step, a, b)
 
@@ -199,6 +199,20 @@ def test_checkpoint_saved_at_cp2_resumes_at_cp1(pools, reference):
         assert resumed.step == 2
         rest = [resumed.train_step()["loss"] for _ in range(2)]
     assert first + rest == pytest.approx(reference[0], abs=TOL)
+
+
+def resume_at_context_four(rank, world, run_dir):
+    trainer = trainer_in(run_dir, rank, world, context=4, zero_stage=1)
+    assert (trainer.step, trainer.topo.cp_size, trainer.topo.dp_size) == (2, 4, 1)
+    return [trainer.train_step()["loss"] for _ in range(2)]
+
+
+def test_checkpoint_saved_at_cp2_resumes_at_cp4(pools, reference):
+    """The ZeRO-1 shards of 2 CP ranks load as 4 CP ranks' shards (each rank 2 of 8 chunks of 16 tokens)."""
+    with tempfile.TemporaryDirectory() as run_dir:
+        first = pools[2].run(save_at_context_two, run_dir)[0]
+        for rest in pools[4].run(resume_at_context_four, run_dir):
+            assert first + rest == pytest.approx(reference[0], abs=TOL)
 
 
 @pytest.mark.parametrize("change, message", [
