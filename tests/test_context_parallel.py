@@ -86,6 +86,29 @@ def test_context_parallel_matches_single_process(pools, strategy, world, variant
         assert diffs[worst] <= TOL, f"{worst}: {diffs[worst]}"
 
 
+def blocks_per_layer(rank, world, strategy, variant):
+    """(query chunk, key chunk) pairs this rank attends per layer in one forward of `micro_batch(variant)`."""
+    cp = ContextParallel.from_topology(Topology(Layout(cp=world), rank), strategy)
+    model = CausalLM(ModelConfig(**MODEL, **VARIANTS[variant][0]), cp=cp)
+    model.init_weights(11)
+    args, kwargs = micro_batch(variant, cp).forward_args(first=True, last=True)
+    model(*args, **kwargs)
+    return cp.blocks_computed / MODEL["num_layers"]
+
+
+@pytest.mark.parametrize("strategy", ["allgather", "ring"])
+def test_masked_chunk_pairs_are_skipped(pools, strategy):
+    """By hand, rank r holding chunks r and 2c−1−r: causality leaves chunk q the key chunks 0..q (CP2: 1 + 4 on
+    rank 0, 2 + 3 on rank 1, of the 2·2c each would see unmasked). The packed micro-batch's documents (segment
+    ids per chunk of 8 at CP2: row 0 {0,1} {1} {1,2} {2}, row 1 {0} {0,1,2} {2} {2,3}) also hide chunk 0 from
+    chunk 3 in both rows: 9 pairs, not 10. At CP4 (chunks of 4) they leave chunk 7 only chunks 5-7, chunk 6 3-6,
+    chunk 5 3-5, chunk 4 1-4, chunk 3 1-3: 23 pairs of the causal 36. Results equal CP1 in
+    test_context_parallel_matches_single_process (documents)."""
+    assert pools[2].run(blocks_per_layer, strategy, "causal") == [5, 5]
+    assert pools[2].run(blocks_per_layer, strategy, "documents") == [4, 5]
+    assert pools[4].run(blocks_per_layer, strategy, "documents") == [1 + 3, 2 + 4, 3 + 3, 3 + 4]
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_communication_per_layer_matches_the_formula(pools, strategy):
     """Bytes each CP4 rank moves per layer and direction (fp32, b = 2, local sequence s/c, d = 8)."""
