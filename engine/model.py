@@ -118,7 +118,9 @@ class Attention(nn.Module):
             q, k = apply_rope_fused(q, cos, sin), apply_rope_fused(k, cos, sin)
         else:
             slopes = self.slopes
-        if self.entropy_log is not None:
+        if self.entropy_log is not None and self.cp.size > 1:  # every key is on some CP rank
+            self.entropy_log.append(self.cp.attention_entropy(q, k, self.cfg.attention_window, segment_ids))
+        elif self.entropy_log is not None:
             self.entropy_log.append(attention_entropy(q, k, window=self.cfg.attention_window,
                                                       segment_ids=segment_ids, slopes=slopes))
         p = self.cfg.attention_dropout if self.training else 0.0

@@ -156,14 +156,18 @@ def attention_flash(q, k, v, dropout_p: float = 0.0, slopes=None, window: int = 
 
 
 @torch.no_grad()
-def attention_entropy(q, k, bias=None, window: int = 0, segment_ids=None, slopes=None) -> tuple[float, int]:
+def attention_entropy(q, k, bias=None, window: int = 0, segment_ids=None, slopes=None,
+                      allowed=None) -> tuple[float, int]:
     """(sum over batch, heads and queries of the attention distribution's entropy in nats, number of
-    distributions), with the masks of `causal_attention`. One head at a time: a monitoring probe must not
-    need the [b, h, s, s] scores at once."""
+    distributions), with the masks of `causal_attention`, or the boolean `allowed` [b or 1, 1, sq, sk] of
+    `position_mask` when given (queries and keys of other lengths, e.g. context parallelism's). One head at a
+    time: a monitoring probe must not need the [b, h, sq, sk] scores at once."""
     groups = q.shape[1] // k.shape[1]
     if bias is None and slopes is not None:
         bias = alibi_bias(slopes.float(), q.shape[2], q.device)
-    allowed = allowed_mask(q.shape[2], q.device, window, segment_ids)[:, 0]
+    if allowed is None:
+        allowed = allowed_mask(q.shape[2], q.device, window, segment_ids)
+    allowed = allowed[:, 0]
     total = 0.0
     for h in range(q.shape[1]):
         scores = (q[:, h].float() @ k[:, h // groups].float().transpose(-2, -1)) / math.sqrt(q.shape[-1])

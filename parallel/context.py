@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention import causal_attention, position_mask
+from kernels.attention import attention_entropy, causal_attention, position_mask
 from parallel import comm
 from parallel.context_ring import RingAttention, ring_masks
 
@@ -97,6 +97,18 @@ class ContextParallel:
         if self.strategy == "ring":
             return self._ring(q, k, v, s, window, segment_ids)
         return self._alltoall(q, k, v, s, window, segment_ids, backend)
+
+    @torch.no_grad()
+    def attention_entropy(self, q, k, window: int = 0, segment_ids=None) -> tuple[float, int]:
+        """kernels.attention.attention_entropy of this rank's queries over the whole sequence's keys (gathered
+        over CP): summed over the CP ranks (the monitor sums over every rank) it is the unsplit model's."""
+        s = q.shape[2] * self.size
+        k_all = comm.gather_from_sequence_region(k.contiguous(), self.group, dim=2)
+        q_pos, k_pos = self.positions(s, q.device), self.gathered_positions(s, q.device)
+        q_seg = k_seg = None
+        if segment_ids is not None:
+            q_seg, k_seg = segment_ids[:, q_pos], segment_ids[:, k_pos]
+        return attention_entropy(q, k_all, allowed=position_mask(q_pos, k_pos, window, q_seg, k_seg))
 
     # -- which chunk pairs are computed ---------------------------------------------------------------
     def visible_chunks(self, seq_length: int, window: int, segment_ids=None) -> list[list[bool]]:

@@ -613,8 +613,6 @@ def validate_context(cfg: Config) -> None:
          "use model.attention_backend=auto"),
         (bool(cfg.train.diary_prompts), "train.diary_prompts (not yet tested under context parallelism)",
          "leave it empty"),
-        (cfg.run.monitor_interval > 0, f"run.monitor_interval={cfg.run.monitor_interval} (attention entropy)",
-         "set run.monitor_interval=0"),
         (bool(p.hsdp_group_size or p.hierarchical_node_size or p.unit_process_groups),
          "parallel.hsdp_group_size / hierarchical_node_size / unit_process_groups (their groups span DP only)",
          "set them to 0 / false"),
