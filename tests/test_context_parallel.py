@@ -146,6 +146,18 @@ def test_context_parallel_composes(pools, reference, strategy, parallel):
     assert_matches_reference(results, reference, tp_size=parallel.get("tensor", 1))
 
 
+@pytest.mark.parametrize("parallel", [{"zero_stage": 3, "hsdp_group_size": 2},
+                                      {"zero_stage": 1, "hierarchical_node_size": 2},
+                                      {"zero_stage": 0, "hierarchical_node_size": 2},
+                                      {"zero_stage": 3, "unit_process_groups": True}],
+                         ids=["hsdp", "hierarchical-zero1", "hierarchical-ddp", "unit-groups"])
+def test_context_parallel_composes_with_grouped_reductions(pools, reference, parallel):
+    """CP2 × DP2: HSDP's shard groups, hierarchical reduction's blocks and the per-unit communicators split the
+    reduce group DP × CP (blocks of 2: one replica's CP ranks), as they split DP without CP."""
+    results = pools[4].run(train_run, CURVE, {"context": 2, **parallel})
+    assert_matches_reference(results, reference)
+
+
 @pytest.fixture(scope="module")
 def deep_reference():
     return single_process_run(DEEP_CURVE)
