@@ -126,7 +126,7 @@ class Attention(nn.Module):
         p = self.cfg.attention_dropout if self.training else 0.0
         if self.cp.size > 1:  # keys and values of the other CP ranks' chunks (parallel/context.py)
             core = functools.partial(self.cp.attention, window=self.cfg.attention_window, segment_ids=segment_ids,
-                                     backend=self.cfg.attention_backend)
+                                     backend=self.cfg.attention_backend, dropout_p=p)
         else:
             core = functools.partial(causal_attention, dropout_p=p, backend=self.cfg.attention_backend,
                                      slopes=slopes, window=self.cfg.attention_window, segment_ids=segment_ids)

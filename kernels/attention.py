@@ -234,18 +234,28 @@ def position_mask(q_positions, k_positions, window: int = 0, q_segments=None, k_
     return allowed
 
 
-def attention_with_lse(q, k, v, allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def accumulation_dtype(t: torch.Tensor) -> torch.dtype:
+    """fp32 for half-precision tensors, else their own (fp64 stays fp64: gradient checks)."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def attention_with_lse(q, k, v, allowed: torch.Tensor, dropout: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [b, hq, sq, d] over one block of keys k, v [b, hkv, sk, d] under the boolean mask
-    `allowed` [b or 1, 1, sq, sk]: (output [b, hq, sq, d], log-sum-exp of the scores [b, hq, sq], fp32).
+    `allowed` [b or 1, 1, sq, sk]: (output [b, hq, sq, d], log-sum-exp of the scores [b, hq, sq], fp32 or fp64).
     A query that sees no key of the block gets output 0 and log-sum-exp -inf, so that `merge_attention` gives
-    the block no weight. Pure PyTorch; autograd gives its backward."""
+    the block no weight. `dropout` [b, hq, sq, sk]: the factor each probability is multiplied by (0 where dropped,
+    1/(1−p) where kept); the log-sum-exp is of the scores before it. Pure PyTorch; autograd gives its backward."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scores = ((q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])).float().masked_fill(~allowed, float("-inf"))
+    scores = ((q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])).to(accumulation_dtype(q))
+    scores = scores.masked_fill(~allowed, float("-inf"))
     seen = allowed.any(-1)
     # rows with no visible key get a finite stand-in, so that neither the value nor its gradient is NaN
     lse = torch.logsumexp(scores.masked_fill(~seen[..., None], 0.0), dim=-1)
     probs = torch.exp(scores - lse[..., None])
+    if dropout is not None:
+        probs = probs * dropout
     out = probs.to(v.dtype) @ v
     return out, lse.masked_fill(~seen, float("-inf"))
 

@@ -88,15 +88,17 @@ class ContextParallel:
         return comm.sum_over_context(local, self.group)
 
     # -- attention -------------------------------------------------------------------------------
-    def attention(self, q, k, v, window: int = 0, segment_ids=None, backend: str = "auto"):
+    def attention(self, q, k, v, window: int = 0, segment_ids=None, backend: str = "auto", dropout_p: float = 0.0):
         """Causal attention of the local queries q [b, hq, s/c, d] over the whole sequence's keys, whose local
-        part is k, v [b, hkv, s/c, d] (RoPE applied); `segment_ids` [b, s] of the full sequence or None."""
+        part is k, v [b, hkv, s/c, d] (RoPE applied); `segment_ids` [b, s] of the full sequence or None.
+        Attention dropout draws from the current RNG stream, which is each CP rank's own (parallel/random.py),
+        so every rank drops its own queries' probabilities independently."""
         s = q.shape[2] * self.size
         if self.strategy == "allgather":
-            return self._allgather(q, k, v, s, window, segment_ids)
+            return self._allgather(q, k, v, s, window, segment_ids, dropout_p)
         if self.strategy == "ring":
-            return self._ring(q, k, v, s, window, segment_ids)
-        return self._alltoall(q, k, v, s, window, segment_ids, backend)
+            return self._ring(q, k, v, s, window, segment_ids, dropout_p)
+        return self._alltoall(q, k, v, s, window, segment_ids, backend, dropout_p)
 
     @torch.no_grad()
     def attention_entropy(self, q, k, window: int = 0, segment_ids=None) -> tuple[float, int]:
@@ -131,7 +133,7 @@ class ContextParallel:
             self._visible_cache = (weakref.ref(segment_ids), key, out)
         return out
 
-    def _allgather(self, q, k, v, s, window, segment_ids):
+    def _allgather(self, q, k, v, s, window, segment_ids, dropout_p):
         heads, n = k.shape[1], s // (2 * self.size)
         kv = comm.gather_from_sequence_region(torch.cat((k, v), dim=1), self.group, dim=2)
         k_all, v_all = kv[:, :heads], kv[:, heads:]
@@ -150,11 +152,11 @@ class ContextParallel:
             if segment_ids is not None:
                 q_seg, k_seg = segment_ids[:, q_pos], segment_ids[:, k_pos]
             allowed = position_mask(q_pos, k_pos, window, q_seg, k_seg)
-            outputs.append(torch.nn.functional.scaled_dot_product_attention(q_chunk, k_sel, v_sel, attn_mask=allowed,
-                                                                            enable_gqa=heads != q.shape[1]))
+            outputs.append(torch.nn.functional.scaled_dot_product_attention(
+                q_chunk, k_sel, v_sel, attn_mask=allowed, dropout_p=dropout_p, enable_gqa=heads != q.shape[1]))
         return torch.cat(outputs, dim=2)
 
-    def _ring(self, q, k, v, s, window, segment_ids):
+    def _ring(self, q, k, v, s, window, segment_ids, dropout_p):
         n = s // (2 * self.size)
         visible = self.visible_chunks(s, window, segment_ids)
         mine = self.chunk_ids()
@@ -166,9 +168,9 @@ class ContextParallel:
         self.blocks_computed += sum(len(p) for per_query in pairs for p in per_query)
         masks = ring_masks(pairs, block_chunks, mine, n, window, segment_ids, q.device)
         ring = (self.group, self.ranks[(self.rank + 1) % self.size], self.ranks[(self.rank - 1) % self.size])
-        return RingAttention.apply(q, torch.cat((k, v), dim=1), pairs, masks, ring)
+        return RingAttention.apply(q, torch.cat((k, v), dim=1), pairs, masks, ring, dropout_p)
 
-    def _alltoall(self, q, k, v, s, window, segment_ids, backend):
+    def _alltoall(self, q, k, v, s, window, segment_ids, backend, dropout_p):
         c, hq, hkv = self.size, q.shape[1], k.shape[1]
         repeat = c // math.gcd(hkv, c)  # KV heads repeated until they split evenly, aligned with the queries
         if repeat > 1:
@@ -181,7 +183,8 @@ class ContextParallel:
         order = self.gathered_positions(s, q.device)
         full = full[:, :, torch.argsort(order)]  # CP-rank order to sequence order
         q_full, k_full, v_full = full.split([hq // c, hk // c, hk // c], dim=1)
-        out = causal_attention(q_full, k_full, v_full, backend=backend, window=window, segment_ids=segment_ids)
+        out = causal_attention(q_full, k_full, v_full, dropout_p=dropout_p, backend=backend, window=window,
+                               segment_ids=segment_ids)
         return comm.all_to_all_region(out[:, :, order], self.group, scatter_dim=2, gather_dim=1)
 
 

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from kernels.attention import attention_with_lse, merge_attention, position_mask
+from kernels.attention import accumulation_dtype, attention_with_lse, merge_attention, position_mask
 from parallel import comm
 
 
@@ -27,23 +27,28 @@ class RingAttention(torch.autograd.Function):
     """q [b, hq, 2n, d] (this rank's two chunks of n queries), kv [b, 2·hkv, 2n, d] (its keys then values).
     `pairs[t][i]`: the key-chunk indices (0 or 1 within the block of step t) that query chunk i attends;
     `masks[t][i]`: their boolean mask [b or 1, 1, n, n·len(pairs[t][i])]. `ring`: (group, next rank, previous
-    rank) in global ranks."""
+    rank) in global ranks. `dropout_p` > 0: attention dropout, each block's kept probabilities drawn here from the
+    current RNG stream (each CP rank its own) and kept for backward."""
 
     @staticmethod
-    def forward(ctx, q, kv, pairs, masks, ring):
+    def forward(ctx, q, kv, pairs, masks, ring, dropout_p=0.0):
         group, following, preceding = ring
         c, n, heads = len(pairs), q.shape[2] // 2, kv.shape[1] // 2
         q_chunks = q.split(n, dim=2)
         merged: list = [None, None]  # per query chunk: (output, log-sum-exp) so far
-        blocks = [kv]
+        blocks, kept = [kv], {}  # kept[step, i]: the probabilities dropout kept (boolean)
         for step in range(c):
             pending = comm.start_ring_shift(blocks[-1], group, following, preceding) if step < c - 1 else None
             k, v = _chunks(blocks[step], heads, n)
             for i, visible in enumerate(pairs[step]):
                 if not visible:
                     continue
+                factor = None
+                if dropout_p > 0:
+                    kept[step, i] = torch.rand(*q_chunks[i].shape[:3], n * len(visible), device=q.device) >= dropout_p
+                    factor = kept[step, i] / (1 - dropout_p)
                 part = attention_with_lse(q_chunks[i], torch.cat([k[j] for j in visible], dim=2),
-                                          torch.cat([v[j] for j in visible], dim=2), masks[step][i])
+                                          torch.cat([v[j] for j in visible], dim=2), masks[step][i], factor)
                 # step 0 holds each query chunk's diagonal, where every query sees at least itself: the first
                 # partial result has a finite log-sum-exp, as merge_attention wants
                 merged[i] = part if merged[i] is None else merge_attention(*merged[i], *part)
@@ -51,7 +56,7 @@ class RingAttention(torch.autograd.Function):
                 blocks.append(comm.finish_ring_shift(pending))
         out = torch.cat([o for o, _ in merged], dim=2)
         ctx.save_for_backward(q, out, merged[0][1], merged[1][1], *blocks)
-        ctx.pairs, ctx.masks, ctx.ring = pairs, masks, ring
+        ctx.pairs, ctx.masks, ctx.ring, ctx.kept, ctx.dropout_p = pairs, masks, ring, kept, dropout_p
         return out
 
     @staticmethod
@@ -62,19 +67,21 @@ class RingAttention(torch.autograd.Function):
         q_chunks, outs, grads = q.split(n, dim=2), out.split(n, dim=2), grad_out.split(n, dim=2)
         lses = (lse0, lse1)
         # the softmax's backward term: rowsum(dO ∘ O) per query
-        deltas = [(g.float() * o.float()).sum(-1) for g, o in zip(grads, outs)]
-        dq = [torch.zeros_like(qc, dtype=torch.float32) for qc in q_chunks]
+        acc = accumulation_dtype(q)
+        deltas = [(g.to(acc) * o.to(acc)).sum(-1) for g, o in zip(grads, outs)]
+        dq = [torch.zeros_like(qc, dtype=acc) for qc in q_chunks]
         total, pending = None, None
         for step in range(c - 1, -1, -1):
-            dkv = torch.zeros_like(blocks[step], dtype=torch.float32)
+            dkv = torch.zeros_like(blocks[step], dtype=acc)
             k, v = _chunks(blocks[step], heads, n)
             dk, dv = _chunks(dkv, heads, n)
             for i, visible in enumerate(ctx.pairs[step]):
                 if not visible:
                     continue
+                factor = ctx.kept[step, i] / (1 - ctx.dropout_p) if ctx.dropout_p > 0 else None
                 k_part, v_part = _block_backward(q_chunks[i], torch.cat([k[j] for j in visible], dim=2),
                                                  torch.cat([v[j] for j in visible], dim=2), ctx.masks[step][i],
-                                                 lses[i], grads[i], deltas[i], dq[i])
+                                                 lses[i], grads[i], deltas[i], dq[i], factor)
                 for index, j in enumerate(visible):
                     dk[j].add_(k_part[:, :, index * n:(index + 1) * n])  # views of dkv
                     dv[j].add_(v_part[:, :, index * n:(index + 1) * n])
@@ -83,7 +90,7 @@ class RingAttention(torch.autograd.Function):
             total = dkv if pending is None else comm.finish_ring_shift(pending) + dkv
             if step > 0:
                 pending = comm.start_ring_shift(total, group, preceding, following)
-        return torch.cat(dq, dim=2).to(q.dtype), total.to(blocks[0].dtype), None, None, None
+        return torch.cat(dq, dim=2).to(q.dtype), total.to(blocks[0].dtype), None, None, None, None
 
 
 def _chunks(block: torch.Tensor, heads: int, n: int) -> tuple:
@@ -91,16 +98,20 @@ def _chunks(block: torch.Tensor, heads: int, n: int) -> tuple:
     return block[:, :heads].split(n, dim=2), block[:, heads:].split(n, dim=2)
 
 
-def _block_backward(q, k, v, allowed, lse, grad_out, delta, dq):
+def _block_backward(q, k, v, allowed, lse, grad_out, delta, dq, dropout=None):
     """Gradients of one block's share of attention, given the final log-sum-exp of the queries: adds dQ to `dq`
-    and returns (dK, dV) [b, hkv, sk, d] in fp32, summed over the query heads that share each KV head."""
+    and returns (dK, dV) [b, hkv, sk, d] in fp32 (fp64 for fp64), summed over the query heads that share each KV head. `dropout`:
+    the forward's factor per probability (`delta` is then rowsum(dO ∘ O) of the dropped output, as without)."""
     groups, scale = q.shape[1] // k.shape[1], 1.0 / math.sqrt(q.shape[-1])
-    k_rep, v_rep = k.repeat_interleave(groups, dim=1).float(), v.repeat_interleave(groups, dim=1).float()
-    qf, gf = q.float(), grad_out.float()
+    acc = accumulation_dtype(q)
+    k_rep, v_rep = k.repeat_interleave(groups, dim=1).to(acc), v.repeat_interleave(groups, dim=1).to(acc)
+    qf, gf = q.to(acc), grad_out.to(acc)
     scores = (qf @ k_rep.transpose(-2, -1)) * scale
     probs = torch.exp(scores.masked_fill(~allowed, float("-inf")) - lse[..., None])
-    dv = probs.transpose(-2, -1) @ gf
-    dscores = probs * (gf @ v_rep.transpose(-2, -1) - delta[..., None])
+    dropped = probs if dropout is None else probs * dropout
+    dv = dropped.transpose(-2, -1) @ gf
+    dprobs = gf @ v_rep.transpose(-2, -1)
+    dscores = probs * ((dprobs if dropout is None else dprobs * dropout) - delta[..., None])
     dq += (dscores @ k_rep) * scale
     dk = (dscores.transpose(-2, -1) @ qf) * scale
     b, hq, sk, d = dk.shape

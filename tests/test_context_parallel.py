@@ -211,6 +211,61 @@ def test_hidden_dropout_draws_its_own_mask_on_each_context_rank(pools, tmp_path,
     assert all(abs(loss - results[0][3][i]) < TOL for *_, losses in results for i, loss in enumerate(losses))
 
 
+def test_ring_backward_with_dropout_is_the_gradient_of_its_forward():
+    """The ring's written-out backward (one rank: both chunks of the sequence, GQA 4 query / 2 KV heads, fp64)
+    against finite differences of its forward, with attention dropout drawn again from one seed per call (the
+    same masks)."""
+    from parallel.context_ring import RingAttention, ring_masks
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 6, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    kv = torch.randn(2, 4, 6, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    segments = torch.tensor([[0, 0, 0, 0, 1, 1], [0, 0, 1, 1, 1, 1]])
+    pairs = [[[0], [0, 1]]]
+    masks = ring_masks(pairs, lambda step: (0, 1), (0, 1), 3, 0, segments, "cpu")
+
+    def ring(q, kv, dropout_p):
+        torch.manual_seed(0)
+        return RingAttention.apply(q, kv, pairs, masks, (None, 0, 0), dropout_p)
+    assert torch.autograd.gradcheck(lambda q, kv: ring(q, kv, 0.3), (q, kv))
+    assert not torch.equal(ring(q, kv, 0.3), ring(q, kv, 0.0))  # dropout was applied
+
+
+def dropout_expectation(rank, world, strategy, draws):
+    """(mean |average over `draws` dropout forwards − the undropped output|, the same for one draw) of this
+    rank's queries; values near 1, so that a missing 1/(1−p) shows as an error near 0.5."""
+    cp = ContextParallel.from_topology(Topology(Layout(cp=world), rank), strategy)
+    gen = torch.Generator().manual_seed(9)  # the same full tensors on every rank
+    q, k = torch.randn(1, 4, 32, 8, generator=gen), torch.randn(1, 2, 32, 8, generator=gen)
+    v = 1 + 0.1 * torch.randn(1, 2, 32, 8, generator=gen)
+    q, k, v = (cp.shard(t, dim=2) for t in (q, k, v))
+    exact = cp.attention(q, k, v)
+    torch.manual_seed(100 + rank)  # each CP rank its own stream, as seed_all gives it
+    outs = torch.stack([cp.attention(q, k, v, dropout_p=0.5) for _ in range(draws)])
+    return (outs.mean(0) - exact).abs().mean().item(), (outs[0] - exact).abs().mean().item()
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_attention_dropout_keeps_the_expected_output(pools, strategy):
+    """Attention dropout at CP2 (p = 0.5, each rank's own masks): one draw is far from the undropped output, the
+    mean of 200 draws is near it (its standard error is at most 1/√200 ≈ 0.07 per element)."""
+    for averaged, single in pools[2].run(dropout_expectation, strategy, 200):
+        assert averaged < 0.05 and single > 0.2, (averaged, single)
+
+
+def dropout_losses(rank, world, run_dir, recompute):
+    base = {**CURVE, "model": {**CURVE["model"], "attention_dropout": 0.3},
+            "train": {**CURVE["train"], "recompute": recompute}}
+    trainer = trainer_in(f"{run_dir}/{recompute}", rank, world, base=base, context=2, context_attention="ring")
+    return [trainer.train_step()["loss"] for _ in range(2)]
+
+
+def test_recomputed_ring_attention_redraws_the_same_dropout(pools, tmp_path):
+    """Selective recomputation replays the ring's forward in backward: the masks drawn again must be the forward's,
+    or the gradients (and the second step's loss) would differ from a run without recomputation."""
+    plain = pools[2].run(dropout_losses, str(tmp_path), "none")
+    assert pools[2].run(dropout_losses, str(tmp_path), "selective") == plain
+
+
 def trainer_in(run_dir, rank, world, base=CURVE, **parallel):
     cfg = make_config(base, **parallel)
     cfg.run.dir = run_dir
@@ -253,7 +308,7 @@ def test_checkpoint_saved_at_cp2_resumes_at_cp4(pools, reference):
 @pytest.mark.parametrize("change, message", [
     ({"model": {"seq_length": 18}}, "parallel.context=2 splits model.seq_length=18 into 2×2 = 4 chunks"),
     ({"model": {"position_embedding": "alibi"}}, "cannot serve model.position_embedding=alibi"),
-    ({"model": {"attention_dropout": 0.1}}, "cannot serve model.attention_dropout"),
+    ({"train": {"diary_prompts": ["def "]}}, "cannot serve train.diary_prompts"),
     ({"parallel": {"context_attention": "alltoall", "tensor": 4}, "model": {"num_kv_heads": 4}},
      "parallel.context_attention=alltoall scatters the 1 query heads"),
 ])

@@ -607,8 +607,6 @@ def validate_context(cfg: Config) -> None:
                           f"divides them, or parallel.context_attention=allgather or ring")
     refused = [
         (m.position_embedding != "rope", "model.position_embedding=alibi", "use model.position_embedding=rope"),
-        (m.attention_dropout > 0, "model.attention_dropout (the context-parallel attention takes no dropout)",
-         "set it to 0"),
         (m.attention_backend in ("flash", "cudnn"), f"model.attention_backend={m.attention_backend}",
          "use model.attention_backend=auto"),
         (bool(cfg.train.diary_prompts), "train.diary_prompts (not yet tested under context parallelism)",
