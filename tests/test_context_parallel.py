@@ -1,6 +1,8 @@
 """Context parallelism equals the single-process model (gloo, CPU, fp32, max abs ≤ 1e-5), for each attention
 strategy, with packed documents and sliding windows, and composed with TP, PP and ZeRO-3."""
+import json
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -266,6 +268,33 @@ def test_recomputed_ring_attention_redraws_the_same_dropout(pools, tmp_path):
     assert pools[2].run(dropout_losses, str(tmp_path), "selective") == plain
 
 
+def diary_at_context_two(rank, world, tmp):
+    from engine.config.schema import load_config
+    from engine.observe.diary import read_entries
+    from engine.observe.metrics import MetricsLog
+    from tests.eval_fixtures import VOCAB
+    cfg = load_config("launch/configs/tiny.yaml", [
+        "model.num_layers=2", f"model.vocab_size={VOCAB}", "train.steps=2", f"data.tokenizer={tmp}/tok/tokenizer.json",
+        "train.diary_prompts=[\"def \"]", "train.diary_max_tokens=6", "checkpoint.interval=2", f"run.dir={tmp}/run",
+        "parallel.context=2", "parallel.context_attention=ring"])
+    validate(cfg, world)
+    Trainer(cfg, DistEnv(rank, world, 0, torch.device("cpu"), "gloo")).train(MetricsLog(f"{tmp}/run", enabled=False))
+    return read_entries(Path(tmp) / "run" / "diary.jsonl")
+
+
+def test_the_generation_diary_runs_under_context_parallelism(pools, tmp_path, capsys):
+    """Rank 0 generates from the checkpoint just saved, as one whole model on the host: at CP2 its text is what
+    tools/generate.py writes for that checkpoint in one process (checkpoints load whole at any layout)."""
+    from tests.eval_fixtures import make_tokenizer
+    from tools import generate as generate_tool
+    make_tokenizer(tmp_path / "tok")
+    [entry] = pools[2].run(diary_at_context_two, str(tmp_path))[0]
+    assert (entry["step"], entry["prompt"], entry["mode"]) == (2, "def ", "greedy")
+    assert generate_tool.main(["--model", str(tmp_path / "run" / "checkpoints"), "--prompt", "def ",
+                               "--max-new-tokens", "6"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["text"] == entry["text"]
+
+
 def trainer_in(run_dir, rank, world, base=CURVE, **parallel):
     cfg = make_config(base, **parallel)
     cfg.run.dir = run_dir
@@ -308,7 +337,6 @@ def test_checkpoint_saved_at_cp2_resumes_at_cp4(pools, reference):
 @pytest.mark.parametrize("change, message", [
     ({"model": {"seq_length": 18}}, "parallel.context=2 splits model.seq_length=18 into 2×2 = 4 chunks"),
     ({"model": {"position_embedding": "alibi"}}, "cannot serve model.position_embedding=alibi"),
-    ({"train": {"diary_prompts": ["def "]}}, "cannot serve train.diary_prompts"),
     ({"parallel": {"context_attention": "alltoall", "tensor": 4}, "model": {"num_kv_heads": 4}},
      "parallel.context_attention=alltoall scatters the 1 query heads"),
 ])

@@ -609,8 +609,6 @@ def validate_context(cfg: Config) -> None:
         (m.position_embedding != "rope", "model.position_embedding=alibi", "use model.position_embedding=rope"),
         (m.attention_backend in ("flash", "cudnn"), f"model.attention_backend={m.attention_backend}",
          "use model.attention_backend=auto"),
-        (bool(cfg.train.diary_prompts), "train.diary_prompts (not yet tested under context parallelism)",
-         "leave it empty"),
     ]
     for bad, what, fix in refused:
         if bad:
