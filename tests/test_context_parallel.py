@@ -111,6 +111,37 @@ def test_masked_chunk_pairs_are_skipped(pools, strategy):
     assert pools[4].run(blocks_per_layer, strategy, "documents") == [1 + 3, 2 + 4, 3 + 3, 3 + 4]
 
 
+def ring_event_order(rank, world):
+    """The order of one layer's ring exchanges and block computations, forward and backward."""
+    from parallel import context_ring
+    events, originals = [], {}
+    for module, name, label in ((comm, "start_ring_shift", "post"), (comm, "finish_ring_shift", "wait"),
+                                (context_ring, "attention_with_lse", "block"),
+                                (context_ring, "_block_backward", "block")):
+        originals[module, name] = getattr(module, name)
+
+        def logged(*args, _fn=originals[module, name], _label=label, **kwargs):
+            events.append(_label)
+            return _fn(*args, **kwargs)
+        setattr(module, name, logged)
+    try:
+        cp = ContextParallel.from_topology(Topology(Layout(cp=world), rank), "ring")
+        q, k, v = (torch.randn(1, 2, 8, 4, requires_grad=True) for _ in range(3))
+        cp.attention(q, k, v).sum().backward()
+    finally:
+        for (module, name), fn in originals.items():
+            setattr(module, name, fn)
+    return events
+
+
+def test_ring_posts_the_next_exchange_before_computing_the_current_block(pools):
+    """CP2, rank 1 (chunks 1 and 2; the block from rank 0 holds chunks 0 and 3): forward posts the shift, computes
+    its own block (both query chunks), waits, computes the received one (both query chunks see chunk 0); backward
+    computes the received block's gradients first, posts them back, computes its own block's, waits."""
+    assert pools[2].run(ring_event_order)[1] == ["post", "block", "block", "wait", "block", "block",
+                                                 "block", "block", "post", "block", "block", "wait"]
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_communication_per_layer_matches_the_formula(pools, strategy):
     """Bytes each CP4 rank moves per layer and direction (fp32, b = 2, local sequence s/c, d = 8)."""
