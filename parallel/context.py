@@ -17,11 +17,12 @@ per-token and runs on the local chunks unchanged. Attention needs every earlier 
                attention over the whole sequence; one all-to-all back. KV heads are repeated just enough that
                each rank receives the KV heads its query heads use.
 
-Positions here are indices in the full sequence, which decide causality and the window; documents are
+Positions here are indices in the full sequence, which decide causality, the window and ALiBi's bias; documents are
 separated by `segment_ids`, which every CP rank holds whole (it read the whole sample). allgather and ring
 compute attention per (query chunk, key chunk) pair and skip the pairs that causality, the window or document
 boundaries leave entirely masked (`visible_chunks`); alltoall runs the ordinary kernel over the whole
-sequence, where flash-attn's varlen kernel skips what documents hide and SDPA masks it.
+sequence, where flash-attn's varlen kernel skips what documents hide and SDPA masks it. Attention dropout
+draws from the current RNG stream, each CP rank's own.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention import attention_entropy, causal_attention, position_mask
+from kernels.attention import attention_entropy, causal_attention, position_bias, position_mask
 from parallel import comm
 from parallel.context_ring import RingAttention, ring_masks
 
@@ -88,20 +89,22 @@ class ContextParallel:
         return comm.sum_over_context(local, self.group)
 
     # -- attention -------------------------------------------------------------------------------
-    def attention(self, q, k, v, window: int = 0, segment_ids=None, backend: str = "auto", dropout_p: float = 0.0):
+    def attention(self, q, k, v, window: int = 0, segment_ids=None, backend: str = "auto", dropout_p: float = 0.0,
+                  slopes=None):
         """Causal attention of the local queries q [b, hq, s/c, d] over the whole sequence's keys, whose local
-        part is k, v [b, hkv, s/c, d] (RoPE applied); `segment_ids` [b, s] of the full sequence or None.
+        part is k, v [b, hkv, s/c, d] (RoPE applied); `segment_ids` [b, s] of the full sequence or None;
+        `slopes` [hq]: ALiBi's, of this rank's query heads (its bias from the tokens' global positions).
         Attention dropout draws from the current RNG stream, which is each CP rank's own (parallel/random.py),
         so every rank drops its own queries' probabilities independently."""
         s = q.shape[2] * self.size
         if self.strategy == "allgather":
-            return self._allgather(q, k, v, s, window, segment_ids, dropout_p)
+            return self._allgather(q, k, v, s, window, segment_ids, dropout_p, slopes)
         if self.strategy == "ring":
-            return self._ring(q, k, v, s, window, segment_ids, dropout_p)
-        return self._alltoall(q, k, v, s, window, segment_ids, backend, dropout_p)
+            return self._ring(q, k, v, s, window, segment_ids, dropout_p, slopes)
+        return self._alltoall(q, k, v, s, window, segment_ids, backend, dropout_p, slopes)
 
     @torch.no_grad()
-    def attention_entropy(self, q, k, window: int = 0, segment_ids=None) -> tuple[float, int]:
+    def attention_entropy(self, q, k, window: int = 0, segment_ids=None, slopes=None) -> tuple[float, int]:
         """kernels.attention.attention_entropy of this rank's queries over the whole sequence's keys (gathered
         over CP): summed over the CP ranks (the monitor sums over every rank) it is the unsplit model's."""
         s = q.shape[2] * self.size
@@ -110,7 +113,8 @@ class ContextParallel:
         q_seg = k_seg = None
         if segment_ids is not None:
             q_seg, k_seg = segment_ids[:, q_pos], segment_ids[:, k_pos]
-        return attention_entropy(q, k_all, allowed=position_mask(q_pos, k_pos, window, q_seg, k_seg))
+        bias = None if slopes is None else position_bias(slopes, q_pos, k_pos)
+        return attention_entropy(q, k_all, bias, allowed=position_mask(q_pos, k_pos, window, q_seg, k_seg))
 
     # -- which chunk pairs are computed ---------------------------------------------------------------
     def visible_chunks(self, seq_length: int, window: int, segment_ids=None) -> list[list[bool]]:
@@ -133,7 +137,7 @@ class ContextParallel:
             self._visible_cache = (weakref.ref(segment_ids), key, out)
         return out
 
-    def _allgather(self, q, k, v, s, window, segment_ids, dropout_p):
+    def _allgather(self, q, k, v, s, window, segment_ids, dropout_p, slopes):
         heads, n = k.shape[1], s // (2 * self.size)
         kv = comm.gather_from_sequence_region(torch.cat((k, v), dim=1), self.group, dim=2)
         k_all, v_all = kv[:, :heads], kv[:, heads:]
@@ -152,11 +156,13 @@ class ContextParallel:
             if segment_ids is not None:
                 q_seg, k_seg = segment_ids[:, q_pos], segment_ids[:, k_pos]
             allowed = position_mask(q_pos, k_pos, window, q_seg, k_seg)
+            if slopes is not None:  # an additive mask: the bias where allowed, -inf elsewhere
+                allowed = position_bias(slopes, q_pos, k_pos).to(q.dtype).masked_fill(~allowed, float("-inf"))
             outputs.append(torch.nn.functional.scaled_dot_product_attention(
                 q_chunk, k_sel, v_sel, attn_mask=allowed, dropout_p=dropout_p, enable_gqa=heads != q.shape[1]))
         return torch.cat(outputs, dim=2)
 
-    def _ring(self, q, k, v, s, window, segment_ids, dropout_p):
+    def _ring(self, q, k, v, s, window, segment_ids, dropout_p, slopes):
         n = s // (2 * self.size)
         visible = self.visible_chunks(s, window, segment_ids)
         mine = self.chunk_ids()
@@ -166,11 +172,11 @@ class ContextParallel:
         pairs = [[[j for j, kc in enumerate(block_chunks(step)) if visible[qc][kc]] for qc in mine]
                  for step in range(self.size)]
         self.blocks_computed += sum(len(p) for per_query in pairs for p in per_query)
-        masks = ring_masks(pairs, block_chunks, mine, n, window, segment_ids, q.device)
+        masks, biases = ring_masks(pairs, block_chunks, mine, n, window, segment_ids, q.device, slopes)
         ring = (self.group, self.ranks[(self.rank + 1) % self.size], self.ranks[(self.rank - 1) % self.size])
-        return RingAttention.apply(q, torch.cat((k, v), dim=1), pairs, masks, ring, dropout_p)
+        return RingAttention.apply(q, torch.cat((k, v), dim=1), pairs, masks, ring, dropout_p, biases)
 
-    def _alltoall(self, q, k, v, s, window, segment_ids, backend, dropout_p):
+    def _alltoall(self, q, k, v, s, window, segment_ids, backend, dropout_p, slopes):
         c, hq, hkv = self.size, q.shape[1], k.shape[1]
         repeat = c // math.gcd(hkv, c)  # KV heads repeated until they split evenly, aligned with the queries
         if repeat > 1:
@@ -183,8 +189,10 @@ class ContextParallel:
         order = self.gathered_positions(s, q.device)
         full = full[:, :, torch.argsort(order)]  # CP-rank order to sequence order
         q_full, k_full, v_full = full.split([hq // c, hk // c, hk // c], dim=1)
-        out = causal_attention(q_full, k_full, v_full, dropout_p=dropout_p, backend=backend, window=window,
-                               segment_ids=segment_ids)
+        if slopes is not None:  # this rank now holds query heads [rank · hq/c, (rank + 1) · hq/c)
+            slopes = slopes[self.rank * (hq // c):(self.rank + 1) * (hq // c)]
+        out = causal_attention(q_full, k_full, v_full, dropout_p=dropout_p, backend=backend, slopes=slopes,
+                               window=window, segment_ids=segment_ids)
         return comm.all_to_all_region(out[:, :, order], self.group, scatter_dim=2, gather_dim=1)
 
 

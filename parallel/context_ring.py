@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from kernels.attention import accumulation_dtype, attention_with_lse, merge_attention, position_mask
+from kernels.attention import accumulation_dtype, attention_with_lse, merge_attention, position_bias, position_mask
 from parallel import comm
 
 
@@ -28,10 +28,11 @@ class RingAttention(torch.autograd.Function):
     `pairs[t][i]`: the key-chunk indices (0 or 1 within the block of step t) that query chunk i attends;
     `masks[t][i]`: their boolean mask [b or 1, 1, n, n·len(pairs[t][i])]. `ring`: (group, next rank, previous
     rank) in global ranks. `dropout_p` > 0: attention dropout, each block's kept probabilities drawn here from the
-    current RNG stream (each CP rank its own) and kept for backward."""
+    current RNG stream (each CP rank its own) and kept for backward. `biases[t][i]`: ALiBi's bias for the pair's
+    scores [h, n, n·len(pairs[t][i])], or None."""
 
     @staticmethod
-    def forward(ctx, q, kv, pairs, masks, ring, dropout_p=0.0):
+    def forward(ctx, q, kv, pairs, masks, ring, dropout_p=0.0, biases=None):
         group, following, preceding = ring
         c, n, heads = len(pairs), q.shape[2] // 2, kv.shape[1] // 2
         q_chunks = q.split(n, dim=2)
@@ -48,7 +49,8 @@ class RingAttention(torch.autograd.Function):
                     kept[step, i] = torch.rand(*q_chunks[i].shape[:3], n * len(visible), device=q.device) >= dropout_p
                     factor = kept[step, i] / (1 - dropout_p)
                 part = attention_with_lse(q_chunks[i], torch.cat([k[j] for j in visible], dim=2),
-                                          torch.cat([v[j] for j in visible], dim=2), masks[step][i], factor)
+                                          torch.cat([v[j] for j in visible], dim=2), masks[step][i], factor,
+                                          None if biases is None else biases[step][i])
                 # step 0 holds each query chunk's diagonal, where every query sees at least itself: the first
                 # partial result has a finite log-sum-exp, as merge_attention wants
                 merged[i] = part if merged[i] is None else merge_attention(*merged[i], *part)
@@ -57,6 +59,7 @@ class RingAttention(torch.autograd.Function):
         out = torch.cat([o for o, _ in merged], dim=2)
         ctx.save_for_backward(q, out, merged[0][1], merged[1][1], *blocks)
         ctx.pairs, ctx.masks, ctx.ring, ctx.kept, ctx.dropout_p = pairs, masks, ring, kept, dropout_p
+        ctx.biases = biases
         return out
 
     @staticmethod
@@ -79,9 +82,10 @@ class RingAttention(torch.autograd.Function):
                 if not visible:
                     continue
                 factor = ctx.kept[step, i] / (1 - ctx.dropout_p) if ctx.dropout_p > 0 else None
+                bias = None if ctx.biases is None else ctx.biases[step][i]
                 k_part, v_part = _block_backward(q_chunks[i], torch.cat([k[j] for j in visible], dim=2),
                                                  torch.cat([v[j] for j in visible], dim=2), ctx.masks[step][i],
-                                                 lses[i], grads[i], deltas[i], dq[i], factor)
+                                                 lses[i], grads[i], deltas[i], dq[i], factor, bias)
                 for index, j in enumerate(visible):
                     dk[j].add_(k_part[:, :, index * n:(index + 1) * n])  # views of dkv
                     dv[j].add_(v_part[:, :, index * n:(index + 1) * n])
@@ -90,7 +94,7 @@ class RingAttention(torch.autograd.Function):
             total = dkv if pending is None else comm.finish_ring_shift(pending) + dkv
             if step > 0:
                 pending = comm.start_ring_shift(total, group, preceding, following)
-        return torch.cat(dq, dim=2).to(q.dtype), total.to(blocks[0].dtype), None, None, None, None
+        return torch.cat(dq, dim=2).to(q.dtype), total.to(blocks[0].dtype), None, None, None, None, None
 
 
 def _chunks(block: torch.Tensor, heads: int, n: int) -> tuple:
@@ -98,15 +102,18 @@ def _chunks(block: torch.Tensor, heads: int, n: int) -> tuple:
     return block[:, :heads].split(n, dim=2), block[:, heads:].split(n, dim=2)
 
 
-def _block_backward(q, k, v, allowed, lse, grad_out, delta, dq, dropout=None):
+def _block_backward(q, k, v, allowed, lse, grad_out, delta, dq, dropout=None, bias=None):
     """Gradients of one block's share of attention, given the final log-sum-exp of the queries: adds dQ to `dq`
     and returns (dK, dV) [b, hkv, sk, d] in fp32 (fp64 for fp64), summed over the query heads that share each KV head. `dropout`:
-    the forward's factor per probability (`delta` is then rowsum(dO ∘ O) of the dropped output, as without)."""
+    the forward's factor per probability (`delta` is then rowsum(dO ∘ O) of the dropped output, as without);
+    `bias`: the forward's additive bias (a constant: no gradient of its own)."""
     groups, scale = q.shape[1] // k.shape[1], 1.0 / math.sqrt(q.shape[-1])
     acc = accumulation_dtype(q)
     k_rep, v_rep = k.repeat_interleave(groups, dim=1).to(acc), v.repeat_interleave(groups, dim=1).to(acc)
     qf, gf = q.to(acc), grad_out.to(acc)
     scores = (qf @ k_rep.transpose(-2, -1)) * scale
+    if bias is not None:
+        scores = scores + bias
     probs = torch.exp(scores.masked_fill(~allowed, float("-inf")) - lse[..., None])
     dropped = probs if dropout is None else probs * dropout
     dv = dropped.transpose(-2, -1) @ gf
@@ -118,15 +125,16 @@ def _block_backward(q, k, v, allowed, lse, grad_out, delta, dq, dropout=None):
     return dk.view(b, hq // groups, groups, sk, d).sum(2), dv.view(b, hq // groups, groups, sk, d).sum(2)
 
 
-def ring_masks(pairs, chunk_ids, q_chunk_ids, n: int, window: int, segment_ids, device) -> list:
-    """The boolean masks RingAttention wants for `pairs`: `chunk_ids(step)` names the two chunks of step's block,
-    `q_chunk_ids` this rank's two query chunks."""
-    masks = []
+def ring_masks(pairs, chunk_ids, q_chunk_ids, n: int, window: int, segment_ids, device, slopes=None) -> tuple:
+    """(the boolean masks RingAttention wants for `pairs`, ALiBi's biases for them or None without `slopes`):
+    `chunk_ids(step)` names the two chunks of step's block, `q_chunk_ids` this rank's two query chunks."""
+    masks, biases = [], []
     for step, per_query in enumerate(pairs):
-        theirs, row = chunk_ids(step), []
+        theirs, row, bias_row = chunk_ids(step), [], []
         for qc, visible in zip(q_chunk_ids, per_query):
             if not visible:
                 row.append(None)
+                bias_row.append(None)
                 continue
             k_pos = torch.cat([torch.arange(theirs[j] * n, (theirs[j] + 1) * n, device=device) for j in visible])
             q_pos = torch.arange(qc * n, (qc + 1) * n, device=device)
@@ -134,5 +142,7 @@ def ring_masks(pairs, chunk_ids, q_chunk_ids, n: int, window: int, segment_ids, 
             if segment_ids is not None:
                 q_seg, k_seg = segment_ids[:, q_pos], segment_ids[:, k_pos]
             row.append(position_mask(q_pos, k_pos, window, q_seg, k_seg))
+            bias_row.append(None if slopes is None else position_bias(slopes, q_pos, k_pos))
         masks.append(row)
-    return masks
+        biases.append(bias_row)
+    return masks, (None if slopes is None else biases)

@@ -606,7 +606,6 @@ def validate_context(cfg: Config) -> None:
                           f"heads per tensor-parallel rank over parallel.context={c} ranks; use a context size that "
                           f"divides them, or parallel.context_attention=allgather or ring")
     refused = [
-        (m.position_embedding != "rope", "model.position_embedding=alibi", "use model.position_embedding=rope"),
         (m.attention_backend in ("flash", "cudnn"), f"model.attention_backend={m.attention_backend}",
          "use model.attention_backend=auto"),
     ]
