@@ -118,13 +118,15 @@ class Attention(nn.Module):
             q, k = apply_rope_fused(q, cos, sin), apply_rope_fused(k, cos, sin)
         else:
             slopes = self.slopes
-        if self.entropy_log is not None:
+        if self.entropy_log is not None and self.cp.size > 1:  # every key is on some CP rank
+            self.entropy_log.append(self.cp.attention_entropy(q, k, self.cfg.attention_window, segment_ids, slopes))
+        elif self.entropy_log is not None:
             self.entropy_log.append(attention_entropy(q, k, window=self.cfg.attention_window,
                                                       segment_ids=segment_ids, slopes=slopes))
         p = self.cfg.attention_dropout if self.training else 0.0
         if self.cp.size > 1:  # keys and values of the other CP ranks' chunks (parallel/context.py)
             core = functools.partial(self.cp.attention, window=self.cfg.attention_window, segment_ids=segment_ids,
-                                     backend=self.cfg.attention_backend)
+                                     backend=self.cfg.attention_backend, dropout_p=p, slopes=slopes)
         else:
             core = functools.partial(causal_attention, dropout_p=p, backend=self.cfg.attention_backend,
                                      slopes=slopes, window=self.cfg.attention_window, segment_ids=segment_ids)

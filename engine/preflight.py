@@ -57,12 +57,12 @@ def scale_to_world(cfg: Config, world_size: int) -> list[str]:
     dp = data_parallel_size(cfg, world_size)
     for key in ("hierarchical_node_size", "hsdp_group_size"):
         size = getattr(p, key)
-        if size and dp % size:
-            scaled = math.gcd(size, dp)  # the largest group that divides both: the same blocks, fewer ranks
+        if size and (dp * p.context) % size:  # the groups split DP × CP
+            scaled = math.gcd(size, dp * p.context)  # the largest group that divides both: the same blocks, fewer ranks
             scaled = scaled if scaled > 1 else 0
             setattr(p, key, scaled)
-            notes.append(f"parallel.{key}={size} → {scaled or '0 (off)'}: the pre-flight's data-parallel size "
-                         f"is {dp}")
+            notes.append(f"parallel.{key}={size} → {scaled or '0 (off)'}: the pre-flight's data-parallel "
+                         f"{'× context-parallel ' if p.context > 1 else ''}size is {dp * p.context}")
     real_batch = t.global_batch_size
     micro = math.lcm(t.micro_batch_size, t.micro_batch_size_after_switch or 1)
     t.global_batch_size = micro * dp * (p.pipeline if p.pipeline > 1 else 2)

@@ -156,14 +156,18 @@ def attention_flash(q, k, v, dropout_p: float = 0.0, slopes=None, window: int = 
 
 
 @torch.no_grad()
-def attention_entropy(q, k, bias=None, window: int = 0, segment_ids=None, slopes=None) -> tuple[float, int]:
+def attention_entropy(q, k, bias=None, window: int = 0, segment_ids=None, slopes=None,
+                      allowed=None) -> tuple[float, int]:
     """(sum over batch, heads and queries of the attention distribution's entropy in nats, number of
-    distributions), with the masks of `causal_attention`. One head at a time: a monitoring probe must not
-    need the [b, h, s, s] scores at once."""
+    distributions), with the masks of `causal_attention`, or the boolean `allowed` [b or 1, 1, sq, sk] of
+    `position_mask` when given (queries and keys of other lengths, e.g. context parallelism's). One head at a
+    time: a monitoring probe must not need the [b, h, sq, sk] scores at once."""
     groups = q.shape[1] // k.shape[1]
     if bias is None and slopes is not None:
         bias = alibi_bias(slopes.float(), q.shape[2], q.device)
-    allowed = allowed_mask(q.shape[2], q.device, window, segment_ids)[:, 0]
+    if allowed is None:
+        allowed = allowed_mask(q.shape[2], q.device, window, segment_ids)
+    allowed = allowed[:, 0]
     total = 0.0
     for h in range(q.shape[1]):
         scores = (q[:, h].float() @ k[:, h // groups].float().transpose(-2, -1)) / math.sqrt(q.shape[-1])
@@ -230,18 +234,38 @@ def position_mask(q_positions, k_positions, window: int = 0, q_segments=None, k_
     return allowed
 
 
-def attention_with_lse(q, k, v, allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def accumulation_dtype(t: torch.Tensor) -> torch.dtype:
+    """fp32 for half-precision tensors, else their own (fp64 stays fp64: gradient checks)."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def position_bias(slopes: torch.Tensor, q_positions, k_positions) -> torch.Tensor:
+    """ALiBi's additive bias [h, sq, sk] for queries and keys at these sequence indices: −slope · distance
+    (fp32; `position_mask` hides the keys ahead)."""
+    distance = (q_positions[:, None] - k_positions[None, :]).clamp(min=0).float()
+    return -slopes.float()[:, None, None] * distance
+
+
+def attention_with_lse(q, k, v, allowed: torch.Tensor, dropout: torch.Tensor | None = None, bias=None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [b, hq, sq, d] over one block of keys k, v [b, hkv, sk, d] under the boolean mask
-    `allowed` [b or 1, 1, sq, sk]: (output [b, hq, sq, d], log-sum-exp of the scores [b, hq, sq], fp32).
+    `allowed` [b or 1, 1, sq, sk]: (output [b, hq, sq, d], log-sum-exp of the scores [b, hq, sq], fp32 or fp64).
     A query that sees no key of the block gets output 0 and log-sum-exp -inf, so that `merge_attention` gives
-    the block no weight. Pure PyTorch; autograd gives its backward."""
+    the block no weight. `dropout` [b, hq, sq, sk]: the factor each probability is multiplied by (0 where dropped,
+    1/(1−p) where kept); the log-sum-exp is of the scores before it. `bias` [h, sq, sk] is added to the scores
+    (ALiBi's `position_bias`). Pure PyTorch; autograd gives its backward."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scores = ((q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])).float().masked_fill(~allowed, float("-inf"))
+    scores = ((q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])).to(accumulation_dtype(q))
+    if bias is not None:
+        scores = scores + bias
+    scores = scores.masked_fill(~allowed, float("-inf"))
     seen = allowed.any(-1)
     # rows with no visible key get a finite stand-in, so that neither the value nor its gradient is NaN
     lse = torch.logsumexp(scores.masked_fill(~seen[..., None], 0.0), dim=-1)
     probs = torch.exp(scores - lse[..., None])
+    if dropout is not None:
+        probs = probs * dropout
     out = probs.to(v.dtype) @ v
     return out, lse.masked_fill(~seen, float("-inf"))
 

@@ -401,37 +401,21 @@ def gather_from_last_dim(x, group):
 
 # -- context parallelism (parallel/context.py) -----------------------------------------------------
 
-def shift_along_ring(x: torch.Tensor, group, send_to: int, receive_from: int) -> torch.Tensor:
-    """Send `x` to global rank `send_to` and return the tensor of its shape received from `receive_from`: one
-    batch of a send and a receive, waited for here."""
+def start_ring_shift(x: torch.Tensor, group, send_to: int, receive_from: int) -> tuple[torch.Tensor, list]:
+    """Post the send of the contiguous `x` to global rank `send_to` and the receive of a tensor of its shape from
+    `receive_from` as one batch, and return at once: (the receive buffer, the work handles). Until
+    `finish_ring_shift`, the buffer holds nothing (NaN under NCCL semantics) and `x` must not be written."""
     received = torch.empty_like(x)
-    works = batch_isend_irecv([("send", x.contiguous(), send_to, 0), ("recv", received, receive_from, 0)], group)
+    works = batch_isend_irecv([("send", x, send_to, 0), ("recv", received, receive_from, 0)], group)
+    return received, works
+
+
+def finish_ring_shift(pending: tuple[torch.Tensor, list]) -> torch.Tensor:
+    """Wait for a `start_ring_shift` and return what it received."""
+    received, works = pending
     for work in works:
         work.wait()
     return received
-
-
-class _RingPass(torch.autograd.Function):
-    """The c blocks a rank sees as its block travels once around the ring of c ranks: its own, then the one
-    each shift brings from the preceding rank. Backward sends each block's gradient (with the gradients of
-    the blocks it became further on) back the way it came. All shifts form one autograd node, so every rank
-    runs every backward shift even when causality left some of its received blocks unused."""
-
-    @staticmethod
-    def forward(ctx, x, group, next_rank, previous_rank):
-        ctx.group, ctx.next_rank, ctx.previous_rank = group, next_rank, previous_rank
-        blocks = [x]
-        for _ in range(group_size(group) - 1):
-            blocks.append(shift_along_ring(blocks[-1], group, next_rank, previous_rank))
-        return tuple(blocks)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        grads = [torch.zeros_like(g) if g is None else g for g in grads]
-        total = grads[-1]
-        for step in range(len(grads) - 1, 0, -1):
-            total = shift_along_ring(total, ctx.group, ctx.previous_rank, ctx.next_rank) + grads[step - 1]
-        return total, None, None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -473,10 +457,6 @@ class _SumOverContext(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad * ctx.size, None
-
-
-def ring_pass(x, group, next_rank: int, previous_rank: int) -> tuple:
-    return (x,) if group is None else _RingPass.apply(x, group, next_rank, previous_rank)
 
 
 def all_to_all_region(x, group, scatter_dim: int, gather_dim: int):

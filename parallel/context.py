@@ -9,26 +9,32 @@ per-token and runs on the local chunks unchanged. Attention needs every earlier 
 
     allgather  K and V all-gathered over CP (their gradients reduce-scattered in backward); local queries
                against all keys, masked by global positions.
-    ring       K/V blocks passed c−1 times around the ring (batch_isend_irecv); each block's partial result is
-               merged with the others by its log-sum-exp. Chunk pairs that causality or the window hides
-               entirely are not computed. Autograd runs backward through the blocks; the shifts' backward
-               passes dK/dV back around the ring (comm.ring_pass).
+    ring       K/V blocks passed c−1 times around the ring (batch_isend_irecv), each exchange overlapped with
+               the current block's computation; each block's partial result is merged with the others by its
+               log-sum-exp; backward sends dK/dV back around the ring, overlapped likewise
+               (parallel/context_ring.py).
     alltoall   Ulysses: one all-to-all turns [heads, local sequence] into [heads / c, full sequence]; ordinary
                attention over the whole sequence; one all-to-all back. KV heads are repeated just enough that
                each rank receives the KV heads its query heads use.
 
-Positions here are indices in the full sequence, which decide causality and the window; documents are
-separated by `segment_ids`, which every CP rank holds whole (it read the whole sample).
+Positions here are indices in the full sequence, which decide causality, the window and ALiBi's bias; documents are
+separated by `segment_ids`, which every CP rank holds whole (it read the whole sample). allgather and ring
+compute attention per (query chunk, key chunk) pair and skip the pairs that causality, the window or document
+boundaries leave entirely masked (`visible_chunks`); alltoall runs the ordinary kernel over the whole
+sequence, where flash-attn's varlen kernel skips what documents hide and SDPA masks it. Attention dropout
+draws from the current RNG stream, each CP rank's own.
 """
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
 
-from kernels.attention import attention_with_lse, causal_attention, merge_attention, position_mask
+from kernels.attention import attention_entropy, causal_attention, position_bias, position_mask
 from parallel import comm
+from parallel.context_ring import RingAttention, ring_masks
 
 STRATEGIES = ("allgather", "ring", "alltoall")
 
@@ -40,6 +46,8 @@ class ContextParallel:
     rank: int = 0
     strategy: str = "allgather"
     ranks: tuple = ()  # global ranks of the CP group in CP-rank order (the ring)
+    blocks_computed: int = 0  # (query chunk, key chunk) pairs attended so far by allgather and ring (tests)
+    _visible_cache: tuple = (None, None, None)  # (weak reference to segment_ids, key, visible_chunks)
 
     @classmethod
     def from_topology(cls, topo, strategy: str = "allgather") -> "ContextParallel":
@@ -81,58 +89,94 @@ class ContextParallel:
         return comm.sum_over_context(local, self.group)
 
     # -- attention -------------------------------------------------------------------------------
-    def attention(self, q, k, v, window: int = 0, segment_ids=None, backend: str = "auto"):
+    def attention(self, q, k, v, window: int = 0, segment_ids=None, backend: str = "auto", dropout_p: float = 0.0,
+                  slopes=None):
         """Causal attention of the local queries q [b, hq, s/c, d] over the whole sequence's keys, whose local
-        part is k, v [b, hkv, s/c, d] (RoPE applied); `segment_ids` [b, s] of the full sequence or None."""
+        part is k, v [b, hkv, s/c, d] (RoPE applied); `segment_ids` [b, s] of the full sequence or None;
+        `slopes` [hq]: ALiBi's, of this rank's query heads (its bias from the tokens' global positions).
+        Attention dropout draws from the current RNG stream, which is each CP rank's own (parallel/random.py),
+        so every rank drops its own queries' probabilities independently."""
         s = q.shape[2] * self.size
         if self.strategy == "allgather":
-            return self._allgather(q, k, v, s, window, segment_ids)
+            return self._allgather(q, k, v, s, window, segment_ids, dropout_p, slopes)
         if self.strategy == "ring":
-            return self._ring(q, k, v, s, window, segment_ids)
-        return self._alltoall(q, k, v, s, window, segment_ids, backend)
+            return self._ring(q, k, v, s, window, segment_ids, dropout_p, slopes)
+        return self._alltoall(q, k, v, s, window, segment_ids, backend, dropout_p, slopes)
 
-    def _allgather(self, q, k, v, s, window, segment_ids):
-        heads = k.shape[1]
-        kv = comm.gather_from_sequence_region(torch.cat((k, v), dim=1), self.group, dim=2)
-        k_all, v_all = kv[:, :heads], kv[:, heads:]
+    @torch.no_grad()
+    def attention_entropy(self, q, k, window: int = 0, segment_ids=None, slopes=None) -> tuple[float, int]:
+        """kernels.attention.attention_entropy of this rank's queries over the whole sequence's keys (gathered
+        over CP): summed over the CP ranks (the monitor sums over every rank) it is the unsplit model's."""
+        s = q.shape[2] * self.size
+        k_all = comm.gather_from_sequence_region(k.contiguous(), self.group, dim=2)
         q_pos, k_pos = self.positions(s, q.device), self.gathered_positions(s, q.device)
         q_seg = k_seg = None
         if segment_ids is not None:
             q_seg, k_seg = segment_ids[:, q_pos], segment_ids[:, k_pos]
-        allowed = position_mask(q_pos, k_pos, window, q_seg, k_seg)
-        return torch.nn.functional.scaled_dot_product_attention(q, k_all, v_all, attn_mask=allowed,
-                                                                enable_gqa=heads != q.shape[1])
+        bias = None if slopes is None else position_bias(slopes, q_pos, k_pos)
+        return attention_entropy(q, k_all, bias, allowed=position_mask(q_pos, k_pos, window, q_seg, k_seg))
 
-    def _ring(self, q, k, v, s, window, segment_ids):
+    # -- which chunk pairs are computed ---------------------------------------------------------------
+    def visible_chunks(self, seq_length: int, window: int, segment_ids=None) -> list[list[bool]]:
+        """[2c][2c]: whether any query of chunk i may attend any key of chunk j (of n = s/2c tokens). Causality
+        and the window decide by the chunks' places; documents by their segment-id ranges per row (a pair is
+        skipped when no row's ranges meet, exact for the increasing ids of packed documents and never wrong
+        for any ids). One host read per micro-batch: the result is kept for the segment_ids tensor."""
+        n, chunks = seq_length // (2 * self.size), 2 * self.size
+        key = (seq_length, window, None if segment_ids is None else segment_ids._version)
+        ref, cached_key, cached = self._visible_cache
+        if segment_ids is not None and ref is not None and ref() is segment_ids and cached_key == key:
+            return cached
+        meet = [[True] * chunks for _ in range(chunks)]
+        if segment_ids is not None:
+            ids = segment_ids.reshape(segment_ids.shape[0], chunks, n)
+            low, high = ids.amin(-1), ids.amax(-1)  # [b, 2c]
+            meet = ((low[:, None, :] <= high[:, :, None]) & (low[:, :, None] <= high[:, None, :])).any(0).tolist()
+        out = [[meet[i][j] and _chunk_visible(i, j, n, window) for j in range(chunks)] for i in range(chunks)]
+        if segment_ids is not None:
+            self._visible_cache = (weakref.ref(segment_ids), key, out)
+        return out
+
+    def _allgather(self, q, k, v, s, window, segment_ids, dropout_p, slopes):
+        heads, n = k.shape[1], s // (2 * self.size)
+        kv = comm.gather_from_sequence_region(torch.cat((k, v), dim=1), self.group, dim=2)
+        k_all, v_all = kv[:, :heads], kv[:, heads:]
+        visible = self.visible_chunks(s, window, segment_ids)
+        outputs = []
+        for qc, q_chunk in zip(self.chunk_ids(), q.split(n, dim=2)):
+            # the key chunks this query chunk sees, found at their slots of the gather (CP-rank order)
+            kcs = [j for j in range(2 * self.size) if visible[qc][j]]
+            self.blocks_computed += len(kcs)
+            slots = [2 * min(j, 2 * self.size - 1 - j) + (j >= self.size) for j in kcs]
+            k_sel = torch.cat([k_all[:, :, t * n:(t + 1) * n] for t in slots], dim=2)
+            v_sel = torch.cat([v_all[:, :, t * n:(t + 1) * n] for t in slots], dim=2)
+            q_pos = torch.arange(qc * n, (qc + 1) * n, device=q.device)
+            k_pos = torch.cat([torch.arange(j * n, (j + 1) * n, device=q.device) for j in kcs])
+            q_seg = k_seg = None
+            if segment_ids is not None:
+                q_seg, k_seg = segment_ids[:, q_pos], segment_ids[:, k_pos]
+            allowed = position_mask(q_pos, k_pos, window, q_seg, k_seg)
+            if slopes is not None:  # an additive mask: the bias where allowed, -inf elsewhere
+                allowed = position_bias(slopes, q_pos, k_pos).to(q.dtype).masked_fill(~allowed, float("-inf"))
+            outputs.append(torch.nn.functional.scaled_dot_product_attention(
+                q_chunk, k_sel, v_sel, attn_mask=allowed, dropout_p=dropout_p, enable_gqa=heads != q.shape[1]))
+        return torch.cat(outputs, dim=2)
+
+    def _ring(self, q, k, v, s, window, segment_ids, dropout_p, slopes):
         n = s // (2 * self.size)
-        heads = k.shape[1]
+        visible = self.visible_chunks(s, window, segment_ids)
         mine = self.chunk_ids()
-        q_chunks = q.split(n, dim=2)
-        outputs: list = [None, None]  # per query chunk: (output, log-sum-exp) merged so far
-        following, preceding = self.ranks[(self.rank + 1) % self.size], self.ranks[(self.rank - 1) % self.size]
-        blocks = comm.ring_pass(torch.cat((k, v), dim=1), self.group, following, preceding)
-        for step, block in enumerate(blocks):
-            source = (self.rank - step) % self.size  # block `step` is the K/V of the rank that far back
-            k_chunks, v_chunks = block[:, :heads].split(n, dim=2), block[:, heads:].split(n, dim=2)
-            theirs = self.chunk_ids(source)
-            for i, qc in enumerate(mine):
-                visible = [j for j, kc in enumerate(theirs) if _chunk_visible(qc, kc, n, window)]
-                if not visible:  # causality (or the window) hides the whole block from this chunk
-                    continue
-                k_pos = torch.cat([torch.arange(theirs[j] * n, (theirs[j] + 1) * n, device=q.device) for j in visible])
-                q_pos = torch.arange(qc * n, (qc + 1) * n, device=q.device)
-                q_seg = k_seg = None
-                if segment_ids is not None:
-                    q_seg, k_seg = segment_ids[:, q_pos], segment_ids[:, k_pos]
-                part = attention_with_lse(q_chunks[i], torch.cat([k_chunks[j] for j in visible], dim=2),
-                                          torch.cat([v_chunks[j] for j in visible], dim=2),
-                                          position_mask(q_pos, k_pos, window, q_seg, k_seg))
-                # step 0 holds the diagonal chunk: every query sees at least itself there, so the first
-                # partial result has a finite log-sum-exp
-                outputs[i] = part if outputs[i] is None else merge_attention(*outputs[i], *part)
-        return torch.cat([out for out, _ in outputs], dim=2)
 
-    def _alltoall(self, q, k, v, s, window, segment_ids, backend):
+        def block_chunks(step):  # block `step` is the K/V of the rank that far back
+            return self.chunk_ids((self.rank - step) % self.size)
+        pairs = [[[j for j, kc in enumerate(block_chunks(step)) if visible[qc][kc]] for qc in mine]
+                 for step in range(self.size)]
+        self.blocks_computed += sum(len(p) for per_query in pairs for p in per_query)
+        masks, biases = ring_masks(pairs, block_chunks, mine, n, window, segment_ids, q.device, slopes)
+        ring = (self.group, self.ranks[(self.rank + 1) % self.size], self.ranks[(self.rank - 1) % self.size])
+        return RingAttention.apply(q, torch.cat((k, v), dim=1), pairs, masks, ring, dropout_p, biases)
+
+    def _alltoall(self, q, k, v, s, window, segment_ids, backend, dropout_p, slopes):
         c, hq, hkv = self.size, q.shape[1], k.shape[1]
         repeat = c // math.gcd(hkv, c)  # KV heads repeated until they split evenly, aligned with the queries
         if repeat > 1:
@@ -145,7 +189,10 @@ class ContextParallel:
         order = self.gathered_positions(s, q.device)
         full = full[:, :, torch.argsort(order)]  # CP-rank order to sequence order
         q_full, k_full, v_full = full.split([hq // c, hk // c, hk // c], dim=1)
-        out = causal_attention(q_full, k_full, v_full, backend=backend, window=window, segment_ids=segment_ids)
+        if slopes is not None:  # this rank now holds query heads [rank · hq/c, (rank + 1) · hq/c)
+            slopes = slopes[self.rank * (hq // c):(self.rank + 1) * (hq // c)]
+        out = causal_attention(q_full, k_full, v_full, dropout_p=dropout_p, backend=backend, slopes=slopes,
+                               window=window, segment_ids=segment_ids)
         return comm.all_to_all_region(out[:, :, order], self.group, scatter_dim=2, gather_dim=1)
 
 

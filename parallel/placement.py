@@ -55,7 +55,8 @@ def placement_warnings(layout: Layout, nodes: list[str], dp_block_size: int = 0,
             f"all-reduce crosses the network. Place consecutive ranks on one node (srun -m block, the default), "
             f"keep parallel.rank_order with tp first and parallel.tensor at most the ranks per node")
     if dp_block_size:
-        blocks = [g[i:i + dp_block_size] for g in layout.groups_along("dp") for i in range(0, len(g), dp_block_size)]
+        blocks = [g[i:i + dp_block_size] for g in layout.groups_along("dp", "cp")
+                  for i in range(0, len(g), dp_block_size)]
         split = groups_across_nodes(blocks, nodes)
         if split:
             warnings.append(

@@ -145,7 +145,7 @@ class Topology:
         from parallel.comm import register_group
         pool = []
         for k in range(min(count, num_units)):
-            for ranks in self.layout.groups_along("dp"):
+            for ranks in self.layout.groups_along("dp", "cp"):  # copies of the reduce group (DP × CP)
                 group = self._new_group(ranks)
                 if self.rank in ranks:
                     pool.append(group)
@@ -153,13 +153,14 @@ class Topology:
         return [pool[unit % len(pool)] for unit in range(num_units)]
 
     def build_hierarchical_dp(self, node_size: int) -> tuple:
-        """(intra, inter) groups splitting each DP group into blocks of `node_size` ranks (NCCL grouping)."""
-        if self.dp_size % node_size:
-            raise LayoutError(f"hierarchical data parallelism needs DP size {self.dp_size} divisible by the "
+        """(intra, inter) groups splitting each reduce group (DP × CP, the DP group without CP) into blocks of
+        `node_size` ranks in rank order (NCCL grouping; CP ranks, adjacent by default, share a block)."""
+        if self.reduce_size % node_size:
+            raise LayoutError(f"hierarchical data parallelism needs DP × CP size {self.reduce_size} divisible by the "
                               f"node group size {node_size}")
         from parallel.comm import register_group
         intra = inter = None
-        for ranks in self.layout.groups_along("dp"):
+        for ranks in self.layout.groups_along("dp", "cp"):
             blocks = [ranks[i:i + node_size] for i in range(0, len(ranks), node_size)]
             for block in blocks:
                 g = self._new_group(block)

@@ -18,6 +18,7 @@ from engine.evaluate.text_tokenizer import TextTokenizer
 from engine.model import CausalLM
 from engine.observe.metrics import MetricsLog
 from engine.train import Trainer
+from parallel.context import ContextParallel
 from parallel.distributed import DistEnv
 from tests.distributed import WorkerPool, free_port
 from tests.eval_fixtures import CORPUS, VOCAB, lm_eval_python, make_tokenizer, one_thread  # noqa: F401
@@ -83,10 +84,10 @@ def train_at(rank, world, tmp, steps, *layout) -> str:
     return train_and_save(tmp, steps, *layout, rank=rank, world=world)
 
 
-def evaluate_at(rank, world, model, data, tensor, pipeline, window=0):
+def evaluate_at(rank, world, model, data, tensor, pipeline, window=0, context=1, context_attention="allgather"):
     torch.set_num_threads(1)
     return evaluate_tool.evaluate(model, data, tensor=tensor, pipeline=pipeline, rank=rank, world=world,
-                                  window=window)
+                                  window=window, context=context, context_attention=context_attention)
 
 
 def transformers_nats(hf_dir, texts, tokenizer, eod, seq_length) -> float:
@@ -125,6 +126,19 @@ def test_same_numbers_at_every_layout_for_a_zero3_checkpoint_and_its_hf_export(p
         assert abs(hf["all"][key] - one["all"][key]) <= 1e-4, (key, hf, one)
     reference = transformers_nats(tmp_path / "hf", DOCS, tokenizer, 0, 32)
     assert abs(reference - first["nats"]) <= 1e-4 * first["tokens"], (reference, first)
+
+
+@pytest.mark.parametrize("window", [0, 15], ids=["seq-length", "odd-window"])
+def test_context_parallel_scores_equal_one_process(pool, tmp_path, window):
+    """--context 2 under each strategy (with DP2, TP2 or PP2 beside it) scores what one process scores, to 1e-5
+    nats per token; a 15-token window pads each micro-batch to a multiple of 2c = 4 (padding is never scored)."""
+    ckpt = train_and_save(tmp_path, 1)
+    data = [write_jsonl(tmp_path / "docs.jsonl", DOCS)]
+    one = evaluate_tool.evaluate(ckpt, data, window=window)["all"]
+    for strategy, tensor, pipeline in (("allgather", 2, 1), ("ring", 1, 1), ("alltoall", 1, 2)):
+        for got in pool.run(evaluate_at, ckpt, data, tensor, pipeline, window, 2, strategy):
+            assert got["all"]["tokens"] == one["tokens"]
+            assert abs(got["all"]["loss"] - one["loss"]) <= 1e-5, (strategy, got["all"], one)
 
 
 def test_bad_input_is_one_line(tmp_path, capsys):
@@ -267,10 +281,14 @@ def test_short_documents_cost_their_tokens_whatever_max_position_embeddings(tmp_
     assert lengths[512] == lengths[8192] and max(lengths[8192]) == longest  # [eod] + tokens, less the last
 
 
-def test_a_micro_batch_is_as_long_as_its_longest_request_rounded_for_sequence_parallelism():
+def test_a_micro_batch_is_as_long_as_its_longest_request_rounded_for_sequence_and_context_parallelism():
     scorer = Scorer([], 8, "cpu", sequence_shards=2)
     mb = scorer.micro_batch([([1, 2, 3, 4], 2), ([5, 6], 1)])
     assert mb.tokens.tolist() == [[1, 2, 3, 4, 0], [5, 6, 0, 0, 0]]
     assert mb.loss_mask.tolist() == [[0, 1, 1, 0], [1, 0, 0, 0]]
     scorer.window = 9  # a long request keeps its last window + 1 tokens, as lm-eval truncates on the left
     assert scorer.micro_batch([(list(range(20)), 3)]).tokens[0].tolist() == list(range(10, 20)) + [0]
+    # context parallelism at c = 2: 2c = 4 chunks, each rank's 2 chunks split again over 2 SP ranks
+    assert Scorer([], 8, "cpu", context=ContextParallel(size=2)).micro_batch([([1, 2, 3], 2)]).tokens.shape[1] == 5
+    assert Scorer([], 8, "cpu", sequence_shards=4, context=ContextParallel(size=2)).micro_batch(
+        [([1, 2, 3], 2)]).tokens.shape[1] == 9

@@ -1,6 +1,8 @@
 """Context parallelism equals the single-process model (gloo, CPU, fp32, max abs ≤ 1e-5), for each attention
 strategy, with packed documents and sliding windows, and composed with TP, PP and ZeRO-3."""
+import json
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +23,8 @@ EOD = 3
 # 4 query heads and 2 KV heads: under alltoall at CP4 each rank gets one query head and the KV head it uses
 MODEL = dict(hidden_size=32, num_layers=2, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=64, vocab_size=61,
              seq_length=32)
-VARIANTS = {"causal": ({}, False), "documents": ({}, True), "window": ({"attention_window": 5}, False)}
+VARIANTS = {"causal": ({}, False), "documents": ({}, True), "window": ({"attention_window": 5}, False),
+            "alibi": ({"position_embedding": "alibi"}, True)}  # ALiBi with documents
 STRATEGIES = ("allgather", "ring", "alltoall")
 CURVE = {"model": dict(hidden_size=32, num_layers=2, num_attention_heads=4, num_kv_heads=1, ffn_hidden_size=64,
                        vocab_size=61, seq_length=16),
@@ -86,6 +89,88 @@ def test_context_parallel_matches_single_process(pools, strategy, world, variant
         assert diffs[worst] <= TOL, f"{worst}: {diffs[worst]}"
 
 
+def blocks_per_layer(rank, world, strategy, variant):
+    """(query chunk, key chunk) pairs this rank attends per layer in one forward of `micro_batch(variant)`."""
+    cp = ContextParallel.from_topology(Topology(Layout(cp=world), rank), strategy)
+    model = CausalLM(ModelConfig(**MODEL, **VARIANTS[variant][0]), cp=cp)
+    model.init_weights(11)
+    args, kwargs = micro_batch(variant, cp).forward_args(first=True, last=True)
+    model(*args, **kwargs)
+    return cp.blocks_computed / MODEL["num_layers"]
+
+
+@pytest.mark.parametrize("strategy", ["allgather", "ring"])
+def test_masked_chunk_pairs_are_skipped(pools, strategy):
+    """By hand, rank r holding chunks r and 2c−1−r: causality leaves chunk q the key chunks 0..q (CP2: 1 + 4 on
+    rank 0, 2 + 3 on rank 1, of the 2·2c each would see unmasked). The packed micro-batch's documents (segment
+    ids per chunk of 8 at CP2: row 0 {0,1} {1} {1,2} {2}, row 1 {0} {0,1,2} {2} {2,3}) also hide chunk 0 from
+    chunk 3 in both rows: 9 pairs, not 10. At CP4 (chunks of 4) they leave chunk 7 only chunks 5-7, chunk 6 3-6,
+    chunk 5 3-5, chunk 4 1-4, chunk 3 1-3: 23 pairs of the causal 36. Results equal CP1 in
+    test_context_parallel_matches_single_process (documents)."""
+    assert pools[2].run(blocks_per_layer, strategy, "causal") == [5, 5]
+    assert pools[2].run(blocks_per_layer, strategy, "documents") == [4, 5]
+    assert pools[4].run(blocks_per_layer, strategy, "documents") == [1 + 3, 2 + 4, 3 + 3, 3 + 4]
+
+
+def ring_event_order(rank, world):
+    """The order of one layer's ring exchanges and block computations, forward and backward."""
+    from parallel import context_ring
+    events, originals = [], {}
+    for module, name, label in ((comm, "start_ring_shift", "post"), (comm, "finish_ring_shift", "wait"),
+                                (context_ring, "attention_with_lse", "block"),
+                                (context_ring, "_block_backward", "block")):
+        originals[module, name] = getattr(module, name)
+
+        def logged(*args, _fn=originals[module, name], _label=label, **kwargs):
+            events.append(_label)
+            return _fn(*args, **kwargs)
+        setattr(module, name, logged)
+    try:
+        cp = ContextParallel.from_topology(Topology(Layout(cp=world), rank), "ring")
+        q, k, v = (torch.randn(1, 2, 8, 4, requires_grad=True) for _ in range(3))
+        cp.attention(q, k, v).sum().backward()
+    finally:
+        for (module, name), fn in originals.items():
+            setattr(module, name, fn)
+    return events
+
+
+def test_ring_posts_the_next_exchange_before_computing_the_current_block(pools):
+    """CP2, rank 1 (chunks 1 and 2; the block from rank 0 holds chunks 0 and 3): forward posts the shift, computes
+    its own block (both query chunks), waits, computes the received one (both query chunks see chunk 0); backward
+    computes the received block's gradients first, posts them back, computes its own block's, waits."""
+    assert pools[2].run(ring_event_order)[1] == ["post", "block", "block", "wait", "block", "block",
+                                                 "block", "block", "post", "block", "block", "wait"]
+
+
+def saved_per_rank(rank, world, strategy):
+    """(bytes autograd saves for one micro-batch on this CP rank, engine/memory_estimate's chunk_activation):
+    tiny.yaml's 4 layers, h = 64, 4 query and 2 KV heads, b = 2, s = 256, fp32, no recomputation."""
+    from engine.memory_estimate import chunk_activation
+    from tests.test_memory_estimate import config, saved_bytes
+    cfg = config(world, f"parallel.context={world}", "model.seq_length=256", "model.vocab_size=1000",
+                 f"parallel.context_attention={strategy}")
+    cp = ContextParallel.from_topology(Topology(Layout(cp=world), rank), strategy)
+    model = CausalLM(cfg.model, cp=cp)
+    model.init_weights(1)
+    tokens = torch.randint(0, 1000, (cfg.train.micro_batch_size, 257), generator=torch.Generator().manual_seed(0))
+    got = saved_bytes(model, cp.shard(tokens[:, :-1]), cp.shard(tokens[:, 1:]))
+    return got, chunk_activation(cfg, cfg.model.num_layers, True, True, cfg.train.micro_batch_size, "none")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_activations_per_rank_fall_as_one_over_c(pools, strategy):
+    """The estimate (tools/estimate_memory.py) is the CP1 activations over c; what a rank saves is that plus the
+    strategy's keys and values beyond its chunks (measured 6-29% more at this small width, docs/parallelism.md)."""
+    single, estimate = saved_per_rank(0, 1, strategy)
+    assert abs(single / estimate - 1) <= 0.01
+    saved = {}
+    for c in (2, 4):
+        saved[c], want = pools[c].run(saved_per_rank, strategy)[0]
+        assert want == estimate // c and 1.0 <= saved[c] / want <= 1.35, (c, saved[c], want)
+    assert saved[4] / saved[2] <= 0.6 and saved[2] / single <= 0.6
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_communication_per_layer_matches_the_formula(pools, strategy):
     """Bytes each CP4 rank moves per layer and direction (fp32, b = 2, local sequence s/c, d = 8)."""
@@ -123,6 +208,34 @@ def test_context_parallel_composes(pools, reference, strategy, parallel):
     assert_matches_reference(results, reference, tp_size=parallel.get("tensor", 1))
 
 
+@pytest.mark.parametrize("parallel", [{"zero_stage": 3, "hsdp_group_size": 2},
+                                      {"zero_stage": 1, "hierarchical_node_size": 2},
+                                      {"zero_stage": 0, "hierarchical_node_size": 2},
+                                      {"zero_stage": 3, "unit_process_groups": True}],
+                         ids=["hsdp", "hierarchical-zero1", "hierarchical-ddp", "unit-groups"])
+def test_context_parallel_composes_with_grouped_reductions(pools, reference, parallel):
+    """CP2 × DP2: HSDP's shard groups, hierarchical reduction's blocks and the per-unit communicators split the
+    reduce group DP × CP (blocks of 2: one replica's CP ranks), as they split DP without CP."""
+    results = pools[4].run(train_run, CURVE, {"context": 2, **parallel})
+    assert_matches_reference(results, reference)
+
+
+ALIBI_CURVE = {**CURVE, "model": {**CURVE["model"], "position_embedding": "alibi"}}
+
+
+@pytest.fixture(scope="module")
+def alibi_reference():
+    return single_process_run(ALIBI_CURVE)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_alibi_under_tensor_and_context_parallelism(pools, alibi_reference, strategy):
+    """TP2 × CP2 with ALiBi: each TP rank's 2 heads have their own slopes, which alltoall scatters once more
+    (one head, and its slope, per CP rank)."""
+    results = pools[4].run(train_run, ALIBI_CURVE, {"context": 2, "context_attention": strategy, "tensor": 2})
+    assert_matches_reference(results, alibi_reference, tp_size=2)
+
+
 @pytest.fixture(scope="module")
 def deep_reference():
     return single_process_run(DEEP_CURVE)
@@ -139,9 +252,9 @@ def test_context_parallel_composes_with_interleaved_pipeline(pools, deep_referen
 
 def test_launched_tp2_cp2_pp2_with_documents_follows_the_single_process(tmp_path):
     """launch/run_pretrain.sh on 8 ranks: TP2 + SP × CP2 (ring) × PP2 on the tiny recipe with packed documents
-    (end-of-document token 5 of 64 ends a document about every other sample); 10 losses within 1e-4."""
+    (end-of-document token 5 of 64 ends a document about every other sample); 20 losses within 1e-4."""
     documents = ["model.vocab_size=64", "data.eod_token_id=5", "data.reset_attention_mask=true",
-                 "data.reset_position_ids=true", "data.eod_mask_loss=true", "train.steps=10"]
+                 "data.reset_position_ids=true", "data.eod_mask_loss=true", "train.steps=20"]
     single = [r["loss"] for r in launch(tmp_path / "single", *documents)]
     layout = ["parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.context=2",
               "parallel.context_attention=ring", "parallel.pipeline=2"]
@@ -149,7 +262,7 @@ def test_launched_tp2_cp2_pp2_with_documents_follows_the_single_process(tmp_path
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "8 ranks = TP 2 × CP 2 × PP 2 × DP 1" in done.stdout + done.stderr
     split = [r["loss"] for r in read_metrics(tmp_path / "cp")]
-    assert len(split) == len(single) == 10
+    assert len(split) == len(single) == 20
     for step, (a, b) in enumerate(zip(single, split), 1):
         assert abs(a - b) <= 1e-4, (step, a, b)
 
@@ -174,6 +287,89 @@ def test_hidden_dropout_draws_its_own_mask_on_each_context_rank(pools, tmp_path,
     assert not torch.equal(masks[0, 0], masks[0, 1]) and not torch.equal(masks[1, 0], masks[1, 1])
     assert torch.equal(masks[0, 0], masks[1, 0]) != sequence_parallel
     assert all(abs(loss - results[0][3][i]) < TOL for *_, losses in results for i, loss in enumerate(losses))
+
+
+def test_ring_backward_with_dropout_is_the_gradient_of_its_forward():
+    """The ring's written-out backward (one rank: both chunks of the sequence, GQA 4 query / 2 KV heads, ALiBi,
+    documents, fp64) against finite differences of its forward, with attention dropout drawn again from one seed
+    per call (the same masks)."""
+    from parallel.context_ring import RingAttention, ring_masks
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 6, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    kv = torch.randn(2, 4, 6, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    segments = torch.tensor([[0, 0, 0, 0, 1, 1], [0, 0, 1, 1, 1, 1]])
+    pairs = [[[0], [0, 1]]]
+    masks, biases = ring_masks(pairs, lambda step: (0, 1), (0, 1), 3, 0, segments, "cpu",
+                               torch.tensor([0.5, 0.25, 0.125, 0.0625]))
+
+    def ring(q, kv, dropout_p):
+        torch.manual_seed(0)
+        return RingAttention.apply(q, kv, pairs, masks, (None, 0, 0), dropout_p, biases)
+    assert torch.autograd.gradcheck(lambda q, kv: ring(q, kv, 0.3), (q, kv))
+    assert not torch.equal(ring(q, kv, 0.3), ring(q, kv, 0.0))  # dropout was applied
+
+
+def dropout_expectation(rank, world, strategy, draws):
+    """(mean |average over `draws` dropout forwards − the undropped output|, the same for one draw) of this
+    rank's queries; values near 1, so that a missing 1/(1−p) shows as an error near 0.5."""
+    cp = ContextParallel.from_topology(Topology(Layout(cp=world), rank), strategy)
+    gen = torch.Generator().manual_seed(9)  # the same full tensors on every rank
+    q, k = torch.randn(1, 4, 32, 8, generator=gen), torch.randn(1, 2, 32, 8, generator=gen)
+    v = 1 + 0.1 * torch.randn(1, 2, 32, 8, generator=gen)
+    q, k, v = (cp.shard(t, dim=2) for t in (q, k, v))
+    exact = cp.attention(q, k, v)
+    torch.manual_seed(100 + rank)  # each CP rank its own stream, as seed_all gives it
+    outs = torch.stack([cp.attention(q, k, v, dropout_p=0.5) for _ in range(draws)])
+    return (outs.mean(0) - exact).abs().mean().item(), (outs[0] - exact).abs().mean().item()
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_attention_dropout_keeps_the_expected_output(pools, strategy):
+    """Attention dropout at CP2 (p = 0.5, each rank's own masks): one draw is far from the undropped output, the
+    mean of 200 draws is near it (its standard error is at most 1/√200 ≈ 0.07 per element)."""
+    for averaged, single in pools[2].run(dropout_expectation, strategy, 200):
+        assert averaged < 0.05 and single > 0.2, (averaged, single)
+
+
+def dropout_losses(rank, world, run_dir, recompute):
+    base = {**CURVE, "model": {**CURVE["model"], "attention_dropout": 0.3},
+            "train": {**CURVE["train"], "recompute": recompute}}
+    trainer = trainer_in(f"{run_dir}/{recompute}", rank, world, base=base, context=2, context_attention="ring")
+    return [trainer.train_step()["loss"] for _ in range(2)]
+
+
+def test_recomputed_ring_attention_redraws_the_same_dropout(pools, tmp_path):
+    """Selective recomputation replays the ring's forward in backward: the masks drawn again must be the forward's,
+    or the gradients (and the second step's loss) would differ from a run without recomputation."""
+    plain = pools[2].run(dropout_losses, str(tmp_path), "none")
+    assert pools[2].run(dropout_losses, str(tmp_path), "selective") == plain
+
+
+def diary_at_context_two(rank, world, tmp):
+    from engine.config.schema import load_config
+    from engine.observe.diary import read_entries
+    from engine.observe.metrics import MetricsLog
+    from tests.eval_fixtures import VOCAB
+    cfg = load_config("launch/configs/tiny.yaml", [
+        "model.num_layers=2", f"model.vocab_size={VOCAB}", "train.steps=2", f"data.tokenizer={tmp}/tok/tokenizer.json",
+        "train.diary_prompts=[\"def \"]", "train.diary_max_tokens=6", "checkpoint.interval=2", f"run.dir={tmp}/run",
+        "parallel.context=2", "parallel.context_attention=ring"])
+    validate(cfg, world)
+    Trainer(cfg, DistEnv(rank, world, 0, torch.device("cpu"), "gloo")).train(MetricsLog(f"{tmp}/run", enabled=False))
+    return read_entries(Path(tmp) / "run" / "diary.jsonl")
+
+
+def test_the_generation_diary_runs_under_context_parallelism(pools, tmp_path, capsys):
+    """Rank 0 generates from the checkpoint just saved, as one whole model on the host: at CP2 its text is what
+    tools/generate.py writes for that checkpoint in one process (checkpoints load whole at any layout)."""
+    from tests.eval_fixtures import make_tokenizer
+    from tools import generate as generate_tool
+    make_tokenizer(tmp_path / "tok")
+    [entry] = pools[2].run(diary_at_context_two, str(tmp_path))[0]
+    assert (entry["step"], entry["prompt"], entry["mode"]) == (2, "def ", "greedy")
+    assert generate_tool.main(["--model", str(tmp_path / "run" / "checkpoints"), "--prompt", "def ",
+                               "--max-new-tokens", "6"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["text"] == entry["text"]
 
 
 def trainer_in(run_dir, rank, world, base=CURVE, **parallel):
@@ -201,12 +397,25 @@ def test_checkpoint_saved_at_cp2_resumes_at_cp1(pools, reference):
     assert first + rest == pytest.approx(reference[0], abs=TOL)
 
 
+def resume_at_context_four(rank, world, run_dir):
+    trainer = trainer_in(run_dir, rank, world, context=4, zero_stage=1)
+    assert (trainer.step, trainer.topo.cp_size, trainer.topo.dp_size) == (2, 4, 1)
+    return [trainer.train_step()["loss"] for _ in range(2)]
+
+
+def test_checkpoint_saved_at_cp2_resumes_at_cp4(pools, reference):
+    """The ZeRO-1 shards of 2 CP ranks load as 4 CP ranks' shards (each rank 2 of 8 chunks of 16 tokens)."""
+    with tempfile.TemporaryDirectory() as run_dir:
+        first = pools[2].run(save_at_context_two, run_dir)[0]
+        for rest in pools[4].run(resume_at_context_four, run_dir):
+            assert first + rest == pytest.approx(reference[0], abs=TOL)
+
+
 @pytest.mark.parametrize("change, message", [
     ({"model": {"seq_length": 18}}, "parallel.context=2 splits model.seq_length=18 into 2×2 = 4 chunks"),
-    ({"model": {"position_embedding": "alibi"}}, "cannot serve model.position_embedding=alibi"),
-    ({"model": {"attention_dropout": 0.1}}, "cannot serve model.attention_dropout"),
     ({"parallel": {"context_attention": "alltoall", "tensor": 4}, "model": {"num_kv_heads": 4}},
      "parallel.context_attention=alltoall scatters the 1 query heads"),
+    ({"model": {"attention_backend": "flash"}}, "cannot serve model.attention_backend=flash"),
 ])
 def test_context_parallel_refusals_name_the_key(change, message):
     raw = {k: dict(v) for k, v in CURVE.items()}

@@ -87,7 +87,7 @@ def in_run_scores(rank, world, overrides):
     return record, trainer.tasks.scorer.nll_sums(reqs)
 
 
-def test_in_run_task_scores_equal_the_reference_under_tp2_pp2_and_zero3(pool, tmp_path):
+def test_in_run_task_scores_equal_the_reference_under_tp2_pp2_zero3_and_cp2(pool, tmp_path):
     common = task_overrides(tmp_path)
     trainer = Trainer(load_config(TINY, common), DistEnv())
     _, reqs = trainer.tasks.suite.tasks["tiny_mc"]
@@ -102,7 +102,8 @@ def test_in_run_task_scores_equal_the_reference_under_tp2_pp2_and_zero3(pool, tm
     assert sorted(seen) == sorted(2 * [len(ids) - 1 for ids, _ in reqs])  # evaluate(), then nll_sums again
     assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-4
     for layout in (["parallel.tensor=2", "parallel.pipeline=2", "parallel.sequence_parallel=true"],
-                   ["parallel.pipeline=2", "parallel.zero_stage=3"]):  # the second with DP=2
+                   ["parallel.pipeline=2", "parallel.zero_stage=3"],  # with DP=2
+                   ["parallel.context=2", "parallel.context_attention=ring", "parallel.pipeline=2"]):
         for rank_record, rank_sums in pool.run(in_run_scores, common + layout):
             assert max(abs(a - b) for a, b in zip(rank_sums, want)) <= 1e-4, (layout, rank_sums, want)
             assert rank_record == record

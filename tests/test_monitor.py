@@ -109,7 +109,8 @@ def test_attention_entropy_is_the_same_on_every_layout(pool):
     # Data parallelism is left out: each DP rank probes its own first micro-batch, so DP=2 averages two.
     reference = entropies(0, 1)
     for layout in (["parallel.tensor=2", "parallel.pipeline=2", "parallel.sequence_parallel=true"],
-                   ["parallel.tensor=4"]):  # 4 query heads, 2 KV heads: KV replicated over TP
+                   ["parallel.tensor=4"],  # 4 query heads, 2 KV heads: KV replicated over TP
+                   ["parallel.context=2", "parallel.tensor=2", "parallel.context_attention=ring"]):
         for got in pool.run(entropies, *layout):
             worst = max(abs(a - b) for step_a, step_b in zip(got, reference) for a, b in zip(step_a, step_b))
             assert worst <= 1e-5, (layout, got, reference)

@@ -2,9 +2,11 @@
 
     # one process
     python tools/evaluate.py --model runs/x/checkpoints --data held_out.jsonl --output eval.json
-    # at a layout (TP × PP × DP over the ranks), with any launcher that sets the usual rank variables
+    # at a layout (TP × CP × PP × DP over the ranks), with any launcher that sets the usual rank variables
     torchrun --nproc-per-node 4 tools/evaluate.py --model runs/x/checkpoints --tensor 2 --pipeline 2 \\
         --data demo_out/data/stdlib_text_document
+    # long windows split over 2 context-parallel ranks (parallel/context.py; --context-attention as in training)
+    torchrun --nproc-per-node 2 tools/evaluate.py --model runs/x/checkpoints --context 2 --data held_out.jsonl
 
 --model: a checkpoint (full or light, saved at any layout), a checkpoints directory (its `latest`) or a
 Hugging Face directory. --data: JSONL files (one document per line, its text under --text-key) or token
@@ -122,29 +124,36 @@ def summarize(nats: float, tokens: int, n_bytes: int) -> dict:
 
 
 def build(source: ModelSource, tensor: int, pipeline: int, rank: int, world: int, device, dtype, batch: int,
-          window: int) -> Scorer:
-    """This rank's Scorer of `window`-token windows at the layout TP × PP × (world / TP·PP)."""
+          window: int, context: int = 1, context_attention: str = "allgather") -> Scorer:
+    """This rank's Scorer of `window`-token windows at the layout TP × CP × PP × (world / TP·CP·PP)."""
     from engine.config.schema import Config, validate
     from engine.train import build_model_chunks
+    from parallel.context import ContextParallel
     from parallel.p2p import PipelineComm
     from parallel.tensor import TensorParallel
     from parallel.topology import Layout, Topology
-    cfg = Config(model=dataclasses.replace(source.model, seq_length=window))
+    # a micro-batch is padded to a multiple of 2c (Scorer), so the configured length is the window rounded so
+    seq_length = -(-window // (2 * context)) * 2 * context if context > 1 else window
+    cfg = Config(model=dataclasses.replace(source.model, seq_length=seq_length))
     cfg.parallel.tensor, cfg.parallel.pipeline, cfg.data.mock = tensor, pipeline, True
-    cfg.train.micro_batch_size, cfg.train.global_batch_size = 1, max(world // (tensor * pipeline), 1)
+    cfg.parallel.context, cfg.parallel.context_attention = context, context_attention
+    cfg.train.micro_batch_size, cfg.train.global_batch_size = 1, max(world // (tensor * context * pipeline), 1)
     validate(cfg, world)
-    topo = Topology(Layout.for_world(world, tensor, pipeline), rank)
-    chunks = build_model_chunks(cfg, topo, TensorParallel.from_topology(topo))
+    topo = Topology(Layout.for_world(world, tensor, pipeline, cp=context), rank)
+    cp = ContextParallel.from_topology(topo, context_attention)
+    chunks = build_model_chunks(cfg, topo, TensorParallel.from_topology(topo), cp)
     source.fill(chunks, topo.tp_size, topo.tp_rank)
     for chunk in chunks:
         chunk.to(device=device, dtype=dtype).eval()
     pipe = PipelineComm.for_model(topo, cfg.model, batch, False, dtype, device) if pipeline > 1 else None
-    return Scorer(chunks, window, device, pipe, topo.dp_group, topo.dp_rank, topo.dp_size, batch)
+    return Scorer(chunks, window, device, pipe, topo.dp_group, topo.dp_rank, topo.dp_size, batch,
+                  context=cp if context > 1 else None)
 
 
 def evaluate(model: str, data: list[str], tokenizer: str = "", tensor: int = 1, pipeline: int = 1, rank: int = 0,
              world: int = 1, device="cpu", dtype=torch.float32, text_key: str = "text", limit: int = 0,
-             batch: int = 8, progress: bool = False, window: int = 0, prefix: str = "harness") -> dict:
+             batch: int = 8, progress: bool = False, window: int = 0, prefix: str = "harness", context: int = 1,
+             context_attention: str = "allgather") -> dict:
     """{"model", "step", "window", "prefix_token", "datasets": {path: summary}, "all": summary}; the same on
     every rank. window 0: the model's default (default_window); prefix "harness" or "eod"."""
     source = ModelSource(model)
@@ -158,7 +167,8 @@ def evaluate(model: str, data: list[str], tokenizer: str = "", tensor: int = 1, 
         prefix_id = text.prefix_id(eod) if text is not None and prefix == "harness" else eod
         window = window or default_window(source)
         check_window(source, window)
-        scorer = build(source, tensor, pipeline, rank, world, device, dtype, batch, window)
+        scorer = build(source, tensor, pipeline, rank, world, device, dtype, batch, window, context,
+                       context_attention)
     finally:
         source.close()
     out, total = {}, [0.0, 0, 0]
@@ -189,6 +199,10 @@ def main(argv=None) -> int:
     ap.add_argument("--text-key", default="text", help="JSONL field holding each document's text")
     ap.add_argument("--tensor", type=int, default=1, help="tensor-parallel size (under a launcher)")
     ap.add_argument("--pipeline", type=int, default=1, help="pipeline size (under a launcher)")
+    ap.add_argument("--context", type=int, default=1,
+                    help="context-parallel size: each window split over this many ranks (under a launcher)")
+    ap.add_argument("--context-attention", choices=("allgather", "ring", "alltoall"), default="allgather",
+                    help="how context-parallel ranks attend each other's keys (parallel.context_attention)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
     ap.add_argument("--limit", type=int, default=0, help="at most this many documents per dataset (0 = all)")
@@ -212,7 +226,8 @@ def main(argv=None) -> int:
     try:
         result = evaluate(args.model, args.data, args.tokenizer, args.tensor, args.pipeline, env.rank,
                           env.world_size, env.device, DTYPES[args.dtype], args.text_key, args.limit,
-                          args.batch, progress=env.rank == 0, window=args.window, prefix=args.prefix)
+                          args.batch, progress=env.rank == 0, window=args.window, prefix=args.prefix,
+                          context=args.context, context_attention=args.context_attention)
         clean = True
     except (ValueError, CheckpointError) as exc:  # EvaluationError, ConfigError, a bad tokenizer file
         print(f"evaluate: {exc}", file=sys.stderr)

@@ -110,8 +110,8 @@ class ParallelConfig:
         # stays gathered until its backward instead of being freed and gathered again (pipeline: +1 unit per chunk)
     zero3_embedding_rows: bool = True  # zero_stage 3: look the input embedding's rows up from the shards and send
         # back only their gradients, when that moves fewer bytes than gathering the table (parallel/embedding_shards.py)
-    hsdp_group_size: int = 0  # shard within groups of this many DP ranks, replicate across them; 0 = plain
-    hierarchical_node_size: int = 0  # reduce inside groups of this many DP ranks first, then across; 0 = flat
+    hsdp_group_size: int = 0  # shard within groups of this many DP (× CP) ranks, replicate across them; 0 = plain
+    hierarchical_node_size: int = 0  # reduce inside groups of this many DP (× CP) ranks first, then across; 0 = flat
     fp32_reduce: list = field(default_factory=list)  # parameter-name substrings whose gradients are reduced in
         # fp32 under bf16/fp16, besides norm weights
 
@@ -510,7 +510,7 @@ def validate(cfg: Config, world_size: int) -> None:
                           f"each at least 1, summing to model.num_layers={m.num_layers}")
     validate_context(cfg)
     dp = data_parallel_size(cfg, world_size)
-    validate_data_parallel(p, dp)
+    validate_data_parallel(p, dp * p.context)  # the groups they split are DP × CP
     per_step = t.micro_batch_size * dp
     if t.global_batch_size % per_step:
         raise ConfigError(
@@ -606,18 +606,8 @@ def validate_context(cfg: Config) -> None:
                           f"heads per tensor-parallel rank over parallel.context={c} ranks; use a context size that "
                           f"divides them, or parallel.context_attention=allgather or ring")
     refused = [
-        (m.position_embedding != "rope", "model.position_embedding=alibi", "use model.position_embedding=rope"),
-        (m.attention_dropout > 0, "model.attention_dropout (the context-parallel attention takes no dropout)",
-         "set it to 0"),
         (m.attention_backend in ("flash", "cudnn"), f"model.attention_backend={m.attention_backend}",
          "use model.attention_backend=auto"),
-        (cfg.run.monitor_interval > 0, f"run.monitor_interval={cfg.run.monitor_interval} (attention entropy)",
-         "set run.monitor_interval=0"),
-        (bool(cfg.train.eval_tasks or cfg.train.diary_prompts), "train.eval_tasks / train.diary_prompts "
-         "(generation and scoring run unsplit sequences)", "leave them empty"),
-        (bool(p.hsdp_group_size or p.hierarchical_node_size or p.unit_process_groups),
-         "parallel.hsdp_group_size / hierarchical_node_size / unit_process_groups (their groups span DP only)",
-         "set them to 0 / false"),
     ]
     for bad, what, fix in refused:
         if bad:
@@ -625,9 +615,11 @@ def validate_context(cfg: Config) -> None:
 
 
 def validate_data_parallel(p: ParallelConfig, dp: int) -> None:
+    """`dp`: the ranks gradients are reduced over, data-parallel × context-parallel."""
     for key, k in (("hsdp_group_size", p.hsdp_group_size), ("hierarchical_node_size", p.hierarchical_node_size)):
         if k and dp % k:
-            raise ConfigError(f"parallel.{key}={k} must divide the data-parallel size {dp} (0 turns it off)")
+            what = "data-parallel size" if p.context == 1 else "data-parallel × context-parallel size"
+            raise ConfigError(f"parallel.{key}={k} must divide the {what} {dp} (0 turns it off)")
     if p.hsdp_group_size and p.zero_stage == 0:
         raise ConfigError(f"parallel.hsdp_group_size={p.hsdp_group_size} shards within groups, which needs "
                           f"parallel.zero_stage 1, 2 or 3 (got 0)")

@@ -143,8 +143,10 @@ class InRunTasks:
         if self.scorer is None:  # one sequence per micro-batch: the stages exchange [1, its length, h]
             t, sp = self.topo, self.cfg.parallel.sequence_parallel
             pipe = PipelineComm.for_model(t, self.cfg.model, 1, sp, self.dtype, self.device) if t.pp_size > 1 else None
+            cp = self.chunks[0].cp
             self.scorer = Scorer(self.chunks, self.cfg.train.eval_window or self.cfg.model.seq_length, self.device,
-                                 pipe, t.dp_group, t.dp_rank, t.dp_size, sequence_shards=t.tp_size if sp else 1)
+                                 pipe, t.dp_group, t.dp_rank, t.dp_size, sequence_shards=t.tp_size if sp else 1,
+                                 context=cp if cp.size > 1 else None)
         record = self.suite.evaluate(self.scorer)
         log.info("tasks: " + ", ".join(f"{k} {v:.3f}" for k, v in record.items()))  # rank 0's log only
         return record
