@@ -1,0 +1,118 @@
+"""Measurements for a device profile (engine/plan/profile.py), run on every rank of a process group at once, so
+that ranks sharing a machine's cores (CPU runs) are measured as they will run.
+
+- compute: one transformer layer (engine/model.py's, at this rank's TP-local widths) forward and backward, and
+  the final norm + output layer + cross-entropy, at each shape asked for;
+- the optimizer: one AdamW step (kernels/adamw.py's choice) per fp32 element;
+- links: all-reduce, all-gather and reduce-scatter through parallel/comm.py at a few sizes over groups of 2, 4,
+  ... ranks (the world cut into such groups, all busy at once), fit as latency + seconds per byte on the wire.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from engine.config.schema import Config, ModelConfig
+from engine.model import CausalLM
+from engine.plan.time_model import head_flops, layer_flops
+from engine.plan.volumes import WIRE
+from kernels.adamw import adamw
+from parallel import comm
+from parallel.tensor import padded_vocab_size
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def local_model_config(cfg: Config) -> ModelConfig:
+    """The widths one TP rank computes with: heads, KV heads (when split) and FFN divided by TP."""
+    m, t = cfg.model, cfg.parallel.tensor
+    return ModelConfig(hidden_size=m.hidden_size, num_layers=1, num_attention_heads=m.num_attention_heads // t,
+                       num_kv_heads=m.kv_heads // t if m.kv_heads >= t else 1, kv_channels=m.head_dim,
+                       ffn_hidden_size=m.ffn_hidden_size // t, vocab_size=padded_vocab_size(m.vocab_size, t) // t,
+                       seq_length=m.seq_length, rope_theta=m.rope_theta)
+
+
+def timed(run, repeats: int, device: torch.device) -> float:
+    """Median seconds of `run()` over `repeats` calls after one warm-up call."""
+    run()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def forward_backward(model, inputs, labels, device, repeats: int) -> tuple[float, float]:
+    """(forward, backward) seconds of `model` on `inputs` (hidden states, so backward reaches the input)."""
+    def forward():
+        return model(inputs, labels) if labels is not None else model(inputs)
+
+    def both():
+        out = forward()
+        (out if out.dim() == 0 else out.float().square().mean()).backward()
+    fwd = timed(forward, repeats, device)
+    return fwd, max(timed(both, repeats, device) - fwd, 1e-9)
+
+
+def measure_compute(cfg: Config, device: torch.device, repeats: int = 3) -> tuple[list, list]:
+    """([forward FLOPs, forward s, backward s] of one layer, the same of the output layer) at `cfg`'s shape
+    (parallel.tensor, train.micro_batch_size, parallel.context give the local size)."""
+    dtype = DTYPES[cfg.train.precision]
+    local = local_model_config(cfg)
+    tokens = cfg.train.micro_batch_size * cfg.model.seq_length // cfg.parallel.context
+    x = torch.randn(1, tokens, local.hidden_size, device=device, dtype=dtype, requires_grad=True)
+    layer = CausalLM(local, pre_process=False, post_process=False).to(device, dtype)
+    head = CausalLM(local, layer_ids=[], pre_process=False, post_process=True).to(device, dtype)
+    labels = torch.randint(0, cfg.model.vocab_size // cfg.parallel.tensor, (1, tokens), device=device)
+    layer_row = [layer_flops(cfg)[0], *forward_backward(layer, x, None, device, repeats)]
+    head_row = [head_flops(cfg), *forward_backward(head, x, labels, device, repeats)]
+    return layer_row, head_row
+
+
+def measure_optimizer(device: torch.device, elements: int = 1 << 22, repeats: int = 3) -> float:
+    """Seconds of one AdamW step per fp32 master element."""
+    weight = torch.zeros(elements, device=device, requires_grad=True)
+    weight.grad = torch.randn(elements, device=device)
+    opt = adamw([{"params": [weight], "weight_decay": 0.1}], lr=1e-4, betas=(0.9, 0.95), eps=1e-8)
+    return timed(opt.step, repeats, device) / elements
+
+
+def measure_links(world_size: int, rank: int, device: torch.device, sizes: tuple, repeats: int = 3) -> list:
+    """[(wire bytes per rank, seconds)] of each collective, size and group size (2, 4, ... up to the world)."""
+    points = []
+    n = 2
+    while n <= world_size:
+        groups = [dist.new_group(list(range(g, g + n))) for g in range(0, world_size - world_size % n, n)]
+        mine = groups[rank // n] if rank // n < len(groups) else None
+        for nbytes in sizes:
+            numel = nbytes // 4
+            for op in ("all_reduce", "all_gather", "reduce_scatter"):
+                if mine is None:
+                    continue
+                flat = torch.ones(numel - numel % n, device=device)
+                shard = torch.ones(flat.numel() // n, device=device)
+                run = {"all_reduce": lambda: comm.all_reduce(flat, mine),
+                       "all_gather": lambda: comm.all_gather_into(flat, shard, mine),
+                       "reduce_scatter": lambda: comm.reduce_scatter_into(shard, flat, mine)}[op]
+                dist.barrier()
+                points.append((WIRE[op](n) * flat.numel() * 4, timed(run, repeats, device)))
+        dist.barrier()
+        n *= 2
+    return points
+
+
+def fit_link(points: list) -> dict:
+    """Least-squares latency + seconds per byte through (wire bytes, seconds); both kept ≥ 0."""
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = max(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var, 1e-15) if var else 1e-15
+    return {"latency_s": max(my - slope * mx, 0.0), "seconds_per_byte": slope}
