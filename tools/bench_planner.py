@@ -1,16 +1,19 @@
 """How far to trust the layout planner: every layout of a space on 8 CPU ranks (gloo), predicted against measured.
 
-    python tools/bench_planner.py [--nproc 8] [--steps 2] [--profile cpu_fp32] [--max-layouts 40]
+    python tools/bench_planner.py [--nproc 8] [--steps 2] [--profile fresh|cpu_fp32|FILE] [--budget 240]
 
 At the peer benchmark's shape (the config defaults: hidden 256, 4 layers, 8 heads, FFN 688, vocabulary 8,192,
 sequence 256; global batch 8, fp32, synthetic data) the planner enumerates the layouts of --nproc ranks in the
 benchmark's space (TP 1-8, CP 1-2, PP 1-4, ZeRO 0/3, no recomputation, micro batch 1: engine/plan/layouts.Space) and
-predicts each one's step time and memory. One torchrun job of --nproc ranks then trains each layout in turn (a
-fresh Trainer, one warm-up step and --steps measured ones; one job, because starting 8 ranks costs ~50 s here):
-step time is rank 0's median, peak memory the largest rank's resident-set growth over the steps above its level
-before the layout was built (freed memory trimmed between layouts). Printed: the table, the Spearman rank
-correlation of predicted and measured step times, the measured time of the predicted best against the measured
-best, and the median absolute errors of step time and memory.
+predicts each one's step time and memory, from a profile calibrated first in the same run (--profile fresh, the
+default: tools/plan_calibrate.py at the benchmark's shapes, ~40 s; the machine's load changes the numbers more
+than anything the model leaves out) or a stored one. One torchrun job of --nproc ranks then trains each layout
+in turn (a fresh Trainer, one warm-up step and --steps measured ones; one job, because starting 8 ranks costs
+~50 s here): step time is rank 0's median, peak memory the largest rank's resident-set growth over the steps
+above its level before the layout was built (freed memory trimmed between layouts). Layouts run in a shuffled
+order (fixed seed) until --budget seconds have passed, so that the whole benchmark stays within ~6 minutes.
+Printed: the table, the Spearman rank correlation of predicted and measured step times, the measured time of
+the predicted best against the measured best, and the median absolute errors of step time and memory.
 """
 from __future__ import annotations
 
@@ -19,10 +22,12 @@ import ctypes
 import gc
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,7 +76,7 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def worker(plan_file: str, out_file: str, steps: int) -> None:
+def worker(plan_file: str, out_file: str, steps: int, budget: float) -> None:
     import torch
 
     from engine.config.schema import from_dict
@@ -84,7 +89,12 @@ def worker(plan_file: str, out_file: str, steps: int) -> None:
     base = from_dict(job["base"])
     libc = ctypes.CDLL(None)
     results = []
+    start = time.perf_counter()
     for i, lines in enumerate(job["layouts"]):
+        late = torch.tensor([float(time.perf_counter() - start > budget)])
+        comm.all_reduce(late, world_group(), op=torch.distributed.ReduceOp.MAX)  # rank 0's clock decides alike
+        if late.item():
+            break
         cfg = apply(base, lines + [f"run.dir={base.run.dir}/{i}"])
         gc.collect()
         libc.malloc_trim(0)
@@ -116,32 +126,40 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--nproc", type=int, default=8)
     ap.add_argument("--steps", type=int, default=2, help="measured steps per layout (after one warm-up step)")
-    ap.add_argument("--profile", default="cpu_fp32")
-    ap.add_argument("--max-layouts", type=int, default=0, help="only the first this many layouts by name (0 = all)")
+    ap.add_argument("--profile", default="fresh", help="fresh (calibrate first, in this run), or a stored profile")
+    ap.add_argument("--budget", type=float, default=240.0, help="seconds of measuring after which no layout starts")
     ap.add_argument("--worker", nargs=2, metavar=("PLAN", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        worker(*args.worker, args.steps)
+        worker(*args.worker, args.steps, args.budget)
         return 0
     work = Path(tempfile.mkdtemp(prefix="bench_planner_"))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // args.nproc)))
+    if args.profile == "fresh":
+        args.profile = str(work / "profile.json")
+        subprocess.run([sys.executable, str(ROOT / "tools/plan_layout.py"), "--calibrate", "--nproc", str(args.nproc),
+                        "--micro-batches", "1", "--out", args.profile], cwd=ROOT, env=env, check=True)
     cfg = base_config(str(work / "runs"))
     profile = load_profile(args.profile)
     result = plan(cfg, args.nproc, profile, 0, args.nproc, SPACE)
-    chosen = sorted(result.ranked, key=lambda p: p.layout.name(args.nproc))[:args.max_layouts or None]
+    chosen = sorted(result.ranked, key=lambda p: p.layout.name(args.nproc))
+    random.Random(0).shuffle(chosen)  # a cut by --budget leaves a sample of the space, not its first names
     plan_file, out_file = work / "plan.json", work / "results.json"
     plan_file.write_text(json.dumps({"base": to_dict(cfg),
                                      "layouts": [overrides(cfg, p.layout, args.nproc) for p in chosen]}))
     print(f"{len(chosen)} of {result.enumerated} valid layouts of {args.nproc} CPU ranks (gloo), profile "
           f"{profile.device}; 1 warm-up + {args.steps} measured steps each, one job", flush=True)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // args.nproc)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
-           str(Path(__file__).resolve()), "--steps", str(args.steps), "--worker", str(plan_file), str(out_file)]
+           str(Path(__file__).resolve()), "--steps", str(args.steps), "--budget", str(args.budget),
+           "--worker", str(plan_file), str(out_file)]
     done = subprocess.run(cmd, cwd=ROOT, env=env)
     if done.returncode:
         print(f"bench_planner: the job failed with status {done.returncode}; run directories in {work}",
               file=sys.stderr)
         return 1
     measured = json.loads(out_file.read_text())
+    chosen = chosen[:len(measured)]
+    print(f"measured {len(measured)} of {len(result.ranked)} layouts within --budget {args.budget:.0f} s")
     print("| layout | predicted s | measured s | error | predicted MiB | measured MiB | error |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     time_err, mem_err = [], []

@@ -44,7 +44,7 @@ def worker(rank: int, args, port: int, results) -> None:
 
     from engine.config.schema import load_config
     from engine.plan import calibrate
-    from engine.preflight import memory_mb
+    from engine.preflight import memory_mb  # imports engine.train: a training rank's modules, in the base below
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     device = torch.device(f"cuda:{rank}") if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -117,7 +117,8 @@ def main(argv=None) -> int:
         layer=median_rows([g[1] for g in gathered]), head=median_rows([g[2] for g in gathered]),
         optimizer_s_per_element=statistics.median(g[3] for g in gathered),
         links={"intra": fit_link([p for g in gathered for p in g[4]]), "inter": vars(inter)},
-        ranks=args.nproc, memory_base_bytes=int(statistics.median(g[5] for g in gathered)))
+        ranks=args.nproc, shared_cores=cores if args.device == "cpu" else 0,
+        memory_base_bytes=int(statistics.median(g[5] for g in gathered)))
     profile.save(args.out)
     print(f"wrote {args.out}: {len(profile.layer)} compute shapes, link intra {profile.links['intra']}, "
           f"AdamW {profile.optimizer_s_per_element * 1e9:.2f} ns/element")

@@ -83,8 +83,8 @@ def main(argv=None) -> int:
     world = args.nodes * args.gpus_per_node
     result = plan(cfg, world, profile, device_memory, args.gpus_per_node, margin=args.margin)
     m = cfg.model
-    print(f"{world} ranks ({args.nodes} × {args.gpus_per_node}), "
-          f"{gib(device_memory) + f' per device less {args.margin:.0%} margin' if device_memory else 'no memory limit'}; "
+    limit = f"{gib(device_memory)} per device less {args.margin:.0%} margin" if device_memory else "no memory limit"
+    print(f"{world} ranks ({args.nodes} × {args.gpus_per_node}), {limit}; "
           f"model {m.num_layers}×{m.hidden_size}, seq {m.seq_length}, global batch {cfg.train.global_batch_size}, "
           f"{cfg.train.precision}")
     print(f"profile: {profile.device} — {'measured' if profile.measured else 'ASSUMED (not measured)'}: "
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     print("  " + " ".join(overrides(cfg, best.layout, world)))
     if args.verify:
         from tools.plan_verify import verify
-        return verify(args.config, args.overrides, result.ranked[:args.verify], world, profile)
+        return verify(args.config, args.overrides, result.ranked[:args.verify], world, profile, args.nodes)
     return 0
 
 

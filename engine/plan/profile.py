@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -38,7 +39,8 @@ class DeviceProfile:
     head: list  # the same for final norm + output layer + cross-entropy
     optimizer_s_per_element: float  # one AdamW step of one fp32 master element (with its moments)
     links: dict  # {"intra": Link, "inter": Link}
-    ranks: int = 1  # ranks that ran at once while compute was measured (CPU: they share the cores)
+    ranks: int = 1  # ranks that ran at once while compute was measured
+    shared_cores: int = 0  # CPU: the cores those ranks shared (0: every rank has a device of its own)
     memory_base_bytes: int = 0  # a rank's memory before the model (CPU: the process's resident set)
     notes: list = field(default_factory=list)
 
@@ -49,16 +51,26 @@ class DeviceProfile:
     def link(self, kind: str) -> Link:
         return self.links.get(kind) or self.links["intra"]
 
-    def layer_time(self, flops: float) -> tuple[float, float]:
-        """(forward, backward) seconds of one transformer-layer call of `flops` forward FLOPs."""
-        return interpolate(self.layer, flops)
+    def contention(self, ranks_per_node: int) -> float:
+        """How much slower each rank computes with `ranks_per_node` ranks on one machine than while measured:
+        ranks sharing cores each get cores / ranks of them (1 when every rank has its own device)."""
+        if not self.shared_cores:
+            return 1.0
+        return max(ranks_per_node, self.shared_cores) / max(self.ranks, self.shared_cores)
 
-    def head_time(self, flops: float) -> tuple[float, float]:
-        return interpolate(self.head, flops)
+    def layer_time(self, flops: float, ranks_per_node: int) -> tuple[float, float]:
+        """(forward, backward) seconds of one transformer-layer call of `flops` forward FLOPs."""
+        return tuple(x * self.contention(ranks_per_node) for x in interpolate(self.layer, flops))
+
+    def head_time(self, flops: float, ranks_per_node: int) -> tuple[float, float]:
+        return tuple(x * self.contention(ranks_per_node) for x in interpolate(self.head, flops))
 
     def save(self, path: str | Path) -> None:
-        data = asdict(self)
-        Path(path).write_text(json.dumps(data, indent=1) + "\n")
+        text = json.dumps(asdict(self), indent=1)
+        # one line per measured row: the innermost lists of numbers
+        text = re.sub(r"\[\s+([^\[\]{}\"]*?)\s+\]",
+                      lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]", text)
+        Path(path).write_text(text + "\n")
 
 
 def interpolate(table: list, flops: float) -> tuple[float, float]:

@@ -3,15 +3,18 @@ engine/plan/volumes.py.
 
 Per micro-batch, each pipeline stage computes its layers and, on the last stage, the output layer and loss:
 forward and backward times from the profile at this layout's FLOPs per call (tokens T = micro batch ×
-sequence / CP, widths / TP). Full recomputation adds a layer forward to its backward, selective recomputation
+sequence / CP, widths / TP; on a CPU, scaled by how many ranks share its cores against the calibration's).
+Full recomputation adds a layer forward to its backward, selective recomputation
 the attention core's share of it. Tensor-parallel, context-parallel and pipeline transfers sit on the critical
 path of every micro-batch: they are counted as exposed. The slowest stage sets the pace: busy = m × its slot,
 and the schedule's bubble (engine/plan/bubble.py) adds its idle share. Data-parallel gradient reduction
 overlaps the backward it follows: a reduction hides behind one micro-batch's backward except the last unit's
 (a ZeRO 0 bucket, else one block), so exposed = max(time − that backward, time of the last piece); ZeRO 3's
 parameter gathers are prefetched the same way behind the forward and backward; the all-gather of updated
-parameters after the optimizer step (ZeRO 1, 2) and HSDP's all-reduce across groups are exposed whole. The
-optimizer step costs its fp32 master elements × the profile's time per element.
+parameters after the optimizer step (ZeRO 1, 2) and HSDP's all-reduce across groups are exposed whole, and so
+are the step's scalar reductions (the gradient norm over the model-parallel and shard groups, the loss over
+data parallelism: one latency each). The optimizer step costs its fp32 master elements × the profile's time
+per element.
 """
 from __future__ import annotations
 
@@ -59,16 +62,16 @@ def head_flops(cfg: Config) -> float:
     return 2 * volumes.tokens(cfg) * m.hidden_size * padded_vocab_size(m.vocab_size, t) / t
 
 
-def stage_compute(cfg: Config, stage: int, profile: DeviceProfile) -> tuple[float, float, float]:
+def stage_compute(cfg: Config, stage: int, profile: DeviceProfile, ranks_per_node: int) -> tuple[float, float, float]:
     """(forward, backward, recomputation) seconds of one micro-batch on `stage`."""
     flops, attention = layer_flops(cfg)
-    fwd, bwd = profile.layer_time(flops)
+    fwd, bwd = profile.layer_time(flops, ranks_per_node)
     recompute = {"none": 0.0, "selective": fwd * attention / flops, "full": fwd}[cfg.train.recompute]
     chunks = volumes.stage_chunks(cfg, stage)
     layers = sum(n for n, _, _ in chunks)
     forward, backward = layers * fwd, layers * bwd
     if any(post for _, _, post in chunks):
-        head_fwd, head_bwd = profile.head_time(head_flops(cfg))
+        head_fwd, head_bwd = profile.head_time(head_flops(cfg), ranks_per_node)
         forward, backward = forward + head_fwd, backward + head_bwd
     return forward, backward, layers * recompute
 
@@ -87,7 +90,7 @@ def predict(cfg: Config, world_size: int, profile: DeviceProfile, gpus_per_node:
     micro_batches = t.global_batch_size // (t.micro_batch_size * dp)
     slots = []
     for stage in range(p.pipeline):
-        forward, backward, recompute = stage_compute(cfg, stage, profile)
+        forward, backward, recompute = stage_compute(cfg, stage, profile, min(world_size, gpus_per_node))
         comm = comm_time(volumes.per_micro_batch(cfg, stage, world_size, gpus_per_node), profile)
         slots.append((forward + backward + recompute + sum(comm.values()), stage, forward, backward + recompute,
                       comm))
@@ -98,8 +101,12 @@ def predict(cfg: Config, world_size: int, profile: DeviceProfile, gpus_per_node:
         pred.bubble = bubble_time(p.schedule, p.pipeline, micro_batches, p.virtual_stages, micro_batches * slot)
     exposed, hidden = data_parallel_time(cfg, stage, world_size, gpus_per_node, profile, forward, backward)
     pred.exposed["dp"], pred.overlapped["dp"] = exposed, hidden
-    shard = (p.hsdp_group_size or dp * p.context) if p.zero_stage else 1
-    pred.optimizer = volumes.stage_parameters(cfg, stage) / shard * profile.optimizer_s_per_element
+    n = dp * p.context
+    scalars = (p.tensor * p.pipeline > 1) + (n > 1) + (p.zero_stage > 0 and n > 1)  # norm and loss reductions
+    pred.exposed["scalars"] = scalars * profile.link(volumes.link_of(world_size, gpus_per_node)).latency_s
+    shard = (p.hsdp_group_size or n) if p.zero_stage else 1
+    pred.optimizer = volumes.stage_parameters(cfg, stage) / shard * profile.optimizer_s_per_element * \
+        profile.contention(min(world_size, gpus_per_node))
     return pred
 
 
