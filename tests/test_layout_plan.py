@@ -14,7 +14,9 @@ from engine.plan.bubble import bubble_time
 from engine.plan.fit import MARGIN, fits, peak_bytes
 from engine.plan.layouts import Layout, Space, apply, configure, enumerate_layouts, overrides
 from engine.plan.planner import plan, warning
+from engine.plan.calibrate import fit_link
 from engine.plan.profile import DeviceProfile, interpolate, load_profile
+from engine.plan.time_model import head_flops, layer_flops, predict
 from engine.preflight import layout_advice
 from engine.train import Trainer
 from parallel import comm
@@ -141,6 +143,35 @@ def test_the_bubble_and_the_interpolation_are_the_hand_worked_ones():
     assert interpolate(table, 1e10)[0] == pytest.approx(1e10 / (10 ** 12.5))  # the rate halfway in log FLOPs
     assert interpolate(table, 1e13)[0] == pytest.approx(1e13 / 1e13)  # held at the last rate
     assert interpolate(table, 1e8)[1] == pytest.approx(2e-4)
+
+
+def test_the_link_fit_recovers_a_hand_made_latency_and_bandwidth():
+    # 1 ms per ring step, 0.5 GB/s: all-reduce over 2, 4, 8 ranks (2, 6, 14 steps) of 64 KiB .. 8 MiB
+    points = [(steps, wire, steps * 1e-3 + wire * 2e-9) for steps in (2, 6, 14) for wire in (2**16, 2**20, 2**23)]
+    fit = fit_link(points)
+    assert fit["latency_s"] == pytest.approx(1e-3) and fit["seconds_per_byte"] == pytest.approx(2e-9)
+    no_latency = fit_link([(s, w, w * 2e-9 - s * 1e-6) for s, w, _ in points])  # latency would be negative
+    assert no_latency["latency_s"] == 0 and no_latency["seconds_per_byte"] == pytest.approx(2e-9, rel=0.01)
+
+
+def flat_profile(shared_cores: int = 0) -> DeviceProfile:
+    """Forward at 1 GFLOP/s, backward (twice the FLOPs) at 0.5: 4× the forward's time; links and the engine
+    free: only compute and the schedule count."""
+    rows = [[1e6, 1e-3, 4e-3], [1e12, 1e3, 4e3]]
+    free = {"latency_s": 0.0, "seconds_per_byte": 0.0}
+    return DeviceProfile("flat", False, "test", "fp32", rows, rows, 0.0, {"intra": free, "inter": free},
+                         ranks=8, shared_cores=shared_cores)
+
+
+def test_the_pipeline_span_is_the_schedules_and_shared_cores_lend_the_bubble_out():
+    cfg = configure(small_config(), Layout(pipeline=4, micro_batch_size=1), 8)  # 1 layer per stage, m = 4
+    layer, head = layer_flops(cfg)[0] * 5e-9, head_flops(cfg) * 5e-9  # forward + backward: 1 + 4 ns per FLOP
+    slot = layer + head  # the last stage's, the slowest
+    dedicated = predict(cfg, 8, flat_profile(), 8)
+    assert dedicated.total == pytest.approx((4 + 4 - 1) * slot)  # m slots and p-1 of bubble
+    # 8 ranks on 2 cores: the average rank's busy time, or the critical path at 4× the speed, whichever is longer
+    shared = predict(cfg, 8, flat_profile(shared_cores=2), 8)
+    assert shared.total == pytest.approx(max(4 * (4 * layer + head) / 4, 7 * slot * 2 / 8))
 
 
 def test_the_pre_flight_warns_on_a_deliberately_poor_layout():

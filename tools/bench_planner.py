@@ -1,6 +1,7 @@
 """How far to trust the layout planner: every layout of a space on 8 CPU ranks (gloo), predicted against measured.
 
     python tools/bench_planner.py [--nproc 8] [--steps 2] [--profile fresh|cpu_fp32|FILE] [--budget 240]
+    python tools/bench_planner.py --rescore DIR [--profile cpu_fp32]     (an earlier run's measurements, today's model)
 
 At the peer benchmark's shape (the config defaults: hidden 256, 4 layers, 8 heads, FFN 688, vocabulary 8,192,
 sequence 256; global batch 8, fp32, synthetic data) the planner enumerates the layouts of --nproc ranks in the
@@ -10,7 +11,9 @@ default: tools/plan_calibrate.py at the benchmark's shapes, ~40 s; the machine's
 than anything the model leaves out) or a stored one. One torchrun job of --nproc ranks then trains each layout
 in turn (a fresh Trainer, one warm-up step and --steps measured ones; one job, because starting 8 ranks costs
 ~50 s here): step time is rank 0's median, peak memory the largest rank's resident-set growth over the steps
-above its level before the layout was built (freed memory trimmed between layouts). Layouts run in a shuffled
+above its level before the layout was built (glibc keeps a step's freed memory, as in training, so the
+resident set after a step is its peak; freed memory is trimmed between layouts), against the estimate plus
+the profile's engine_memory_bytes. Layouts run in a shuffled
 order (fixed seed) until --budget seconds have passed, so that the whole benchmark stays within ~6 minutes.
 Printed: the table, the Spearman rank correlation of predicted and measured step times, the measured time of
 the predicted best against the measured best, and the median absolute errors of step time and memory.
@@ -34,10 +37,12 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from engine.config.schema import Config, to_dict  # noqa: E402
-from engine.plan.layouts import Space, overrides  # noqa: E402
+from engine.config.schema import Config, from_dict, to_dict  # noqa: E402
+from engine.plan.fit import peak_bytes  # noqa: E402
+from engine.plan.layouts import Space, apply, overrides  # noqa: E402
 from engine.plan.planner import plan  # noqa: E402
 from engine.plan.profile import load_profile  # noqa: E402
+from engine.plan.time_model import predict  # noqa: E402
 
 SPACE = Space(tensor=(1, 2, 4, 8), context=(1, 2), pipeline=(1, 2, 4), virtual_stages=(1,), zero_stage=(0, 3),
               hsdp=False, recompute=("none",), micro_batch_size=(1,))  # 30 layouts of 8 ranks: ~5 minutes here
@@ -79,13 +84,13 @@ def rss_bytes() -> int:
 def worker(plan_file: str, out_file: str, steps: int, budget: float) -> None:
     import torch
 
-    from engine.config.schema import from_dict
-    from engine.plan.layouts import apply
+    from engine.observe.host_memory import reuse_freed_memory
     from engine.train import Trainer, setup_run_dir
     from parallel import comm
     from parallel.distributed import init_distributed, shutdown, world_group
     job = json.loads(Path(plan_file).read_text())
     env = init_distributed("cpu", "gloo", 10.0)
+    reuse_freed_memory()  # as training on the CPU does: a step's freed memory stays, so the RSS after it is its peak
     base = from_dict(job["base"])
     libc = ctypes.CDLL(None)
     results = []
@@ -122,17 +127,56 @@ def worker(plan_file: str, out_file: str, steps: int, budget: float) -> None:
 
 
 # -- the driver ---------------------------------------------------------------------------------------------
+def report(jobs: list, measured: list, profile, nproc: int) -> None:
+    """The table and the summary of (layout name, configuration) `jobs` against their measurements."""
+    print("| layout | predicted s | measured s | error | predicted MiB | measured MiB | error |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    predicted, time_err, mem_err = [], [], []
+    for (name, cfg), m in zip(jobs, measured):
+        pt, mt = predict(cfg, nproc, profile, nproc).total, m["step_s"]
+        pm, mm = peak_bytes(cfg, nproc) + profile.engine_memory_bytes, m["peak_bytes"]
+        predicted.append(pt)
+        time_err.append(abs(pt - mt) / mt)
+        mem_err.append(abs(pm - mm) / mm)
+        print(f"| {name} | {pt:.3f} | {mt:.3f} | {100 * (pt - mt) / mt:+.0f}% | {pm / 2**20:.1f} | {mm / 2**20:.1f} | "
+              f"{100 * (pm - mm) / mm:+.0f}% |")
+    times = [m["step_s"] for m in measured]
+    best_predicted = times[predicted.index(min(predicted))]
+    print(f"Spearman (predicted vs measured step time): {spearman(predicted, times):.2f}")
+    print(f"predicted best measured {best_predicted:.3f} s vs measured best {min(times):.3f} s: "
+          f"{100 * (best_predicted / min(times) - 1):.0f}% slower")
+    print(f"median |step time error| {100 * statistics.median(time_err):.0f}%, median |memory error| "
+          f"{100 * statistics.median(mem_err):.0f}%")
+
+
+def rescore(work: Path, profile_name: str, nproc: int) -> int:
+    """A finished run's measurements (plan.json, results.json in `work`) against today's model and `profile`."""
+    job = json.loads((work / "plan.json").read_text())
+    measured = json.loads((work / "results.json").read_text())
+    base = from_dict(job["base"])
+    jobs = [(" ".join(lines), apply(base, lines)) for lines in job["layouts"][:len(measured)]]
+    jobs = [(f"{c.parallel.tensor}/{c.parallel.context}/{c.parallel.pipeline}/Z{c.parallel.zero_stage}", c)
+            for _, c in jobs]
+    print(f"rescoring {len(measured)} measured layouts in {work} (TP/CP/PP/ZeRO) with profile {profile_name}")
+    report(jobs, measured, load_profile(profile_name), nproc)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--nproc", type=int, default=8)
     ap.add_argument("--steps", type=int, default=2, help="measured steps per layout (after one warm-up step)")
     ap.add_argument("--profile", default="fresh", help="fresh (calibrate first, in this run), or a stored profile")
     ap.add_argument("--budget", type=float, default=240.0, help="seconds of measuring after which no layout starts")
+    ap.add_argument("--rescore", metavar="DIR", help="predict an earlier run's measurements (its directory) again, "
+                    "with --profile (default cpu_fp32)")
     ap.add_argument("--worker", nargs=2, metavar=("PLAN", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         worker(*args.worker, args.steps, args.budget)
         return 0
+    if args.rescore:
+        return rescore(Path(args.rescore), "cpu_fp32" if args.profile == "fresh" else args.profile, args.nproc)
     work = Path(tempfile.mkdtemp(prefix="bench_planner_"))
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // args.nproc)))
     if args.profile == "fresh":
@@ -158,26 +202,9 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 1
     measured = json.loads(out_file.read_text())
-    chosen = chosen[:len(measured)]
-    print(f"measured {len(measured)} of {len(result.ranked)} layouts within --budget {args.budget:.0f} s")
-    print("| layout | predicted s | measured s | error | predicted MiB | measured MiB | error |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    time_err, mem_err = [], []
-    for p, m in zip(chosen, measured):
-        pt, mt = p.prediction.total, m["step_s"]
-        pm, mm = p.peak_bytes, m["peak_bytes"]
-        time_err.append(abs(pt - mt) / mt)
-        mem_err.append(abs(pm - mm) / mm if mm else float("inf"))
-        print(f"| {p.layout.name(args.nproc)} | {pt:.3f} | {mt:.3f} | {100 * (pt - mt) / mt:+.0f}% | "
-              f"{pm / 2**20:.1f} | {mm / 2**20:.1f} | {100 * (pm - mm) / mm if mm else float('inf'):+.0f}% |")
-    predicted = [p.prediction.total for p in chosen]
-    times = [m["step_s"] for m in measured]
-    best_predicted = times[predicted.index(min(predicted))]
-    print(f"Spearman (predicted vs measured step time): {spearman(predicted, times):.2f}")
-    print(f"predicted best measured {best_predicted:.3f} s vs measured best {min(times):.3f} s: "
-          f"{100 * (best_predicted / min(times) - 1):.0f}% slower")
-    print(f"median |step time error| {100 * statistics.median(time_err):.0f}%, median |memory error| "
-          f"{100 * statistics.median(mem_err):.0f}%")
+    print(f"measured {len(measured)} of {len(result.ranked)} layouts within --budget {args.budget:.0f} s "
+          f"(kept in {work}: --rescore it after changing the model)")
+    report([(p.layout.name(args.nproc), p.cfg) for p in chosen], measured, profile, args.nproc)
     return 0
 
 

@@ -20,6 +20,7 @@ import os
 import platform
 import socket
 import statistics
+import tempfile
 import sys
 from pathlib import Path
 
@@ -64,7 +65,8 @@ def worker(rank: int, args, port: int, results) -> None:
         dist.barrier()
         optimizer = calibrate.measure_optimizer(device)
         links = calibrate.measure_links(args.nproc, rank, device, LINK_SIZES)
-        results.put((rank, layer, head, optimizer, links, base))
+        overhead = calibrate.measure_overhead(rank, args.nproc, device, tempfile.gettempdir() + "/trilith-calibrate")
+        results.put((rank, layer, head, optimizer, links, base, overhead))
     finally:
         dist.destroy_process_group()
 
@@ -118,10 +120,15 @@ def main(argv=None) -> int:
         optimizer_s_per_element=statistics.median(g[3] for g in gathered),
         links={"intra": fit_link([p for g in gathered for p in g[4]]), "inter": vars(inter)},
         ranks=args.nproc, shared_cores=cores if args.device == "cpu" else 0,
-        memory_base_bytes=int(statistics.median(g[5] for g in gathered)))
+        memory_base_bytes=int(statistics.median(g[5] for g in gathered)),
+        step_overhead_s=statistics.median(g[6][0] for g in gathered),
+        micro_batch_overhead_s=statistics.median(g[6][1] for g in gathered),
+        engine_memory_bytes=int(statistics.median(g[6][2] for g in gathered)))
     profile.save(args.out)
     print(f"wrote {args.out}: {len(profile.layer)} compute shapes, link intra {profile.links['intra']}, "
-          f"AdamW {profile.optimizer_s_per_element * 1e9:.2f} ns/element")
+          f"AdamW {profile.optimizer_s_per_element * 1e9:.2f} ns/element, engine overhead "
+          f"{profile.step_overhead_s * 1e3:.1f} ms per step + {profile.micro_batch_overhead_s * 1e3:.1f} ms per "
+          f"micro-batch, engine memory {profile.engine_memory_bytes / 2**20:.0f} MiB")
     return 0
 
 

@@ -5,10 +5,16 @@ that ranks sharing a machine's cores (CPU runs) are measured as they will run.
   the final norm + output layer + cross-entropy, at each shape asked for;
 - the optimizer: one AdamW step (kernels/adamw.py's choice) per fp32 element;
 - links: all-reduce, all-gather and reduce-scatter through parallel/comm.py at a few sizes over groups of 2, 4,
-  ... ranks (the world cut into such groups, all busy at once), fit as latency + seconds per byte on the wire.
+  ... ranks (the world cut into such groups, all busy at once), fit as latency per ring step + seconds per byte
+  on the wire;
+- the engine's own cost: whole training steps (engine/train.py:Trainer.train_step) of a tiny model, data
+  parallel over every rank, with one and with four micro-batches: per step and per micro-batch.
 """
 from __future__ import annotations
 
+import ctypes
+import gc
+import os
 import statistics
 import time
 
@@ -18,7 +24,7 @@ import torch.distributed as dist
 from engine.config.schema import Config, ModelConfig
 from engine.model import CausalLM
 from engine.plan.time_model import head_flops, layer_flops
-from engine.plan.volumes import WIRE
+from engine.plan.volumes import STEPS, WIRE
 from kernels.adamw import adamw
 from parallel import comm
 from parallel.tensor import padded_vocab_size
@@ -86,7 +92,8 @@ def measure_optimizer(device: torch.device, elements: int = 1 << 22, repeats: in
 
 
 def measure_links(world_size: int, rank: int, device: torch.device, sizes: tuple, repeats: int = 3) -> list:
-    """[(wire bytes per rank, seconds)] of each collective, size and group size (2, 4, ... up to the world)."""
+    """[(ring steps, wire bytes per rank, seconds)] of each collective, size and group size (2, 4, ... up to the
+    world)."""
     points = []
     n = 2
     while n <= world_size:
@@ -103,16 +110,66 @@ def measure_links(world_size: int, rank: int, device: torch.device, sizes: tuple
                        "all_gather": lambda: comm.all_gather_into(flat, shard, mine),
                        "reduce_scatter": lambda: comm.reduce_scatter_into(shard, flat, mine)}[op]
                 dist.barrier()
-                points.append((WIRE[op](n) * flat.numel() * 4, timed(run, repeats, device)))
+                points.append((STEPS[op](n), WIRE[op](n) * flat.numel() * 4, timed(run, repeats, device)))
         dist.barrier()
         n *= 2
     return points
 
 
 def fit_link(points: list) -> dict:
-    """Least-squares latency + seconds per byte through (wire bytes, seconds); both kept ≥ 0."""
-    xs, ys = [p[0] for p in points], [p[1] for p in points]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    slope = max(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var, 1e-15) if var else 1e-15
-    return {"latency_s": max(my - slope * mx, 0.0), "seconds_per_byte": slope}
+    """Least squares of seconds = latency × ring steps + seconds per byte × wire bytes through (steps, wire bytes,
+    seconds) points; a coefficient that comes out negative is 0 and the other refit alone."""
+    def alone(col: int) -> float:
+        return sum(p[col] * p[2] for p in points) / max(sum(p[col] ** 2 for p in points), 1e-30)
+    ss = sum(p[0] ** 2 for p in points)
+    sw = sum(p[0] * p[1] for p in points)
+    ww = sum(p[1] ** 2 for p in points)
+    st, wt = sum(p[0] * p[2] for p in points), sum(p[1] * p[2] for p in points)
+    det = ss * ww - sw * sw
+    latency, per_byte = ((st * ww - wt * sw) / det, (ss * wt - sw * st) / det) if det else (-1.0, -1.0)
+    if latency < 0 or per_byte < 0:
+        latency, per_byte = (0.0, alone(1)) if latency < 0 <= per_byte else (alone(0), 0.0)
+    return {"latency_s": max(latency, 0.0), "seconds_per_byte": max(per_byte, 0.0)}
+
+
+def memory_now(device: torch.device) -> int:
+    """CUDA: the allocator's peak since the last reset; CPU: the resident set (glibc keeping freed memory)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def measure_overhead(rank: int, world_size: int, device: torch.device, run_dir: str) -> tuple[float, float, int]:
+    """(seconds per step, seconds per micro-batch, bytes beyond the memory estimate) of the engine's own work:
+    whole training steps of a model too small to cost anything in its layers, with one and with four
+    micro-batches per rank."""
+    from engine.config.schema import load_config
+    from engine.memory_estimate import estimate
+    from engine.observe.host_memory import reuse_freed_memory
+    from engine.train import Trainer
+    from parallel.distributed import DistEnv
+    times, extra = [], 0
+    if device.type == "cpu":
+        reuse_freed_memory()
+    for micro_batches in (1, 4):
+        cfg = load_config(None, ["model.hidden_size=32", "model.num_layers=1", "model.num_attention_heads=2",
+                                 "model.ffn_hidden_size=64", "model.vocab_size=256", "model.seq_length=32",
+                                 "train.micro_batch_size=1", f"train.global_batch_size={micro_batches * world_size}",
+                                 "data.mock=true", f"train.device={device.type}", f"run.dir={run_dir}"])
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        else:
+            ctypes.CDLL(None).malloc_trim(0)
+        before = memory_now(device)
+        trainer = Trainer(cfg, DistEnv(rank, world_size, device=device))
+        try:
+            trainer.train_step()
+            times.append(statistics.median(trainer.train_step()["step_time_s"] for _ in range(3)))
+            extra = max(extra, memory_now(device) - before - max(s.total for s in estimate(cfg, world_size)))
+        finally:
+            trainer.loader.close()
+        del trainer
+    per_micro_batch = max((times[1] - times[0]) / 3, 0.0)
+    return max(times[0] - per_micro_batch, 0.0), per_micro_batch, max(extra, 0)

@@ -6,7 +6,10 @@ and every number says where it came from).
 Compute is a table of (forward FLOPs of one call, forward seconds, backward seconds) at a few shapes; a call of
 any other size runs at the FLOP rate interpolated between the two nearest measured sizes (linear in log FLOPs,
 held constant beyond the ends), because a device's efficiency grows with the size of its matrix products.
-A link type (intra = within a node, inter = across nodes) is a latency + seconds per byte on the wire fit.
+A link type (intra = within a node, inter = across nodes) is a latency per ring step (an all-reduce over n ranks
+takes 2(n−1) steps, an all-gather or reduce-scatter n−1, a send one) + seconds per byte on the wire, fit by
+least squares. The engine's own cost per step and per micro-batch (Python, the loader, the step's bookkeeping)
+is measured on a tiny model, where the layers cost next to nothing.
 """
 from __future__ import annotations
 
@@ -22,11 +25,11 @@ PROFILES = Path(__file__).resolve().parent / "profiles"
 
 @dataclass
 class Link:
-    latency_s: float
+    latency_s: float  # per ring step
     seconds_per_byte: float
 
-    def time(self, wire_bytes: float) -> float:
-        return self.latency_s + wire_bytes * self.seconds_per_byte
+    def time(self, wire_bytes: float, steps: float) -> float:
+        return steps * self.latency_s + wire_bytes * self.seconds_per_byte
 
 
 @dataclass
@@ -42,6 +45,10 @@ class DeviceProfile:
     ranks: int = 1  # ranks that ran at once while compute was measured
     shared_cores: int = 0  # CPU: the cores those ranks shared (0: every rank has a device of its own)
     memory_base_bytes: int = 0  # a rank's memory before the model (CPU: the process's resident set)
+    engine_memory_bytes: int = 0  # what a training rank holds beyond the estimate's tensors (CPU: process
+    # groups' buffers, the loader, allocator slack), measured on a tiny model
+    step_overhead_s: float = 0.0  # the engine's own cost per step, beyond layers and collectives
+    micro_batch_overhead_s: float = 0.0  # ... and per micro-batch (per model chunk)
     notes: list = field(default_factory=list)
 
     def __post_init__(self):

@@ -35,16 +35,27 @@ class Prediction:
     overlapped: dict = field(default_factory=dict)  # {group: seconds} hidden behind compute
     bubble: float = 0.0
     optimizer: float = 0.0
+    overhead: float = 0.0  # the engine's own per-step and per-micro-batch cost
+    shared_cores_factor: float = 1.0  # CPU: compute, per-micro-batch transfers and bubble scaled by this
+
+    @property
+    def pipeline_span(self) -> float:
+        per_micro_batch = sum(v for k, v in self.exposed.items() if k in ("tp", "cp", "pp"))
+        return (self.compute + per_micro_batch + self.bubble) * self.shared_cores_factor
 
     @property
     def total(self) -> float:
-        return self.compute + sum(self.exposed.values()) + self.bubble + self.optimizer
+        rest = sum(v for k, v in self.exposed.items() if k not in ("tp", "cp", "pp"))
+        return self.pipeline_span + rest + self.optimizer + self.overhead
 
     def summary(self) -> str:
         parts = [f"compute {self.compute:.3g}s"]
         parts += [f"{group} {seconds:.3g}s" for group, seconds in self.exposed.items() if seconds > 0]
         parts += [f"bubble {self.bubble:.3g}s"] if self.bubble else []
         parts.append(f"optimizer {self.optimizer:.3g}s")
+        parts += [f"engine overhead {self.overhead:.3g}s"] if self.overhead else []
+        parts += [f"× {self.shared_cores_factor:.2f} for shared cores on compute, tp/cp/pp and bubble"] \
+            if self.shared_cores_factor != 1 else []
         hidden = [f"{group} {seconds:.3g}s" for group, seconds in self.overlapped.items() if seconds > 0]
         return ", ".join(parts) + (f" (overlapped: {', '.join(hidden)})" if hidden else "")
 
@@ -80,7 +91,7 @@ def comm_time(collectives: list, profile: DeviceProfile) -> dict:
     """{group: seconds of all its calls}."""
     out: dict = {}
     for c in collectives:
-        out[c.group] = out.get(c.group, 0.0) + c.count * profile.link(c.link).time(c.wire_bytes())
+        out[c.group] = out.get(c.group, 0.0) + c.count * c.seconds(profile.link(c.link))
     return out
 
 
@@ -88,9 +99,10 @@ def predict(cfg: Config, world_size: int, profile: DeviceProfile, gpus_per_node:
     p, t = cfg.parallel, cfg.train
     dp = data_parallel_size(cfg, world_size)
     micro_batches = t.global_batch_size // (t.micro_batch_size * dp)
+    ranks = min(world_size, gpus_per_node)  # on one machine: sharing its cores, on a CPU
     slots = []
     for stage in range(p.pipeline):
-        forward, backward, recompute = stage_compute(cfg, stage, profile, min(world_size, gpus_per_node))
+        forward, backward, recompute = stage_compute(cfg, stage, profile, ranks)
         comm = comm_time(volumes.per_micro_batch(cfg, stage, world_size, gpus_per_node), profile)
         slots.append((forward + backward + recompute + sum(comm.values()), stage, forward, backward + recompute,
                       comm))
@@ -99,32 +111,43 @@ def predict(cfg: Config, world_size: int, profile: DeviceProfile, gpus_per_node:
                       exposed={group: micro_batches * seconds for group, seconds in comm.items()})
     if p.pipeline > 1:
         pred.bubble = bubble_time(p.schedule, p.pipeline, micro_batches, p.virtual_stages, micro_batches * slot)
+    if profile.shared_cores and ranks > profile.shared_cores:
+        # a rank that waits leaves its share of the cores to the others: the span is the larger of the average
+        # rank's busy time and the critical path at the speed of a rank with the cores to itself
+        average = micro_batches * sum(s[0] for s in slots) / len(slots)
+        nominal = micro_batches * slot + pred.bubble
+        span = max(average, nominal * profile.shared_cores / ranks)
+        pred.shared_cores_factor = span / nominal
     exposed, hidden = data_parallel_time(cfg, stage, world_size, gpus_per_node, profile, forward, backward)
     pred.exposed["dp"], pred.overlapped["dp"] = exposed, hidden
     n = dp * p.context
     scalars = (p.tensor * p.pipeline > 1) + (n > 1) + (p.zero_stage > 0 and n > 1)  # norm and loss reductions
-    pred.exposed["scalars"] = scalars * profile.link(volumes.link_of(world_size, gpus_per_node)).latency_s
+    world_link = profile.link(volumes.link_of(world_size, gpus_per_node))
+    pred.exposed["scalars"] = scalars * world_link.time(8, volumes.STEPS["all_reduce"](world_size))
     shard = (p.hsdp_group_size or n) if p.zero_stage else 1
-    pred.optimizer = volumes.stage_parameters(cfg, stage) / shard * profile.optimizer_s_per_element * \
-        profile.contention(min(world_size, gpus_per_node))
+    slowdown = profile.contention(ranks)
+    pred.optimizer = volumes.stage_parameters(cfg, stage) / shard * profile.optimizer_s_per_element * slowdown
+    pred.overhead = (profile.step_overhead_s + micro_batches * p.virtual_stages * profile.micro_batch_overhead_s) * \
+        slowdown
     return pred
 
 
 def data_parallel_time(cfg: Config, stage: int, world_size: int, gpus_per_node: int, profile: DeviceProfile,
                        forward: float, backward: float) -> tuple[float, float]:
     """(exposed, overlapped) seconds of data parallelism's collectives in one step on `stage`."""
-    p = cfg.parallel
-    units = sum(n + pre + post for n, pre, post in volumes.stage_chunks(cfg, stage))  # blocks, embedding, head
-    exposed = total = 0.0
-    for c in volumes.per_step(cfg, stage, world_size, gpus_per_node):
-        one = profile.link(c.link).time(c.wire_bytes())
-        total += c.count * one
-        if c.group == "dp-replicas" or (c.op == "all_gather" and p.zero_stage < 3):
-            exposed += c.count * one
+    collectives = volumes.per_step(cfg, stage, world_size, gpus_per_node)
+    total = sum(c.count * c.seconds(profile.link(c.link)) for c in collectives)
+    if profile.shared_cores:  # the collectives run on the cores the compute needs: nothing hides
+        return total, 0.0
+    exposed = 0.0
+    windows = {"reduce": backward, "gather_forward": forward, "gather_backward": backward}
+    for phase, window in windows.items():
+        calls = [c for c in collectives if c.phase == phase]
+        if not calls:
             continue
-        last_piece = one * min(1.0, p.bucket_mb * 2**20 / max(c.nbytes, 1)) if p.zero_stage == 0 else one / units
-        if c.op == "all_gather":  # ZeRO 3: half the gathers before forwards, half before backwards
-            exposed += c.count / 2 * (max(one - forward, one / units) + max(one - backward, one / units))
-        else:
-            exposed += c.count * max(one - backward, last_piece)
+        occasions = max(c.count for c in calls)  # reductions or gathers per step, each behind one compute span
+        each = sum(c.count * c.seconds(profile.link(c.link)) for c in calls) / occasions
+        last = max(c.seconds(profile.link(c.link)) for c in calls)  # the piece issued after the compute ends
+        exposed += occasions * max(each - window, last)
+    exposed += sum(c.count * c.seconds(profile.link(c.link)) for c in collectives if c.phase not in windows)
     return exposed, total - exposed

@@ -33,6 +33,8 @@ from parallel.embedding_shards import lookup_worth_it
 
 WIRE = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
         "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n, "p2p": lambda n: 1.0}
+STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1, "reduce_scatter": lambda n: n - 1,
+         "all_to_all": lambda n: n - 1, "p2p": lambda n: 1}  # ring steps, each paying the link's latency
 INDEX = 8  # int64 token ids
 EMBEDDING = "model.embed_tokens.weight"
 
@@ -47,10 +49,16 @@ class Collective:
     count: float
     ranks: int
     link: str
+    phase: str = "critical"  # data parallelism: reduce | gather_forward | gather_backward (hidden behind
+    # compute when they can be), or after_step | critical (exposed)
 
     def wire_bytes(self) -> float:
         """Bytes each rank sends per call (ring algorithms)."""
         return WIRE[self.op](self.ranks) * self.nbytes
+
+    def seconds(self, link) -> float:
+        """One call's time on `link` (engine/plan/profile.py:Link)."""
+        return link.time(self.wire_bytes(), STEPS[self.op](self.ranks))
 
 
 def link_of(span: int, gpus_per_node: int) -> str:
@@ -123,45 +131,46 @@ def per_step(cfg: Config, stage: int, world_size: int, gpus_per_node: int) -> li
     units = [(chunk_units(cfg, *chunk), chunk) for chunk in chunks]
     table = [u for unit_list, _ in units for u in unit_list if [name for name, _ in u] == [EMBEDDING]]
     rows, width = (table[0][0][1] // m.hidden_size, m.hidden_size) if table else (0, 0)
+    link = link_of(span, gpus_per_node)
     if p.zero_stage == 0:
-        read = micro_batches * tokens(cfg)  # ids this rank looks up in a step
         by_rows = bool(table) and p.embedding_row_exchange and rows_worth_it(
             torch.empty(rows, width, dtype=torch.float32 if e == 4 else torch.bfloat16, device="meta"), n,
             cfg.train.global_batch_size // dp * m.seq_length)
-        dense = sum(num for unit_list, _ in units for unit in unit_list for name, num in unit
-                    if not (by_rows and name == EMBEDDING))
-        out = [Collective("dp", "all_reduce", dense * e, 1, n, link_of(span, gpus_per_node))]
+        dense = e * sum(num for unit_list, _ in units for unit in unit_list for name, num in unit
+                        if not (by_rows and name == EMBEDDING))
+        buckets = max(1, -(-dense // int(p.bucket_mb * 2**20)))
+        out = [Collective("dp", "all_reduce", dense / buckets, buckets, n, link, "reduce")]
         if by_rows:
-            bound = min(read, rows)
-            out += [Collective("dp", "all_gather", n * bound * width * e, 1, n, link_of(span, gpus_per_node)),
-                    Collective("dp", "all_gather", n * bound * INDEX, 1, n, link_of(span, gpus_per_node))]
+            bound = min(micro_batches * tokens(cfg), rows)  # distinct rows this rank read at most
+            out += [Collective("dp", "all_gather", n * bound * width * e, 1, n, link),
+                    Collective("dp", "all_gather", n * bound * INDEX, 1, n, link)]
         return out
     k = p.hsdp_group_size or n
-    link = link_of(p.tensor * k, gpus_per_node)
+    shard_link = link_of(p.tensor * k, gpus_per_node)
     lookup = (p.zero_stage == 3 and p.zero3_embedding_rows and bool(table) and not p.hsdp_group_size
               and not p.hierarchical_node_size
               and lookup_worth_it(rows, width, e, k, cfg.train.micro_batch_size * m.seq_length))
-    gathers = reduces = 0
+    reductions = 1 if p.zero_stage == 1 else micro_batches
+    out = []
     for unit_list, _ in units:
         for i, unit in enumerate(unit_list):
             size = padded(sum(num for _, num in unit), k) * e
             embedding = [name for name, _ in unit] == [EMBEDDING]
-            if p.zero_stage == 3:
-                forward = 0 if embedding and lookup else 1
-                last = i == len(unit_list) - 1 and p.zero3_keep_last_gathered
-                backward = 0 if embedding or last else 1
-                gathers += micro_batches * (forward + backward) * size
-            else:
-                gathers += size
-            reduces += (1 if p.zero_stage == 1 else micro_batches) * (0 if embedding and lookup else size)
-    out = [Collective("dp", "reduce_scatter", reduces, 1, k, link), Collective("dp", "all_gather", gathers, 1, k, link)]
+            if not (embedding and lookup):
+                out.append(Collective("dp", "reduce_scatter", size, reductions, k, shard_link, "reduce"))
+            if p.zero_stage < 3:
+                out.append(Collective("dp", "all_gather", size, 1, k, shard_link, "after_step"))
+                continue
+            if not (embedding and lookup):
+                out.append(Collective("dp", "all_gather", size, micro_batches, k, shard_link, "gather_forward"))
+            if not (embedding or i == len(unit_list) - 1 and p.zero3_keep_last_gathered):
+                out.append(Collective("dp", "all_gather", size, micro_batches, k, shard_link, "gather_backward"))
     if lookup:
         looked_up = tokens(cfg)
-        out += [Collective("dp", "all_gather", k * looked_up * INDEX, micro_batches, k, link),
-                Collective("dp", "all_to_all", k * looked_up * width * e, micro_batches, k, link),
-                Collective("dp", "all_gather", k * looked_up * width * e, micro_batches, k, link)]
+        out += [Collective("dp", "all_gather", k * looked_up * INDEX, micro_batches, k, shard_link),
+                Collective("dp", "all_to_all", k * looked_up * width * e, micro_batches, k, shard_link),
+                Collective("dp", "all_gather", k * looked_up * width * e, micro_batches, k, shard_link)]
     if k < n:
         shards = sum(padded(sum(num for _, num in unit), k) for unit_list, _ in units for unit in unit_list) // k
-        out.append(Collective("dp-replicas", "all_reduce", shards * e, micro_batches if p.zero_stage >= 2 else 1,
-                              n // k, link_of(span, gpus_per_node)))
+        out.append(Collective("dp-replicas", "all_reduce", shards * e, reductions, n // k, link))
     return out
