@@ -185,6 +185,22 @@ def test_the_pre_flight_warns_on_a_deliberately_poor_layout():
     assert warning(best.cfg, 8, load_profile("cpu_fp32"), 0, 8) is None
 
 
+def test_a_pre_flight_run_logs_the_warning(tmp_path, capsys, monkeypatch):
+    import engine.preflight
+    # a profile where backward costs what forward does: full recomputation is ~1.5× the step of none
+    profile = flat_profile()
+    profile.layer = profile.head = [[1e6, 1e-3, 1e-3], [1e12, 1e3, 1e3]]
+    profile.save(tmp_path / "even.json")
+    monkeypatch.setattr(engine.preflight, "default_profile", lambda *_: str(tmp_path / "even.json"))
+    run = ["--config", "launch/configs/tiny.yaml", "--steps", "2", f"run.dir={tmp_path}/run", "train.device=cpu"]
+    assert engine.preflight.main(run + ["train.recompute=full"]) in (0, 1)
+    out = capsys.readouterr().out
+    assert "pre-flight: WARNING layout TP1 CP1 PP1 DP1 ZeRO 0 recompute full micro batch 2 is predicted 1.4" in out
+    assert "train.recompute=none" in out
+    assert engine.preflight.main(run + ["train.recompute=none", f"run.dir={tmp_path}/run2"]) in (0, 1)
+    assert "pre-flight: WARNING" not in capsys.readouterr().out
+
+
 def test_the_tool_prints_five_layouts_with_breakdowns_for_the_7b_recipe():
     done = subprocess.run([sys.executable, "tools/plan_layout.py", "--config", RECIPE_7B, "--nodes", "8",
                            "--gpus-per-node", "8", "--gpu-memory", "80"], cwd=ROOT, capture_output=True, text=True,
