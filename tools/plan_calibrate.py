@@ -94,7 +94,7 @@ def main(argv=None) -> int:
         ap.error("--nproc must be ≥ 2 and --tensor must hold a size dividing the head count")
     import torch.multiprocessing as mp
 
-    from engine.plan.calibrate import fit_link
+    from engine.plan.calibrate import engine_overhead, fit_link
     from engine.plan.profile import DeviceProfile, load_profile
     cores = os.cpu_count() or 1
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // args.nproc) if args.device == "cpu" else 8))
@@ -121,9 +121,9 @@ def main(argv=None) -> int:
         links={"intra": fit_link([p for g in gathered for p in g[4]]), "inter": vars(inter)},
         ranks=args.nproc, shared_cores=cores if args.device == "cpu" else 0,
         memory_base_bytes=int(statistics.median(g[5] for g in gathered)),
-        step_overhead_s=statistics.median(g[6][0] for g in gathered),
-        micro_batch_overhead_s=statistics.median(g[6][1] for g in gathered),
-        engine_memory_bytes=int(statistics.median(g[6][2] for g in gathered)))
+        engine_memory_bytes=int(statistics.median(g[6][1] for g in gathered)))
+    times = [statistics.median(step) for step in zip(*(g[6][0] for g in gathered))]
+    profile.step_overhead_s, profile.micro_batch_overhead_s = engine_overhead(profile, times, args.nproc, args.device)
     profile.save(args.out)
     print(f"wrote {args.out}: {len(profile.layer)} compute shapes, link intra {profile.links['intra']}, "
           f"AdamW {profile.optimizer_s_per_element * 1e9:.2f} ns/element, engine overhead "

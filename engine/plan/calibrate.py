@@ -21,12 +21,16 @@ import time
 import torch
 import torch.distributed as dist
 
-from engine.config.schema import Config, ModelConfig
+from engine.config.schema import Config, ModelConfig, load_config
+from engine.memory_estimate import estimate
 from engine.model import CausalLM
-from engine.plan.time_model import head_flops, layer_flops
+from engine.observe.host_memory import reuse_freed_memory
+from engine.plan.time_model import head_flops, layer_flops, predict
+from engine.train import Trainer
 from engine.plan.volumes import STEPS, WIRE
 from kernels.adamw import adamw
 from parallel import comm
+from parallel.distributed import DistEnv
 from parallel.tensor import padded_vocab_size
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -140,23 +144,26 @@ def memory_now(device: torch.device) -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def measure_overhead(rank: int, world_size: int, device: torch.device, run_dir: str) -> tuple[float, float, int]:
-    """(seconds per step, seconds per micro-batch, bytes beyond the memory estimate) of the engine's own work:
-    whole training steps of a model too small to cost anything in its layers, with one and with four
-    micro-batches per rank."""
-    from engine.config.schema import load_config
-    from engine.memory_estimate import estimate
-    from engine.observe.host_memory import reuse_freed_memory
-    from engine.train import Trainer
-    from parallel.distributed import DistEnv
+def overhead_config(micro_batches: int, world_size: int, device_type: str, run_dir: str = "") -> Config:
+    """A model too small to cost anything in its layers, data parallel over `world_size` ranks, with
+    `micro_batches` micro-batches per rank."""
+    return load_config(None, ["model.hidden_size=32", "model.num_layers=1", "model.num_attention_heads=2",
+                              "model.ffn_hidden_size=64", "model.vocab_size=256", "model.seq_length=32",
+                              "train.micro_batch_size=1", f"train.global_batch_size={micro_batches * world_size}",
+                              "data.mock=true", f"train.device={device_type}", f"run.dir={run_dir}"])
+
+
+OVERHEAD_MICRO_BATCHES = (1, 4)
+
+
+def measure_overhead(rank: int, world_size: int, device: torch.device, run_dir: str) -> tuple[list, int]:
+    """([step seconds with each of OVERHEAD_MICRO_BATCHES micro-batches], bytes beyond the memory estimate) of
+    whole training steps of overhead_config's model."""
     times, extra = [], 0
     if device.type == "cpu":
         reuse_freed_memory()
-    for micro_batches in (1, 4):
-        cfg = load_config(None, ["model.hidden_size=32", "model.num_layers=1", "model.num_attention_heads=2",
-                                 "model.ffn_hidden_size=64", "model.vocab_size=256", "model.seq_length=32",
-                                 "train.micro_batch_size=1", f"train.global_batch_size={micro_batches * world_size}",
-                                 "data.mock=true", f"train.device={device.type}", f"run.dir={run_dir}"])
+    for micro_batches in OVERHEAD_MICRO_BATCHES:
+        cfg = overhead_config(micro_batches, world_size, device.type, run_dir)
         gc.collect()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -171,5 +178,15 @@ def measure_overhead(rank: int, world_size: int, device: torch.device, run_dir: 
         finally:
             trainer.loader.close()
         del trainer
-    per_micro_batch = max((times[1] - times[0]) / 3, 0.0)
-    return max(times[0] - per_micro_batch, 0.0), per_micro_batch, max(extra, 0)
+    return times, max(extra, 0)
+
+
+def engine_overhead(profile, times: list, world_size: int, device_type: str) -> tuple[float, float]:
+    """(seconds per step, per micro-batch) of the engine's own work: what the measured steps of
+    overhead_config's model took beyond everything `profile` (without overheads yet) already predicts for them:
+    its layers, collectives and optimizer."""
+    residual = [t - predict(overhead_config(m, world_size, device_type), world_size, profile, world_size).total
+                for m, t in zip(OVERHEAD_MICRO_BATCHES, times)]
+    (m1, r1), (m2, r2) = zip(OVERHEAD_MICRO_BATCHES, residual)
+    per_micro_batch = max((r2 - r1) / (m2 - m1), 0.0)
+    return max(r1 - m1 * per_micro_batch, 0.0), per_micro_batch
