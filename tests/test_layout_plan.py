@@ -25,8 +25,8 @@ from tests.distributed import worker_pools
 from tests.helpers import ROOT
 
 RECIPE_7B = "launch/configs/llama_7b_64gpu.yaml"
-SMALL = Space(tensor=(1, 2, 4), context=(1,), pipeline=(1, 2), virtual_stages=(1, 2), zero_stage=(0, 3), hsdp=False,
-              recompute=("none",), micro_batch_size=(1, 2))
+SMALL = Space(tensor=(1, 2, 4), context=(1,), pipeline=(1, 2), virtual_stages=(1, 2), stage_balance=("layers",),
+              zero_stage=(0, 3), hsdp=False, recompute=("none",), micro_batch_size=(1, 2))
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +48,9 @@ def test_enumeration_matches_the_hand_count_and_drops_what_the_validator_refuses
     assert len(three) == 20 and all(layout.virtual_stages == 1 for layout, _ in three)
     # TP 3 divides neither the world nor the heads: nothing is proposed for it
     assert len(enumerate_layouts(small_config(), 4, Space(**{**vars(SMALL), "tensor": (1, 2, 3, 4)}))) == 28
+    # both stage balances: the 16 pipelined layouts twice, the 12 others once
+    both = enumerate_layouts(small_config(), 4, Space(**{**vars(SMALL), "stage_balance": ("layers", "compute")}))
+    assert len(both) == 44 and sum(cfg.parallel.stage_balance == "compute" for _, cfg in both) == 16
 
 
 def test_the_override_text_reproduces_each_layout_through_the_launchers_parser(tmp_path):
@@ -84,7 +87,9 @@ def test_the_fit_filter_drops_what_the_estimate_puts_over_the_device_less_the_ma
     # the margin decides: a device just above the peak fits without it and not with it
     device = int(peak_bytes(sharded, 64) / (1 - MARGIN / 2))
     assert not fits(sharded, 64, device) and fits(sharded, 64, device, margin=0.0)
-    ranked = plan(recipe, 64, load_profile("h200_bf16_assumed"), 80 * 2**30, 8).ranked
+    narrow = Space(tensor=(1, 2), context=(1,), pipeline=(1, 2), virtual_stages=(1,), stage_balance=("layers",),
+                   zero_stage=(0, 3), hsdp=False, recompute=("none",), micro_batch_size=(1,))
+    ranked = plan(recipe, 64, load_profile("h200_bf16_assumed"), 80 * 2**30, 8, narrow).ranked
     names = {p.layout for p in ranked}
     assert Layout(zero_stage=0, recompute="none", micro_batch_size=1) not in names
     assert Layout(zero_stage=3, recompute="none", micro_batch_size=1) in names

@@ -44,8 +44,9 @@ from engine.plan.planner import plan  # noqa: E402
 from engine.plan.profile import load_profile  # noqa: E402
 from engine.plan.time_model import predict  # noqa: E402
 
-SPACE = Space(tensor=(1, 2, 4, 8), context=(1, 2), pipeline=(1, 2, 4), virtual_stages=(1,), zero_stage=(0, 3),
-              hsdp=False, recompute=("none",), micro_batch_size=(1,))  # 30 layouts of 8 ranks: ~5 minutes here
+# 30 layouts of 8 ranks: ~5 minutes here
+SPACE = Space(tensor=(1, 2, 4, 8), context=(1, 2), pipeline=(1, 2, 4), virtual_stages=(1,),
+              stage_balance=("layers",), zero_stage=(0, 3), hsdp=False, recompute=("none",), micro_batch_size=(1,))
 
 
 def base_config(run_dir: str) -> Config:

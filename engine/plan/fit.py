@@ -8,14 +8,19 @@ temporaries of a kernel that live only inside it.
 from __future__ import annotations
 
 from engine.config.schema import Config
-from engine.memory_estimate import estimate
+from engine.memory_estimate import StageMemory, estimate
 
 MARGIN = 0.10
 
 
+def fullest_stage(cfg: Config, world_size: int) -> StageMemory:
+    """The memory estimate of the pipeline stage whose ranks hold the most."""
+    return max(estimate(cfg, world_size), key=lambda stage: stage.total)
+
+
 def peak_bytes(cfg: Config, world_size: int) -> int:
     """Bytes on the fullest rank (the largest pipeline stage total)."""
-    return max(stage.total for stage in estimate(cfg, world_size))
+    return fullest_stage(cfg, world_size).total
 
 
 def usable_bytes(device_memory: int, margin: float = MARGIN) -> int:

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.config.schema import Config, data_parallel_size
-from engine.memory_estimate import gib
-from engine.plan.fit import MARGIN, peak_bytes, usable_bytes
+from engine.memory_estimate import StageMemory, gib
+from engine.plan.fit import MARGIN, fullest_stage, usable_bytes
 from engine.plan.layouts import Layout, Space, enumerate_layouts, overrides
 from engine.plan.profile import DeviceProfile
 from engine.plan.time_model import Prediction, predict
@@ -20,8 +20,12 @@ SLOWER_WARNING = 1.3  # the pre-flight warns when the chosen layout is predicted
 class Planned:
     layout: Layout
     cfg: Config
-    peak_bytes: int
+    memory: StageMemory  # the fullest stage's estimate
     prediction: Prediction
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.memory.total
 
 
 @dataclass
@@ -39,18 +43,21 @@ def plan(cfg: Config, world_size: int, profile: DeviceProfile, device_memory: in
     limit = usable_bytes(device_memory, margin) if device_memory else None
     ranked = []
     for layout, changed in valid:
-        peak = peak_bytes(changed, world_size)
-        if limit is None or peak <= limit:
-            ranked.append(Planned(layout, changed, peak, predict(changed, world_size, profile, gpus_per_node)))
+        memory = fullest_stage(changed, world_size)
+        if limit is None or memory.total <= limit:
+            ranked.append(Planned(layout, changed, memory, predict(changed, world_size, profile, gpus_per_node)))
     ranked.sort(key=lambda p: p.prediction.total)
     return Plan(ranked, len(valid), len(ranked))
 
 
 def describe(planned: Planned, world_size: int, rank: int) -> str:
     tokens = planned.cfg.train.global_batch_size * planned.cfg.model.seq_length
-    pred = planned.prediction
+    pred, mem = planned.prediction, planned.memory
     return (f"{rank}. {planned.layout.name(world_size)}: step {pred.total:.3g} s ({tokens / pred.total:,.0f} tok/s), "
-            f"memory {gib(planned.peak_bytes)} per rank\n     {pred.summary()}")
+            f"memory {gib(mem.total)} per rank\n     time: {pred.summary()}\n     memory (stage {mem.stage}): "
+            f"parameters {gib(mem.parameters)}, gradients {gib(mem.gradients)}, optimizer {gib(mem.optimizer)}, "
+            f"activations {gib(mem.activations)} ({mem.in_flight:g} in flight), comm buffers "
+            f"{gib(mem.comm_buffers)}")
 
 
 def warning(cfg: Config, world_size: int, profile: DeviceProfile, device_memory: int, gpus_per_node: int,
