@@ -179,6 +179,23 @@ def test_the_pipeline_span_is_the_schedules_and_shared_cores_lend_the_bubble_out
     assert shared.total == pytest.approx(max(4 * (4 * layer + head) / 4, 7 * slot * 2 / 8))
 
 
+def test_gradient_reduction_hides_behind_backward_but_its_last_bucket():
+    profile = flat_profile()
+    profile.links["intra"].seconds_per_byte = 1e-9  # 1 GB/s, no latency
+    # DP 8, ZeRO 0, one micro-batch of 256 tokens: the gradients of 4 blocks (791,040 parameters each), the final
+    # norm and the output layer (8,192 × 256) all-reduced, fp32; the embedding's exchanged as the rows read
+    dense = 4 * (4 * (4 * 256 * 256 + 3 * 256 * 688 + 2 * 256) // 4) + 256 + 8192 * 256
+    all_reduce = 2 * 7 / 8 * dense * 4 * 1e-9
+    rows = 7 / 8 * (8 * 256 * 256 * 4 + 8 * 256 * 8) * 1e-9  # rows and ids, all-gathered, exposed
+    one = "train.micro_batch_size=1"
+    one_bucket = predict(small_config("parallel.bucket_mb=25", one), 8, profile, 8)  # 21 MB: one bucket, the last
+    assert one_bucket.exposed["dp"] == pytest.approx(all_reduce + rows)
+    assert one_bucket.overlapped["dp"] == pytest.approx(0, abs=1e-12)
+    five = predict(small_config("parallel.bucket_mb=5", one), 8, profile, 8)  # 5 buckets behind seconds of backward
+    assert five.exposed["dp"] == pytest.approx(all_reduce / 5 + rows)
+    assert five.overlapped["dp"] == pytest.approx(all_reduce * 4 / 5)
+
+
 def test_the_pre_flight_warns_on_a_deliberately_poor_layout():
     import torch
     good_and_bad = plan(small_config(), 8, load_profile("cpu_fp32"), 0, 8).ranked

@@ -145,7 +145,8 @@ def data_parallel_time(cfg: Config, stage: int, world_size: int, gpus_per_node: 
         calls = [c for c in collectives if c.phase == phase]
         if not calls:
             continue
-        occasions = max(c.count for c in calls)  # reductions or gathers per step, each behind one compute span
+        occasions = max(c.count for c in calls)  # reductions or gathers per step (a call each time per unit or
+        # bucket), each behind one compute span
         each = sum(c.count * c.seconds(profile.link(c.link)) for c in calls) / occasions
         last = max(c.seconds(profile.link(c.link)) for c in calls)  # the piece issued after the compute ends
         exposed += occasions * max(each - window, last)

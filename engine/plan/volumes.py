@@ -138,8 +138,8 @@ def per_step(cfg: Config, stage: int, world_size: int, gpus_per_node: int) -> li
             cfg.train.global_batch_size // dp * m.seq_length)
         dense = e * sum(num for unit_list, _ in units for unit in unit_list for name, num in unit
                         if not (by_rows and name == EMBEDDING))
-        buckets = max(1, -(-dense // int(p.bucket_mb * 2**20)))
-        out = [Collective("dp", "all_reduce", dense / buckets, buckets, n, link, "reduce")]
+        buckets = max(1, -(-dense // int(p.bucket_mb * 2**20)))  # one reduction a step, in this many calls
+        out = [Collective("dp", "all_reduce", dense / buckets, 1, n, link, "reduce") for _ in range(buckets)]
         if by_rows:
             bound = min(micro_batches * tokens(cfg), rows)  # distinct rows this rank read at most
             out += [Collective("dp", "all_gather", n * bound * width * e, 1, n, link),
