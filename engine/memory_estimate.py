@@ -100,19 +100,24 @@ def stage_chunks(cfg: Config, stage: int) -> list[tuple[int, bool, bool]]:
     return [(len(ids[j]), *chunk_roles(stage, p.pipeline, p.virtual_stages, j)) for j in range(p.virtual_stages)]
 
 
-def state_bytes(cfg: Config, units: list, shard_size: int, shard_rank: int) -> tuple[int, int, int, int]:
+def unit_sizes(cfg: Config, units: list) -> list[tuple[int, int]]:
+    """(elements, elements reduced in fp32 under bf16/fp16) of each sharding unit."""
+    split = DTYPE_BYTES[cfg.train.precision] != FP32
+    return [(sum(n for _, n in unit),
+             sum(n for name, n in unit if split and reduces_in_fp32(name, cfg.parallel.fp32_reduce))) for unit in units]
+
+
+def state_bytes(cfg: Config, sizes: list, shard_size: int, shard_rank: int) -> tuple[int, int, int, int]:
     """(parameters, gradients, optimizer state, largest unit's full bytes) of the rank `shard_rank` of its shard
-    group (ranks differ only in the fp32 gradients of the norm segment their shard holds)."""
+    group (ranks differ only in the fp32 gradients of the norm segment their shard holds), from the units'
+    `unit_sizes`."""
     e, stage = DTYPE_BYTES[cfg.train.precision], cfg.parallel.zero_stage
-    params = [n for unit in units for _, n in unit]
     if stage == 0:
-        n = sum(params)
+        n = sum(numel for numel, _ in sizes)
         return n * e, n * e, n * (8 if e == FP32 else 12), 0
     split = e != FP32
     weights = grads = optim = largest = 0
-    for unit in units:
-        numel = sum(n for _, n in unit)
-        fp32_numel = sum(n for name, n in unit if split and reduces_in_fp32(name, cfg.parallel.fp32_reduce))
+    for numel, fp32_numel in sizes:
         shard = -(-max(numel, 1) // shard_size)
         largest = max(largest, shard * shard_size * e)
         fp32_start = numel - fp32_numel
@@ -226,7 +231,8 @@ def estimate(cfg: Config, world_size: int, shard_rank: int | None = None) -> lis
         chunks = stage_chunks(cfg, stage)
         units = [u for layers, pre, post in chunks for u in chunk_units(cfg, layers, pre, post)]
         ranks = [0] if p.zero_stage == 0 else range(shard_size) if shard_rank is None else [shard_rank]
-        weights, grads, optim, largest = max((state_bytes(cfg, units, shard_size, r) for r in ranks),
+        sizes = unit_sizes(cfg, units)
+        weights, grads, optim, largest = max((state_bytes(cfg, sizes, shard_size, r) for r in ranks),
                                              key=lambda state: state[1])
         per_mb = sum(chunk_activation(cfg, layers, pre, post, t.micro_batch_size, recompute)
                      for layers, pre, post in chunks)

@@ -28,6 +28,8 @@ import torch.distributed as dist
 from engine.config.schema import Config, ConfigError, data_parallel_size, load_config, validate
 from engine.memory_estimate import device_memory, report
 from engine.observe.rank_sniff import sniff
+from engine.plan.planner import warning as layout_warning
+from engine.plan.profile import default_profile, load_profile
 from engine.stop import final_failure
 from engine.train import Trainer, configure_logging, log, setup_run_dir
 from parallel import comm
@@ -115,6 +117,13 @@ def shrink(cfg: Config, world_size: int, steps: int) -> Config:
     return small
 
 
+def layout_advice(cfg: Config, world_size: int, device: torch.device, gpus_per_node: int) -> str | None:
+    """The planner's warning (engine/plan/planner.py) when the run's layout is predicted more than 1.3× slower
+    than the fastest one that fits the device, from the shipped profile of this device type."""
+    profile = load_profile(default_profile(device.type, cfg.train.precision))
+    return layout_warning(cfg, world_size, profile, device_memory(device), gpus_per_node)
+
+
 def memory_mb(device: torch.device) -> float:
     """Memory in use now (not the peak): CUDA tensors, or this process's resident set on CPU."""
     if device.type == "cuda":
@@ -160,6 +169,11 @@ def preflight(cfg: Config, env: DistEnv, steps: int = STEPS) -> bool:
     for note in notes:
         log.info(f"pre-flight: {note}")
     log.info(f"the real run's {report(real, env.world_size, device_memory(env.device))}")
+    if env.rank == 0:  # the planner's advice: a warning, not a check (its model is a prediction)
+        ranks_per_node = max(1, env.world_size // max(1, len(set(env.nodes))))
+        advice = layout_advice(real, env.world_size, env.device, ranks_per_node)
+        if advice:
+            log.warning(f"pre-flight: WARNING {advice}")
     m = small.model
     cp = f" × CP {small.parallel.context}" if small.parallel.context > 1 else ""
     log.info(f"pre-flight: {env.world_size} ranks, TP {small.parallel.tensor}{cp} × PP {small.parallel.pipeline}, "

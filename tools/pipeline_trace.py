@@ -22,11 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-
-def analytic_bubble(schedule: str, p: int, m: int, v: int = 1) -> float:
-    """Idle fraction of a stage with equal-cost slots and free transfers."""
-    chunks = v * m if schedule == "interleaved" else m
-    return (p - 1) / (chunks + p - 1)
+from engine.plan.bubble import analytic_bubble  # noqa: E402
 
 
 def bubble_fractions(traces: list[list[tuple]]) -> list[float]:

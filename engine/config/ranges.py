@@ -5,6 +5,7 @@ in 64 bits. A field added to a config dataclass is therefore checked without bei
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import typing
 from dataclasses import dataclass
@@ -68,13 +69,20 @@ def field_range(section: str, key: str) -> Interval:
     return RANGES.get((section, key), Interval(0))
 
 
+@functools.cache
+def type_hints(cls) -> dict:
+    """A section's field types, resolved once (typing.get_type_hints is slow, and the planner validates
+    thousands of candidate layouts)."""
+    return typing.get_type_hints(cls)
+
+
 def range_problem(cfg) -> str | None:
     """The first int or float field (or list[int] element) of a Config outside its field_range, as one line
     naming the key, the value and the bounds; None when all are within. Checked before any other validation
     divides by, allocates or loops over one of them."""
     for section in dataclasses.fields(cfg):
         target = getattr(cfg, section.name)
-        hints = typing.get_type_hints(type(target))
+        hints = type_hints(type(target))
         for f in dataclasses.fields(target):
             value, typ, key = getattr(target, f.name), hints[f.name], f"{section.name}.{f.name}"
             named = ([(key, value)] if typ in (int, float) else

@@ -1,0 +1,154 @@
+"""Predicted step time of a layout, from a device profile (engine/plan/profile.py) and the collectives of
+engine/plan/volumes.py.
+
+Per micro-batch, each pipeline stage computes its layers and, on the last stage, the output layer and loss:
+forward and backward times from the profile at this layout's FLOPs per call (tokens T = micro batch ×
+sequence / CP, widths / TP; on a CPU, scaled by how many ranks share its cores against the calibration's).
+Full recomputation adds a layer forward to its backward, selective recomputation
+the attention core's share of it. Tensor-parallel, context-parallel and pipeline transfers sit on the critical
+path of every micro-batch: they are counted as exposed. The slowest stage sets the pace: busy = m × its slot,
+and the schedule's bubble (engine/plan/bubble.py) adds its idle share. Data-parallel gradient reduction
+overlaps the backward it follows: a reduction hides behind one micro-batch's backward except the last unit's
+(a ZeRO 0 bucket, else one block), so exposed = max(time − that backward, time of the last piece); ZeRO 3's
+parameter gathers are prefetched the same way behind the forward and backward; the all-gather of updated
+parameters after the optimizer step (ZeRO 1, 2) and HSDP's all-reduce across groups are exposed whole, and so
+are the step's scalar reductions (the gradient norm over the model-parallel and shard groups, the loss over
+data parallelism: one latency each). The optimizer step costs its fp32 master elements × the profile's time
+per element.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.config.schema import Config, data_parallel_size
+from engine.model import layer_parameters
+from engine.plan import volumes
+from engine.plan.bubble import bubble_time
+from engine.plan.profile import DeviceProfile
+from parallel.tensor import padded_vocab_size
+
+
+@dataclass
+class Prediction:
+    compute: float  # seconds of forward and backward compute on the slowest stage
+    exposed: dict = field(default_factory=dict)  # {group: seconds} of communication on the critical path
+    overlapped: dict = field(default_factory=dict)  # {group: seconds} hidden behind compute
+    bubble: float = 0.0
+    optimizer: float = 0.0
+    overhead: float = 0.0  # the engine's own per-step and per-micro-batch cost
+    shared_cores_factor: float = 1.0  # CPU: compute, per-micro-batch transfers and bubble scaled by this
+
+    @property
+    def pipeline_span(self) -> float:
+        per_micro_batch = sum(v for k, v in self.exposed.items() if k in ("tp", "cp", "pp"))
+        return (self.compute + per_micro_batch + self.bubble) * self.shared_cores_factor
+
+    @property
+    def total(self) -> float:
+        rest = sum(v for k, v in self.exposed.items() if k not in ("tp", "cp", "pp"))
+        return self.pipeline_span + rest + self.optimizer + self.overhead
+
+    def summary(self) -> str:
+        parts = [f"compute {self.compute:.3g}s"]
+        parts += [f"{group} {seconds:.3g}s" for group, seconds in self.exposed.items() if seconds > 0]
+        parts += [f"bubble {self.bubble:.3g}s"] if self.bubble else []
+        parts.append(f"optimizer {self.optimizer:.3g}s")
+        parts += [f"engine overhead {self.overhead:.3g}s"] if self.overhead else []
+        parts += [f"× {self.shared_cores_factor:.2f} for shared cores on compute, tp/cp/pp and bubble"] \
+            if self.shared_cores_factor != 1 else []
+        hidden = [f"{group} {seconds:.3g}s" for group, seconds in self.overlapped.items() if seconds > 0]
+        return ", ".join(parts) + (f" (overlapped: {', '.join(hidden)})" if hidden else "")
+
+
+def layer_flops(cfg: Config) -> tuple[float, float]:
+    """(forward FLOPs of one layer call on one rank, of which the attention core)."""
+    m, p = cfg.model, cfg.parallel
+    tokens = volumes.tokens(cfg)
+    attention = 4 * tokens * m.num_attention_heads * m.head_dim * m.seq_length / p.tensor
+    return 2 * tokens * layer_parameters(m) / p.tensor + attention, attention
+
+
+def head_flops(cfg: Config) -> float:
+    m, t = cfg.model, cfg.parallel.tensor
+    return 2 * volumes.tokens(cfg) * m.hidden_size * padded_vocab_size(m.vocab_size, t) / t
+
+
+def stage_compute(cfg: Config, stage: int, profile: DeviceProfile, ranks_per_node: int) -> tuple[float, float, float]:
+    """(forward, backward, recomputation) seconds of one micro-batch on `stage`."""
+    flops, attention = layer_flops(cfg)
+    fwd, bwd = profile.layer_time(flops, ranks_per_node)
+    recompute = {"none": 0.0, "selective": fwd * attention / flops, "full": fwd}[cfg.train.recompute]
+    chunks = volumes.stage_chunks(cfg, stage)
+    layers = sum(n for n, _, _ in chunks)
+    forward, backward = layers * fwd, layers * bwd
+    if any(post for _, _, post in chunks):
+        head_fwd, head_bwd = profile.head_time(head_flops(cfg), ranks_per_node)
+        forward, backward = forward + head_fwd, backward + head_bwd
+    return forward, backward, layers * recompute
+
+
+def comm_time(collectives: list, profile: DeviceProfile) -> dict:
+    """{group: seconds of all its calls}."""
+    out: dict = {}
+    for c in collectives:
+        out[c.group] = out.get(c.group, 0.0) + c.count * c.seconds(profile.link(c.link))
+    return out
+
+
+def predict(cfg: Config, world_size: int, profile: DeviceProfile, gpus_per_node: int) -> Prediction:
+    p, t = cfg.parallel, cfg.train
+    dp = data_parallel_size(cfg, world_size)
+    micro_batches = t.global_batch_size // (t.micro_batch_size * dp)
+    ranks = min(world_size, gpus_per_node)  # on one machine: sharing its cores, on a CPU
+    slots = []
+    for stage in range(p.pipeline):
+        forward, backward, recompute = stage_compute(cfg, stage, profile, ranks)
+        comm = comm_time(volumes.per_micro_batch(cfg, stage, world_size, gpus_per_node), profile)
+        slots.append((forward + backward + recompute + sum(comm.values()), stage, forward, backward + recompute,
+                      comm))
+    slot, stage, forward, backward, comm = max(slots, key=lambda s: s[0])
+    pred = Prediction(compute=micro_batches * (forward + backward),
+                      exposed={group: micro_batches * seconds for group, seconds in comm.items()})
+    if p.pipeline > 1:
+        pred.bubble = bubble_time(p.schedule, p.pipeline, micro_batches, p.virtual_stages, micro_batches * slot)
+    if profile.shared_cores and ranks > profile.shared_cores:
+        # a rank that waits leaves its share of the cores to the others: the span is the larger of the average
+        # rank's busy time and the critical path at the speed of a rank with the cores to itself
+        average = micro_batches * sum(s[0] for s in slots) / len(slots)
+        nominal = micro_batches * slot + pred.bubble
+        span = max(average, nominal * profile.shared_cores / ranks)
+        pred.shared_cores_factor = span / nominal
+    exposed, hidden = data_parallel_time(cfg, stage, world_size, gpus_per_node, profile, forward, backward)
+    pred.exposed["dp"], pred.overlapped["dp"] = exposed, hidden
+    n = dp * p.context
+    scalars = (p.tensor * p.pipeline > 1) + (n > 1) + (p.zero_stage > 0 and n > 1)  # norm and loss reductions
+    world_link = profile.link(volumes.link_of(world_size, gpus_per_node))
+    pred.exposed["scalars"] = scalars * world_link.time(8, volumes.STEPS["all_reduce"](world_size))
+    shard = (p.hsdp_group_size or n) if p.zero_stage else 1
+    slowdown = profile.contention(ranks)
+    pred.optimizer = volumes.stage_parameters(cfg, stage) / shard * profile.optimizer_s_per_element * slowdown
+    pred.overhead = (profile.step_overhead_s + micro_batches * p.virtual_stages * profile.micro_batch_overhead_s) * \
+        slowdown
+    return pred
+
+
+def data_parallel_time(cfg: Config, stage: int, world_size: int, gpus_per_node: int, profile: DeviceProfile,
+                       forward: float, backward: float) -> tuple[float, float]:
+    """(exposed, overlapped) seconds of data parallelism's collectives in one step on `stage`."""
+    collectives = volumes.per_step(cfg, stage, world_size, gpus_per_node)
+    total = sum(c.count * c.seconds(profile.link(c.link)) for c in collectives)
+    if profile.shared_cores:  # the collectives run on the cores the compute needs: nothing hides
+        return total, 0.0
+    exposed = 0.0
+    windows = {"reduce": backward, "gather_forward": forward, "gather_backward": backward}
+    for phase, window in windows.items():
+        calls = [c for c in collectives if c.phase == phase]
+        if not calls:
+            continue
+        occasions = max(c.count for c in calls)  # reductions or gathers per step (a call each time per unit or
+        # bucket), each behind one compute span
+        each = sum(c.count * c.seconds(profile.link(c.link)) for c in calls) / occasions
+        last = max(c.seconds(profile.link(c.link)) for c in calls)  # the piece issued after the compute ends
+        exposed += occasions * max(each - window, last)
+    exposed += sum(c.count * c.seconds(profile.link(c.link)) for c in collectives if c.phase not in windows)
+    return exposed, total - exposed

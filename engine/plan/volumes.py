@@ -1,0 +1,176 @@
+"""Bytes each collective of one training step moves, per group, as the engine issues them (what parallel/comm.py
+records: an all-gather's output, a reduce-scatter's input), and which link a group uses.
+
+Per micro-batch, with T = micro batch × sequence / CP tokens on a rank and e the compute-dtype bytes:
+- tensor parallelism: per layer four all-reduces of T·h·e (two in forward, two in backward), five under full
+  recomputation (its forward is run again up to the last reduction, whose output backward does not need);
+  under sequence parallelism four all-gathers and four reduce-scatters of that size (each has its conjugate in
+  backward), six and five under full recomputation; the embedding and the output layer one more each (one of
+  each kind under SP), the vocabulary-parallel loss three of T·4 bytes;
+- context parallelism (allgather): each layer gathers its keys and values (CP·T·2·kv·e) in forward (again under
+  full recomputation) and reduce-scatters their gradients in backward;
+- a pipeline boundary: T·h·e (÷ TP under SP) forward and the same back, per model chunk.
+Per step, over DP × CP (the gradient reduction group), unit by unit as parallel/fsdp_units cuts them (padded
+to the shard group): ZeRO 0 all-reduces every gradient (25 MB buckets), but exchanges the untied input
+embedding's by the rows the step read when parallel/embedding_rows.rows_worth_it says so; ZeRO 1 reduce-scatters
+once and ZeRO 2 every micro-batch, and both all-gather the updated parameters after the step; ZeRO 3
+gathers each unit before every micro-batch's forward and again before its backward (not the embedding, whose
+backward reads no weight, nor with zero3_keep_last_gathered the chunk's last unit) and reduce-scatters every
+micro-batch, looking the embedding up by rows (parallel/embedding_shards.lookup_worth_it) where that is smaller.
+HSDP reduces within its group and all-reduces the shard across the groups. Hierarchical reduction
+(parallel.hierarchical_node_size) is counted as the flat reduction it replaces.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.config.schema import Config, data_parallel_size
+from engine.memory_estimate import DTYPE_BYTES, chunk_units, stage_chunks
+from parallel.embedding_rows import rows_worth_it
+from parallel.embedding_shards import lookup_worth_it
+
+WIRE = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+        "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n, "p2p": lambda n: 1.0}
+STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1, "reduce_scatter": lambda n: n - 1,
+         "all_to_all": lambda n: n - 1, "p2p": lambda n: 1}  # ring steps, each paying the link's latency
+INDEX = 8  # int64 token ids
+EMBEDDING = "model.embed_tokens.weight"
+
+
+@dataclass
+class Collective:
+    """`count` calls of `op` over a group of `ranks` of `nbytes` each, on link type `link`."""
+
+    group: str
+    op: str
+    nbytes: float
+    count: float
+    ranks: int
+    link: str
+    phase: str = "critical"  # data parallelism: reduce | gather_forward | gather_backward (hidden behind
+    # compute when they can be), or after_step | critical (exposed)
+
+    def wire_bytes(self) -> float:
+        """Bytes each rank sends per call (ring algorithms)."""
+        return WIRE[self.op](self.ranks) * self.nbytes
+
+    def seconds(self, link) -> float:
+        """One call's time on `link` (engine/plan/profile.py:Link)."""
+        return link.time(self.wire_bytes(), STEPS[self.op](self.ranks))
+
+
+def link_of(span: int, gpus_per_node: int) -> str:
+    """intra when a group's ranks (within `span` consecutive ranks in rank order) sit on one node."""
+    return "intra" if span <= gpus_per_node else "inter"
+
+
+def stage_parameters(cfg: Config, stage: int) -> int:
+    """Parameters (this rank's TP slice) on pipeline stage `stage`."""
+    return sum(n for unit in stage_units(cfg, stage) for _, n in unit)
+
+
+def stage_units(cfg: Config, stage: int) -> list:
+    return [u for layers, pre, post in stage_chunks(cfg, stage) for u in chunk_units(cfg, layers, pre, post)]
+
+
+def tokens(cfg: Config) -> int:
+    return cfg.train.micro_batch_size * cfg.model.seq_length // cfg.parallel.context
+
+
+def per_micro_batch(cfg: Config, stage: int, world_size: int, gpus_per_node: int) -> list[Collective]:
+    """TP, CP and pipeline collectives of one micro-batch on `stage` (all on the critical path)."""
+    m, p = cfg.model, cfg.parallel
+    e, t, c = DTYPE_BYTES[cfg.train.precision], p.tensor, p.context
+    full = cfg.train.recompute == "full"
+    out = []
+    chunks = stage_chunks(cfg, stage)
+    layers = sum(n for n, _, _ in chunks)
+    pre, post = sum(1 for _, first, _ in chunks if first), sum(1 for _, _, last in chunks if last)
+    activation = tokens(cfg) * m.hidden_size * e
+    if t > 1:
+        tp_link = link_of(t, gpus_per_node)
+        if p.sequence_parallel:  # every gather has its reduce-scatter in backward and the reverse
+            out += [Collective("tp", "all_gather", activation, (6 if full else 4) * layers + pre + post, t, tp_link),
+                    Collective("tp", "reduce_scatter", activation, (5 if full else 4) * layers + pre + post, t,
+                               tp_link)]
+        else:
+            out.append(Collective("tp", "all_reduce", activation, (5 if full else 4) * layers + pre + post, t,
+                                  tp_link))
+        if post:
+            out.append(Collective("tp", "all_reduce", tokens(cfg) * 4, 3 * post, t, tp_link))
+    if c > 1:
+        kv = (m.kv_heads // t if m.kv_heads >= t else 1) * m.head_dim
+        gathered = c * tokens(cfg) * 2 * kv * e
+        cp_link = link_of(t * c, gpus_per_node)
+        out += [Collective("cp", "all_gather", gathered, layers * (2 if full else 1), c, cp_link),
+                Collective("cp", "reduce_scatter", gathered, layers, c, cp_link)]
+    if p.pipeline > 1:
+        sent = activation // (t if p.sequence_parallel else 1)
+        stride = t * c * data_parallel_size(cfg, world_size)  # pipeline neighbours are this many ranks apart
+        out.append(Collective("pp", "p2p", sent, 2 * p.virtual_stages, 2, link_of(2 * stride, gpus_per_node)))
+    return out
+
+
+def padded(numel: int, shard_size: int) -> int:
+    return -(-max(numel, 1) // shard_size) * shard_size
+
+
+def per_step(cfg: Config, stage: int, world_size: int, gpus_per_node: int) -> list[Collective]:
+    """The gradient and parameter collectives of data parallelism on `stage`, per step."""
+    p, m = cfg.parallel, cfg.model
+    e = DTYPE_BYTES[cfg.train.precision]
+    dp = data_parallel_size(cfg, world_size)
+    n = dp * p.context  # gradients are reduced over DP × CP
+    if n == 1:
+        return []
+    micro_batches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
+    span = p.tensor * n
+    chunks = stage_chunks(cfg, stage)
+    units = [(chunk_units(cfg, *chunk), chunk) for chunk in chunks]
+    table = [u for unit_list, _ in units for u in unit_list if [name for name, _ in u] == [EMBEDDING]]
+    rows, width = (table[0][0][1] // m.hidden_size, m.hidden_size) if table else (0, 0)
+    link = link_of(span, gpus_per_node)
+    if p.zero_stage == 0:
+        by_rows = bool(table) and p.embedding_row_exchange and rows_worth_it(
+            torch.empty(rows, width, dtype=torch.float32 if e == 4 else torch.bfloat16, device="meta"), n,
+            cfg.train.global_batch_size // dp * m.seq_length)
+        dense = e * sum(num for unit_list, _ in units for unit in unit_list for name, num in unit
+                        if not (by_rows and name == EMBEDDING))
+        buckets = max(1, -(-dense // int(p.bucket_mb * 2**20)))  # one reduction a step, in this many calls
+        out = [Collective("dp", "all_reduce", dense / buckets, 1, n, link, "reduce") for _ in range(buckets)]
+        if by_rows:
+            bound = min(micro_batches * tokens(cfg), rows)  # distinct rows this rank read at most
+            out += [Collective("dp", "all_gather", n * bound * width * e, 1, n, link),
+                    Collective("dp", "all_gather", n * bound * INDEX, 1, n, link)]
+        return out
+    k = p.hsdp_group_size or n
+    shard_link = link_of(p.tensor * k, gpus_per_node)
+    lookup = (p.zero_stage == 3 and p.zero3_embedding_rows and bool(table) and not p.hsdp_group_size
+              and not p.hierarchical_node_size
+              and lookup_worth_it(rows, width, e, k, cfg.train.micro_batch_size * m.seq_length))
+    reductions = 1 if p.zero_stage == 1 else micro_batches
+    out = []
+    for unit_list, _ in units:
+        for i, unit in enumerate(unit_list):
+            size = padded(sum(num for _, num in unit), k) * e
+            embedding = [name for name, _ in unit] == [EMBEDDING]
+            if not (embedding and lookup):
+                out.append(Collective("dp", "reduce_scatter", size, reductions, k, shard_link, "reduce"))
+            if p.zero_stage < 3:
+                out.append(Collective("dp", "all_gather", size, 1, k, shard_link, "after_step"))
+                continue
+            if not (embedding and lookup):
+                out.append(Collective("dp", "all_gather", size, micro_batches, k, shard_link, "gather_forward"))
+            if not (embedding or i == len(unit_list) - 1 and p.zero3_keep_last_gathered):
+                out.append(Collective("dp", "all_gather", size, micro_batches, k, shard_link, "gather_backward"))
+    if lookup:
+        looked_up = tokens(cfg)
+        out += [Collective("dp", "all_gather", k * looked_up * INDEX, micro_batches, k, shard_link),
+                Collective("dp", "all_to_all", k * looked_up * width * e, micro_batches, k, shard_link),
+                Collective("dp", "all_gather", k * looked_up * width * e, micro_batches, k, shard_link)]
+    if k < n:
+        shards = sum(padded(sum(num for _, num in unit), k) for unit_list, _ in units for unit in unit_list) // k
+        out.append(Collective("dp-replicas", "all_reduce", shards * e, reductions, n // k, link))
+    return out

@@ -1,0 +1,213 @@
+"""How far to trust the layout planner: every layout of a space on 8 CPU ranks (gloo), predicted against measured.
+
+    python tools/bench_planner.py [--nproc 8] [--steps 2] [--profile fresh|cpu_fp32|FILE] [--budget 240]
+    python tools/bench_planner.py --rescore DIR [--profile cpu_fp32]     (an earlier run's measurements, today's model)
+
+At the peer benchmark's shape (the config defaults: hidden 256, 4 layers, 8 heads, FFN 688, vocabulary 8,192,
+sequence 256; global batch 8, fp32, synthetic data) the planner enumerates the layouts of --nproc ranks in the
+benchmark's space (TP 1-8, CP 1-2, PP 1-4, ZeRO 0/3, no recomputation, micro batch 1: engine/plan/layouts.Space) and
+predicts each one's step time and memory, from a profile calibrated first in the same run (--profile fresh, the
+default: tools/plan_calibrate.py at the benchmark's shapes, ~40 s; the machine's load changes the numbers more
+than anything the model leaves out) or a stored one. One torchrun job of --nproc ranks then trains each layout
+in turn (a fresh Trainer, one warm-up step and --steps measured ones; one job, because starting 8 ranks costs
+~50 s here): step time is rank 0's median, peak memory the largest rank's resident-set growth over the steps
+above its level before the layout was built (glibc keeps a step's freed memory, as in training, so the
+resident set after a step is its peak; freed memory is trimmed between layouts), against the estimate plus
+the profile's engine_memory_bytes. Layouts run in a shuffled
+order (fixed seed) until --budget seconds have passed, so that the whole benchmark stays within ~6 minutes.
+Printed: the table, the Spearman rank correlation of predicted and measured step times, the measured time of
+the predicted best against the measured best, and the median absolute errors of step time and memory.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from engine.config.schema import Config, from_dict, to_dict  # noqa: E402
+from engine.plan.fit import peak_bytes  # noqa: E402
+from engine.plan.layouts import Space, apply, overrides  # noqa: E402
+from engine.plan.planner import plan  # noqa: E402
+from engine.plan.profile import load_profile  # noqa: E402
+from engine.plan.time_model import predict  # noqa: E402
+
+# 30 layouts of 8 ranks: ~5 minutes here
+SPACE = Space(tensor=(1, 2, 4, 8), context=(1, 2), pipeline=(1, 2, 4), virtual_stages=(1,),
+              stage_balance=("layers",), zero_stage=(0, 3), hsdp=False, recompute=("none",), micro_batch_size=(1,))
+
+
+def base_config(run_dir: str) -> Config:
+    cfg = Config()
+    cfg.train.global_batch_size, cfg.train.precision, cfg.train.device = 8, "fp32", "cpu"
+    cfg.train.log_interval, cfg.optim.warmup_steps, cfg.optim.schedule = 1, 0, "constant"
+    cfg.data.mock, cfg.run.dir = True, run_dir
+    return cfg
+
+
+def spearman(xs: list, ys: list) -> float:
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        out = [0.0] * len(v)
+        i = 0
+        while i < len(order):  # ties share their mean rank
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    return cov / (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+
+
+# -- the job: every layout in turn on the same ranks --------------------------------------------------------
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def worker(plan_file: str, out_file: str, steps: int, budget: float) -> None:
+    import torch
+
+    from engine.observe.host_memory import reuse_freed_memory
+    from engine.train import Trainer, setup_run_dir
+    from parallel import comm
+    from parallel.distributed import init_distributed, shutdown, world_group
+    job = json.loads(Path(plan_file).read_text())
+    env = init_distributed("cpu", "gloo", 10.0)
+    reuse_freed_memory()  # as training on the CPU does: a step's freed memory stays, so the RSS after it is its peak
+    base = from_dict(job["base"])
+    libc = ctypes.CDLL(None)
+    results = []
+    start = time.perf_counter()
+    for i, lines in enumerate(job["layouts"]):
+        late = torch.tensor([float(time.perf_counter() - start > budget)])
+        comm.all_reduce(late, world_group(), op=torch.distributed.ReduceOp.MAX)  # rank 0's clock decides alike
+        if late.item():
+            break
+        cfg = apply(base, lines + [f"run.dir={base.run.dir}/{i}"])
+        gc.collect()
+        libc.malloc_trim(0)
+        before = rss_bytes()
+        setup_run_dir(cfg, env.rank)
+        trainer = Trainer(cfg, env)
+        times, peak = [], 0
+        try:
+            for step in range(steps + 1):
+                record = trainer.train_step()
+                peak = max(peak, rss_bytes() - before)
+                if step:
+                    times.append(record["step_time_s"])
+        finally:
+            trainer.loader.close()
+        worst = torch.tensor([float(peak)], dtype=torch.float64)
+        comm.all_reduce(worst, world_group(), op=torch.distributed.ReduceOp.MAX)
+        results.append({"step_s": statistics.median(times), "peak_bytes": worst.item()})
+        del trainer
+        if env.rank == 0:
+            print(f"layout {i + 1}/{len(job['layouts'])}: {results[-1]}", flush=True)
+    if env.rank == 0:
+        Path(out_file).write_text(json.dumps(results))
+    shutdown(True)
+
+
+# -- the driver ---------------------------------------------------------------------------------------------
+def report(jobs: list, measured: list, profile, nproc: int) -> None:
+    """The table and the summary of (layout name, configuration) `jobs` against their measurements."""
+    print("| layout | predicted s | measured s | error | predicted MiB | measured MiB | error |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    predicted, time_err, mem_err = [], [], []
+    for (name, cfg), m in zip(jobs, measured):
+        pt, mt = predict(cfg, nproc, profile, nproc).total, m["step_s"]
+        pm, mm = peak_bytes(cfg, nproc) + profile.engine_memory_bytes, m["peak_bytes"]
+        predicted.append(pt)
+        time_err.append(abs(pt - mt) / mt)
+        mem_err.append(abs(pm - mm) / mm)
+        print(f"| {name} | {pt:.3f} | {mt:.3f} | {100 * (pt - mt) / mt:+.0f}% | {pm / 2**20:.1f} | {mm / 2**20:.1f} | "
+              f"{100 * (pm - mm) / mm:+.0f}% |")
+    times = [m["step_s"] for m in measured]
+    best_predicted = times[predicted.index(min(predicted))]
+    print(f"Spearman (predicted vs measured step time): {spearman(predicted, times):.2f}")
+    print(f"predicted best measured {best_predicted:.3f} s vs measured best {min(times):.3f} s: "
+          f"{100 * (best_predicted / min(times) - 1):.0f}% slower")
+    print(f"median |step time error| {100 * statistics.median(time_err):.0f}%, median |memory error| "
+          f"{100 * statistics.median(mem_err):.0f}%")
+
+
+def rescore(work: Path, profile_name: str, nproc: int) -> int:
+    """A finished run's measurements (plan.json, results.json in `work`) against today's model and `profile`."""
+    job = json.loads((work / "plan.json").read_text())
+    measured = json.loads((work / "results.json").read_text())
+    base = from_dict(job["base"])
+    jobs = [(" ".join(lines), apply(base, lines)) for lines in job["layouts"][:len(measured)]]
+    jobs = [(f"{c.parallel.tensor}/{c.parallel.context}/{c.parallel.pipeline}/Z{c.parallel.zero_stage}", c)
+            for _, c in jobs]
+    print(f"rescoring {len(measured)} measured layouts in {work} (TP/CP/PP/ZeRO) with profile {profile_name}")
+    report(jobs, measured, load_profile(profile_name), nproc)
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--nproc", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=2, help="measured steps per layout (after one warm-up step)")
+    ap.add_argument("--profile", default="fresh", help="fresh (calibrate first, in this run), or a stored profile")
+    ap.add_argument("--budget", type=float, default=240.0, help="seconds of measuring after which no layout starts")
+    ap.add_argument("--rescore", metavar="DIR", help="predict an earlier run's measurements (its directory) again, "
+                    "with --profile (default cpu_fp32)")
+    ap.add_argument("--worker", nargs=2, metavar=("PLAN", "OUT"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        worker(*args.worker, args.steps, args.budget)
+        return 0
+    if args.rescore:
+        return rescore(Path(args.rescore), "cpu_fp32" if args.profile == "fresh" else args.profile, args.nproc)
+    work = Path(tempfile.mkdtemp(prefix="bench_planner_"))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // args.nproc)))
+    if args.profile == "fresh":
+        args.profile = str(work / "profile.json")
+        subprocess.run([sys.executable, str(ROOT / "tools/plan_layout.py"), "--calibrate", "--nproc", str(args.nproc),
+                        "--micro-batches", "1", "--out", args.profile], cwd=ROOT, env=env, check=True)
+    cfg = base_config(str(work / "runs"))
+    profile = load_profile(args.profile)
+    result = plan(cfg, args.nproc, profile, 0, args.nproc, SPACE)
+    chosen = sorted(result.ranked, key=lambda p: p.layout.name(args.nproc))
+    random.Random(0).shuffle(chosen)  # a cut by --budget leaves a sample of the space, not its first names
+    plan_file, out_file = work / "plan.json", work / "results.json"
+    plan_file.write_text(json.dumps({"base": to_dict(cfg),
+                                     "layouts": [overrides(cfg, p.layout, args.nproc) for p in chosen]}))
+    print(f"{len(chosen)} of {result.enumerated} valid layouts of {args.nproc} CPU ranks (gloo), profile "
+          f"{profile.device}; 1 warm-up + {args.steps} measured steps each, one job", flush=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
+           str(Path(__file__).resolve()), "--steps", str(args.steps), "--budget", str(args.budget),
+           "--worker", str(plan_file), str(out_file)]
+    done = subprocess.run(cmd, cwd=ROOT, env=env)
+    if done.returncode:
+        print(f"bench_planner: the job failed with status {done.returncode}; run directories in {work}",
+              file=sys.stderr)
+        return 1
+    measured = json.loads(out_file.read_text())
+    print(f"measured {len(measured)} of {len(result.ranked)} layouts within --budget {args.budget:.0f} s "
+          f"(kept in {work}: --rescore it after changing the model)")
+    report([(p.layout.name(args.nproc), p.cfg) for p in chosen], measured, profile, args.nproc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
