@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from engine import offload
 from engine.config.schema import OptimConfig
 from kernels.adamw import adamw
 from parallel import comm
@@ -48,14 +49,20 @@ def no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
 class MixedPrecisionAdamW:
     """Holds fp32 master copies of low-precision model parameters (or uses fp32 parameters directly).
     `gradients`, when given, owns the parameters' `.grad` storage (parallel/ddp.BucketedDDP: views into
-    persistent buckets) and zeroes it in `zero_grad`."""
+    persistent buckets) and zeroes it in `zero_grad`. The masters (and so the moments) of the parameters
+    chosen by `optim.offload_fraction` live on the host (engine/offload.py), whatever their dtype."""
 
     def __init__(self, named_params: list, cfg: OptimConfig, topo, precision: str, gradients=None):
         self.cfg, self.topo, self.gradients = cfg, topo, gradients
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
-        self.master = [p if p.dtype == torch.float32 else p.detach().float().clone().requires_grad_(True)
-                       for p in self.params]
+        # backward produces the gradients roughly in reverse order of definition: offload in that order
+        on_host = offload.offloaded([p.numel() for p in reversed(self.params)], cfg.offload_fraction)[::-1]
+        self.master = [offload.host_copy(p).requires_grad_(True) if host else
+                       p if p.dtype == torch.float32 else p.detach().float().clone().requires_grad_(True)
+                       for p, host in zip(self.params, on_host)]
+        # the pinned host buffers that an offloaded master's gradient arrives in
+        self.host_grads = {i: offload.host_empty(self.master[i]) for i, host in enumerate(on_host) if host}
         decay = [m for (n, p), m in zip(named_params, self.master) if not no_weight_decay(n, p)]
         other = [m for (n, p), m in zip(named_params, self.master) if no_weight_decay(n, p)]
         groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0}]
@@ -76,45 +83,56 @@ class MixedPrecisionAdamW:
             if m is not p:  # an fp32 parameter is its own master: its `.grad` is handled above
                 m.grad = None
 
-    def _gather_master_grads(self) -> None:
-        for p, m in zip(self.params, self.master):
-            if p is m:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                continue
-            m.grad = p.grad.float() if p.grad is not None else torch.zeros_like(m)
+    def _device_grads(self) -> list:
+        """Every master's fp32 gradient on the parameter's device (an offloaded master's too: the norm and
+        clipping run there, as without offload); a master on the device gets it as its `.grad`."""
+        grads = []
+        for i, (p, m) in enumerate(zip(self.params, self.master)):
+            if p.grad is None and p is m:
+                p.grad = torch.zeros_like(p)
+            g = p.grad.float() if p.grad is not None else torch.zeros(p.shape, device=p.device)
+            if p is not m and i not in self.host_grads:
+                m.grad = g
+            grads.append(g)
+        return grads
 
-    def global_grad_norm(self) -> float:
-        counted = [m.grad for p, m in zip(self.params, self.master) if counts_in_norm(p, self.topo.tp_rank)]
+    def _grads_to_host(self, grads: list) -> None:
+        offload.copy_to_host([(self.host_grads[i], grads[i]) for i in self.host_grads])
+        for i, buffer in self.host_grads.items():
+            self.master[i].grad = buffer
+
+    def global_grad_norm(self, grads: list) -> float:
+        counted = [g for p, g in zip(self.params, grads) if counts_in_norm(p, self.topo.tp_rank)]
         # One multi-tensor kernel for the per-tensor norms; their squares are summed in fp64.
         norms = torch._foreach_norm(counted) if counted else []
         total = torch.stack(norms).double().pow(2).sum().reshape(1) if norms else \
-            torch.zeros(1, dtype=torch.float64, device=self.master[0].device)
+            torch.zeros(1, dtype=torch.float64, device=self.params[0].device)
         comm.all_reduce(total, self.topo.mp_group)
         return math.sqrt(total.item())
 
     @torch.no_grad()
     def step(self, lr: float) -> tuple[float, bool]:
         """Unscale, clip, update; returns (gradient norm before clipping, whether the step was skipped)."""
-        self._gather_master_grads()
-        grads = [m.grad for m in self.master]
+        grads = self._device_grads()
         if self.scaler.enabled:
             torch._foreach_div_(grads, self.scaler.scale)
-        norm = self.global_grad_norm()
+        norm = self.global_grad_norm(grads)
         overflow = not math.isfinite(norm)
         self.scaler.update(overflow)
         if overflow:
             return norm, True
         if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad:
             torch._foreach_mul_(grads, self.cfg.clip_grad / (norm + 1e-6))
+        self._grads_to_host(grads)
         for group in self.inner.param_groups:
             group["lr"] = lr
         self.inner.step()
         self._adam_step += 1
-        for p, m in zip(self.params, self.master):
-            if p is not m:
-                p.copy_(m)
+        self._write_params()
         return norm, False
+
+    def _write_params(self) -> None:
+        offload.copy_to_device([(p, m) for p, m in zip(self.params, self.master) if p is not m])
 
     def state_dict(self) -> dict:
         return {"inner": self.inner.state_dict(), "scaler": self.scaler.state_dict(),
@@ -124,10 +142,9 @@ class MixedPrecisionAdamW:
         self.inner.load_state_dict(state["inner"])
         self.scaler.load_state_dict(state["scaler"])
         with torch.no_grad():
-            for p, m, saved in zip(self.params, self.master, state["master"]):
+            for m, saved in zip(self.master, state["master"]):
                 m.copy_(saved)
-                if p is not m:
-                    p.copy_(m)
+            self._write_params()
 
     # Checkpoint interface (docs/checkpoints.md): optimizer state per parameter name as flat fp32 ranges.
 
@@ -161,14 +178,13 @@ class MixedPrecisionAdamW:
         index = {id(m): i for i, m in enumerate(m for group in self.inner.param_groups for m in group["params"])}
         state = self.inner.state_dict()
         state["state"] = {}
-        for name, p, m in zip(self.names, self.params, self.master):
+        for name, m in zip(self.names, self.master):
             n = m.numel()
             m.copy_(read(name, "master", 0, n).view_as(m))
             state["state"][index[id(m)]] = {"step": torch.tensor(float(self._adam_step), dtype=torch.float32),
                                             "exp_avg": read(name, "exp_avg", 0, n).view_as(m),
                                             "exp_avg_sq": read(name, "exp_avg_sq", 0, n).view_as(m)}
-            if p is not m:
-                p.copy_(m)
+        self._write_params()
         self.inner.load_state_dict(state)
         self.check_state_devices()
 

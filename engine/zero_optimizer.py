@@ -10,6 +10,10 @@ kernels/adamw.py: fused by default, or foreach; apex, being GPU-only, maps to to
 shards). Weight decay only applies to some ranges of a shard, so it is applied first, as one multi-tensor
 multiply over those ranges, and the kernel runs with weight_decay=0: torch's AdamW also scales the
 parameter by (1 - lr·wd) before the Adam update, so the result is the same.
+
+`optim.offload_fraction` puts the masters and moments of some units' shards on the host (engine/offload.py):
+their gradients are unscaled, measured and clipped on the device as the others', then copied to pinned host
+buffers; the same kernel steps them there, and write_shards copies the new masters back.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import math
 import torch
 from torch.optim.adamw import adamw
 
+from engine import offload
 from engine.optimizer import LossScaler, counts_in_norm, no_weight_decay
 from parallel import comm
 from kernels.adamw import select_implementation
@@ -30,8 +35,12 @@ class ZeroAdamW:
         # Checkpoint interface: each shard is written once; under HSDP only the first replica group writes.
         self.writes_state = comm.group_rank(sdp.replicate_group) == 0
         # fp32 stage 3: the parameter shard is a tensor of its own, so it serves as the master (no copy per step)
-        self.master = [u.param_shard if sdp.stage == 3 and u.param_shard.dtype == torch.float32
-                       else u.param_shard.detach().float().clone() for u in sdp.units]
+        # backward reduces the units in reverse order: offload in that order
+        on_host = offload.offloaded([u.shard_numel for u in reversed(sdp.units)], cfg.offload_fraction)[::-1]
+        self.master = [offload.host_copy(u.param_shard) if host else
+                       u.param_shard if sdp.stage == 3 and u.param_shard.dtype == torch.float32
+                       else u.param_shard.detach().float().clone() for u, host in zip(sdp.units, on_host)]
+        self.host_grads = {i: offload.host_empty(m) for i, (m, host) in enumerate(zip(self.master, on_host)) if host}
         self.exp_avg = [torch.zeros_like(m) for m in self.master]
         self.exp_avg_sq = [torch.zeros_like(m) for m in self.master]
         self.adam_step = 0
@@ -48,7 +57,7 @@ class ZeroAdamW:
 
     def global_grad_norm(self, grads: list) -> float:
         pieces = [g[r.shard_start:r.shard_end] for g, ranges in zip(grads, self.norm_ranges) for r in ranges]
-        total = torch.zeros(1, dtype=torch.float64, device=self.master[0].device)
+        total = torch.zeros(1, dtype=torch.float64, device=grads[0].device)
         if pieces:  # one multi-tensor norm, accumulated in fp64
             total += torch.stack(torch._foreach_norm(pieces, 2, dtype=torch.float64)).square().sum()
         comm.all_reduce(total, self.sdp.shard_group)  # HSDP replicas hold the same shards: not summed again
@@ -68,9 +77,11 @@ class ZeroAdamW:
             return norm, True
         if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad:
             torch._foreach_mul_(grads, self.cfg.clip_grad / (norm + 1e-6))
+        offload.copy_to_host([(self.host_grads[i], grads[i]) for i in self.host_grads])
+        grads = [self.host_grads.get(i, g) for i, g in enumerate(grads)]
         c = self.cfg
-        if self.decay_views:  # decoupled weight decay on the decayed ranges only
-            torch._foreach_mul_(self.decay_views, 1 - lr * c.weight_decay)
+        for views in offload.by_device(self.decay_views):  # decoupled weight decay on the decayed ranges only
+            torch._foreach_mul_(views, 1 - lr * c.weight_decay)
         for s in self.state_steps:
             s.fill_(self.adam_step)  # the kernel adds one
         self.adam_step += 1
