@@ -1,0 +1,146 @@
+"""optim.offload_fraction: the host-stepped share of the optimizer state changes nothing, bit for bit on CPU.
+
+Each layout trains STEPS steps with offload off and on (gloo, CPU), with a clip threshold that some steps
+exceed and some do not, and an infinite gradient injected at step INF_STEP (skipped): losses, gradient norms
+and every owned master and Adam moment must be equal exactly. Checkpoints saved with offload on resume with it
+off and back, exactly.
+"""
+import math
+import tempfile
+
+import pytest
+import torch
+
+from engine.config.schema import validate
+from engine.offload import offloaded
+from engine.train import Trainer
+from parallel.distributed import DistEnv
+from tests.distributed import worker_pools
+from tests.test_data_parallel import make_config
+
+STEPS, INF_STEP, CLIP = 20, 5, 1.15
+BASE = {"model": dict(hidden_size=32, num_layers=2, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=64,
+                      vocab_size=61, seq_length=16),
+        "train": dict(micro_batch_size=1, global_batch_size=8, steps=STEPS, seed=7),
+        "optim": dict(lr=3e-3, warmup_steps=2, clip_grad=CLIP), "data": dict(mock=True)}
+
+# (id, processes, precision, offload fraction, parallel overrides)
+LAYOUTS = [
+    ("ddp-dp2", 2, "bf16", 1.0, dict(zero_stage=0)),
+    ("zero1-dp2", 2, "fp32", 0.5, dict(zero_stage=1)),
+    ("zero3-dp2", 2, "fp32", 1.0, dict(zero_stage=3)),
+    ("tp2-zero1-dp2", 4, "bf16", 0.5, dict(tensor=2, zero_stage=1)),
+    ("pp2-zero1-dp2", 4, "fp32", 1.0, dict(pipeline=2, zero_stage=1)),
+    ("hsdp2x2-zero2", 4, "bf16", 0.5, dict(zero_stage=2, hsdp_group_size=2)),
+]
+
+
+@pytest.fixture(scope="module")
+def pools():
+    with worker_pools(2, 4) as made:
+        yield made
+
+
+def trainer_for(rank, world, precision, fraction, parallel, run_dir=None):
+    base = {**BASE, "train": dict(BASE["train"], precision=precision),
+            "optim": dict(BASE["optim"], offload_fraction=fraction)}
+    cfg = make_config(base, **parallel)
+    if run_dir is not None:
+        cfg.run.dir = run_dir
+    validate(cfg, world)
+    return Trainer(cfg, DistEnv(rank, world, 0, torch.device("cpu"), "gloo"))
+
+
+def inject_inf_at(trainer, step: int) -> None:
+    """After the gradients of `step` are reduced, one infinite element (on every rank, so every rank skips)."""
+    finish = trainer.data_parallel.finish_gradients
+
+    def finish_then_poison():
+        finish()
+        if trainer.step + 1 != step:
+            return
+        if trainer.cfg.parallel.zero_stage == 0:  # replicated gradients: each rank measures its own
+            next(p for _, p in trainer.named_params if p.grad is not None).grad.view(-1)[0] = math.inf
+        else:  # each rank's shard (owned_gradients leaves out HSDP's other replicas)
+            next(u for u in trainer.data_parallel.units if u.grad_shard is not None).grad_shard.fill_(math.inf)
+
+    trainer.data_parallel.finish_gradients = finish_then_poison
+
+
+def owned(trainer) -> dict:
+    """{name: (range, master, exp_avg, exp_avg_sq)} of what this rank owns, and the model's own values under DDP."""
+    out = {n: (s["range"], *(s[k].clone() for k in ("master", "exp_avg", "exp_avg_sq")))
+           for n, s in trainer.optimizer.owned_state().items()}
+    if trainer.cfg.parallel.zero_stage == 0:
+        out.update({"param:" + n: p.detach().clone() for n, p in trainer.named_params})
+    return out
+
+
+def run_layout(rank, world, precision, fraction, parallel):
+    trainer = trainer_for(rank, world, precision, fraction, parallel)
+    inject_inf_at(trainer, INF_STEP)
+    records = [trainer.train_step() for _ in range(STEPS)]
+    return [(r["loss"], r["grad_norm"], r["skipped"]) for r in records], owned(trainer), \
+        len(trainer.optimizer.host_grads)
+
+
+def assert_same(off: dict, on: dict) -> None:
+    assert off.keys() == on.keys()
+    for name in off:
+        for a, b in zip(off[name], on[name]):
+            assert torch.equal(a, b) if torch.is_tensor(a) else a == b, name
+
+
+@pytest.mark.parametrize("nproc,precision,fraction,parallel", [row[1:] for row in LAYOUTS],
+                         ids=[row[0] for row in LAYOUTS])
+def test_offload_changes_no_bit(pools, nproc, precision, fraction, parallel):
+    off = pools[nproc].run(run_layout, precision, 0.0, parallel)
+    on = pools[nproc].run(run_layout, precision, fraction, parallel)
+    steps = off[0][0]
+    assert [s for _, _, s in steps] == [i + 1 == INF_STEP for i in range(STEPS)]
+    finite = [n for _, n, s in steps if not s]
+    assert any(n > CLIP for n in finite) and any(n <= CLIP for n in finite), f"clip must bite on some steps: {finite}"
+    for (steps_off, state_off, host_off), (steps_on, state_on, host_on) in zip(off, on):
+        assert host_off == 0 and host_on > 0  # the state really moved
+        assert steps_on == steps_off
+        assert_same(state_off, state_on)
+
+
+def save_then_resume(rank, world, run_dir, precision, first, then, parallel):
+    """STEPS / 2 steps at offload fraction `first`, saved; a new Trainer at `then` resumes and finishes."""
+    trainer = trainer_for(rank, world, precision, first, parallel, run_dir)
+    losses = [trainer.train_step()["loss"] for _ in range(STEPS // 2)]
+    trainer.save_checkpoint()
+    trainer.checkpointer.wait()
+    resumed = trainer_for(rank, world, precision, then, parallel, run_dir)
+    assert resumed.step == STEPS // 2
+    losses += [resumed.train_step()["loss"] for _ in range(STEPS - STEPS // 2)]
+    return losses, owned(resumed)
+
+
+def straight(rank, world, precision, parallel):
+    trainer = trainer_for(rank, world, precision, 0.0, parallel)
+    return [trainer.train_step()["loss"] for _ in range(STEPS)], owned(trainer)
+
+
+@pytest.mark.parametrize("precision,parallel", [("bf16", dict(zero_stage=0)), ("fp32", dict(zero_stage=3))],
+                         ids=["ddp", "zero3"])
+def test_resume_across_offload_on_and_off_is_exact(pools, precision, parallel):
+    reference = pools[2].run(straight, precision, parallel)
+    for first, then in ((1.0, 0.0), (0.0, 1.0)):
+        with tempfile.TemporaryDirectory() as run_dir:
+            resumed = pools[2].run(save_then_resume, run_dir, precision, first, then, parallel)
+        for (losses, state), (want_losses, want_state) in zip(resumed, reference):
+            assert losses == want_losses, (first, then)
+            assert_same(want_state, state)
+
+
+@pytest.mark.parametrize("numels,fraction,expected", [
+    ([4, 4, 4, 4], 0.0, [False] * 4),
+    ([4, 4, 4, 4], 1.0, [True] * 4),
+    ([4, 4, 4, 4], 0.5, [True, True, False, False]),
+    ([10, 1, 1], 0.2, [False, True, True]),  # the large one would overshoot: the small ones come nearer
+    ([3], 0.6, [True]),
+])
+def test_offloaded_share_is_the_nearest_in_whole_tensors(numels, fraction, expected):
+    assert offloaded(numels, fraction) == expected
