@@ -134,6 +134,12 @@ class MixedPrecisionAdamW:
     def _write_params(self) -> None:
         offload.copy_to_device([(p, m) for p, m in zip(self.params, self.master) if p is not m])
 
+    def host_tensors(self) -> list:
+        """The state kept in host memory (optim.offload_fraction): masters, moments, gradient buffers."""
+        masters = [self.master[i] for i in self.host_grads]
+        moments = [t for m in masters for key, t in self.inner.state.get(m, {}).items() if key != "step"]
+        return masters + moments + list(self.host_grads.values())
+
     def state_dict(self) -> dict:
         return {"inner": self.inner.state_dict(), "scaler": self.scaler.state_dict(),
                 "master": [m.detach() for m in self.master]}

@@ -110,4 +110,11 @@ class ZeroAdamW:
         self.sdp.write_shards(self.master)
 
     def held_tensors(self) -> list:
-        return self.master + self.exp_avg + self.exp_avg_sq
+        """The state this rank keeps on its device."""
+        return [t for i, state in enumerate(zip(self.master, self.exp_avg, self.exp_avg_sq))
+                if i not in self.host_grads for t in state]
+
+    def host_tensors(self) -> list:
+        """The state kept in host memory (optim.offload_fraction): masters, moments, gradient buffers."""
+        return [t for i, grad in self.host_grads.items()
+                for t in (self.master[i], self.exp_avg[i], self.exp_avg_sq[i], grad)]

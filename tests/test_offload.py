@@ -6,17 +6,24 @@ and every owned master and Adam moment must be equal exactly. Checkpoints saved 
 off and back, exactly.
 """
 import math
+import re
+import subprocess
+import sys
 import tempfile
 
 import pytest
 import torch
 
-from engine.config.schema import validate
+from engine import preflight
+from engine.config.schema import load_config, validate
+from engine.memory_estimate import estimate, host_problem
 from engine.offload import offloaded
 from engine.train import Trainer
+from parallel import comm
 from parallel.distributed import DistEnv
 from tests.distributed import worker_pools
 from tests.test_data_parallel import make_config
+from tests.test_memory_estimate import TINY, storages
 
 STEPS, INF_STEP, CLIP = 20, 5, 1.15
 BASE = {"model": dict(hidden_size=32, num_layers=2, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=64,
@@ -144,3 +151,61 @@ def test_resume_across_offload_on_and_off_is_exact(pools, precision, parallel):
 ])
 def test_offloaded_share_is_the_nearest_in_whole_tensors(numels, fraction, expected):
     assert offloaded(numels, fraction) == expected
+
+
+# -- accounting: the estimate's device and host bytes against what the optimizer holds ------------------------
+def held(rank, world, *overrides) -> tuple:
+    """(stage, measured (device optimizer, host optimizer), estimated) bytes of this rank after one step."""
+    cfg = load_config(TINY, ["model.num_layers=4", "run.dir=/tmp/trilith-offload-unused", *overrides])
+    validate(cfg, world)
+    trainer = Trainer(cfg, DistEnv(rank, world))
+    trainer.train_step()  # the moments exist from the first step on
+    opt, dp = trainer.optimizer, trainer.data_parallel
+    if cfg.parallel.zero_stage == 0:
+        device = [(m, p) for i, (m, p) in enumerate(zip(opt.master, opt.params)) if i not in opt.host_grads]
+        state = [t for m, _ in device for key, t in opt.inner.state[m].items() if key != "step"]
+        on_device = storages(state + [m for m, p in device if m is not p])
+        shard_rank = 0
+    else:
+        weights = [u.param_shard if cfg.parallel.zero_stage == 3 else u.flat for u in dp.units]
+        on_device = storages(weights + opt.held_tensors()) - storages(weights)
+        shard_rank = comm.group_rank(dp.shard_group)
+    want = estimate(cfg, world, shard_rank)[trainer.topo.pp_rank]
+    return trainer.topo.pp_rank, (on_device, storages(opt.host_tensors())), (want.optimizer, want.host)
+
+
+@pytest.mark.parametrize("world,overrides", [
+    (1, ["train.precision=bf16", "optim.offload_fraction=0.5"]),
+    (1, ["parallel.zero_stage=3", "optim.offload_fraction=0.6"]),
+    (2, ["parallel.zero_stage=1", "train.precision=bf16", "optim.offload_fraction=0.5"]),
+    (2, ["parallel.pipeline=2", "model.tie_embeddings=true", "optim.offload_fraction=0.3"]),
+    (2, ["parallel.zero_stage=2", "parallel.tensor=2", "optim.offload_fraction=1"]),
+], ids=["ddp-bf16", "zero3-fp32", "zero1-dp2-bf16", "pp2-tied-ddp", "zero2-tp2"])
+def test_estimate_splits_device_and_host_bytes_as_allocated(pools, world, overrides):
+    results = [held(0, 1, *overrides)] if world == 1 else pools[world].run(held, *overrides)
+    for stage, got, want in results:
+        assert got == want, (stage, got, want)
+        assert got[1] > 0
+
+
+def test_a_node_that_cannot_hold_the_state_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    cfg = load_config(TINY, ["optim.offload_fraction=1"])
+    need = estimate(cfg, 1)[0].host
+    assert host_problem(cfg, 1, 8, 10 * 8 * need) is None
+    problem = host_problem(cfg, 1, 8, 8 * need)  # the state alone would take all of it: above HOST_SHARE
+    assert problem.startswith("optim.offload_fraction=1 puts") and "\n" not in problem
+    fits = re.search(r"set (optim.offload_fraction=0\.\d+) or less", problem).group(1)  # and that one fits
+    assert host_problem(load_config(TINY, [fits]), 1, 8, 8 * need) is None
+
+    monkeypatch.setattr(preflight, "node_memory", lambda: 2**10)  # no share of the state fits
+    code = preflight.main(["--config", TINY, "--steps", "2", f"run.dir={tmp_path}", "optim.offload_fraction=1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "optim.offload_fraction=1 puts" in err[0], err
+    assert "turn it off (optim.offload_fraction=0)" in err[0]
+
+
+def test_the_estimator_prints_host_bytes_per_node():
+    done = subprocess.run([sys.executable, "tools/estimate_memory.py", "--config", TINY, "--host-memory", "1GB",
+                           "--ranks-per-node", "4", "optim.offload_fraction=1"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "in host memory)" in done.stdout and "per node of 1 ranks: fits 80% of 1.00 GiB" in done.stdout
