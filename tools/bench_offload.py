@@ -59,6 +59,19 @@ def deepest_fitting(cfg, memory: int) -> tuple[int, int]:
     return low, sum(n for unit in chunk_units(with_layers(low), low, True, True) for _, n in unit) if low else 0
 
 
+def timed(trainer, seconds: list) -> None:
+    """Record the wall time of each optimizer step of `trainer` in `seconds` (the step's own share)."""
+    step = trainer.optimizer.step
+
+    def timed_step(lr):
+        start = time.perf_counter()
+        out = step(lr)
+        seconds.append(time.perf_counter() - start)
+        return out
+
+    trainer.optimizer.step = timed_step
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for flag, default in (("hidden", 256), ("layers", 4), ("heads", 8), ("kv-heads", 4), ("ffn", 688),
@@ -76,6 +89,9 @@ def main(argv=None) -> int:
             validate(cfg, 1)
             trainers[fraction] = Trainer(cfg, env)
         times: dict = {f: [] for f in FRACTIONS}
+        optimizer_times: dict = {f: [] for f in FRACTIONS}
+        for fraction, trainer in trainers.items():
+            timed(trainer, optimizer_times[fraction])
         for step in range(args.warmup + args.steps):
             for fraction, trainer in trainers.items():
                 if env.device.type == "cuda":
@@ -89,11 +105,13 @@ def main(argv=None) -> int:
         for trainer in trainers.values():
             trainer.loader.close()
     base = statistics.median(times[0.0])
+    base_optimizer = statistics.median(optimizer_times[0.0][args.warmup:])
     print(f"shape: hidden {args.hidden}, layers {args.layers}, seq {args.seq}, batch {args.batch}, {args.precision}, "
           f"{args.device}; medians of {args.steps} steps")
     for fraction in FRACTIONS:
-        median = statistics.median(times[fraction])
-        print(f"offload_fraction {fraction:g}: {median * 1000:.1f} ms/step, ratio {median / base:.3f} of fraction 0")
+        median, optimizer = statistics.median(times[fraction]), statistics.median(optimizer_times[fraction][args.warmup:])
+        print(f"offload_fraction {fraction:g}: {median * 1000:.1f} ms/step, ratio {median / base:.3f} of fraction 0; "
+              f"optimizer step {optimizer * 1000:.1f} ms, ratio {optimizer / base_optimizer:.3f}")
     if args.device_memory:
         memory = parse_bytes(args.device_memory)
         for fraction in (0.0, 1.0):
