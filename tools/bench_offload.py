@@ -80,7 +80,22 @@ def main(argv=None) -> int:
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--device-memory", default="", help="also print the deepest model that fits, e.g. 80GB")
+    ap.add_argument("--fit-only", action="store_true", help="only the deepest models (no training)")
     args = ap.parse_args(argv)
+    if not args.fit_only:
+        time_steps(args)
+    if args.device_memory:
+        memory = parse_bytes(args.device_memory)
+        for fraction in (0.0, 1.0):
+            layers, params = deepest_fitting(config(args, fraction, "/unused"), memory)
+            bound = "at least " if layers == MAX_LAYERS else ""
+            print(f"deepest model fitting {gib(memory)} at offload_fraction {fraction:g}: {bound}{layers} layers, "
+                  f"{params / 1e9:.2f} B parameters")
+    return 0
+
+
+def time_steps(args) -> None:
+    """Train at each fraction, steps interleaved; print medians, fastest steps and their ratios to fraction 0."""
     env = DistEnv(0, 1, 0, torch.device(args.device), "gloo")
     with tempfile.TemporaryDirectory() as run_dir:
         trainers = {}
@@ -104,22 +119,14 @@ def main(argv=None) -> int:
                     times[fraction].append(time.perf_counter() - start)
         for trainer in trainers.values():
             trainer.loader.close()
-    base = statistics.median(times[0.0])
-    base_optimizer = statistics.median(optimizer_times[0.0][args.warmup:])
     print(f"shape: hidden {args.hidden}, layers {args.layers}, seq {args.seq}, batch {args.batch}, {args.precision}, "
-          f"{args.device}; medians of {args.steps} steps")
-    for fraction in FRACTIONS:
-        median, optimizer = statistics.median(times[fraction]), statistics.median(optimizer_times[fraction][args.warmup:])
-        print(f"offload_fraction {fraction:g}: {median * 1000:.1f} ms/step, ratio {median / base:.3f} of fraction 0; "
-              f"optimizer step {optimizer * 1000:.1f} ms, ratio {optimizer / base_optimizer:.3f}")
-    if args.device_memory:
-        memory = parse_bytes(args.device_memory)
-        for fraction in (0.0, 1.0):
-            layers, params = deepest_fitting(config(args, fraction, "/unused"), memory)
-            bound = "at least " if layers == MAX_LAYERS else ""
-            print(f"deepest model fitting {gib(memory)} at offload_fraction {fraction:g}: {bound}{layers} layers, "
-                  f"{params / 1e9:.2f} B parameters")
-    return 0
+          f"{args.device}; {args.steps} steps each: median and fastest (the fastest is the least disturbed by load)")
+    for name, series in (("step", times), ("optimizer step", {f: s[args.warmup:] for f, s in optimizer_times.items()})):
+        median0, fastest0 = statistics.median(series[0.0]), min(series[0.0])
+        for fraction in FRACTIONS:
+            median, fastest = statistics.median(series[fraction]), min(series[fraction])
+            print(f"{name} at offload_fraction {fraction:g}: median {median * 1000:.1f} ms "
+                  f"(ratio {median / median0:.3f}), fastest {fastest * 1000:.1f} ms (ratio {fastest / fastest0:.3f})")
 
 
 if __name__ == "__main__":
