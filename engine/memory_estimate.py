@@ -11,7 +11,8 @@ its shard; stage 1 keeps full gradients, stages 2-3 their reduced shards (fp32 f
 bf16/fp16); stage 3 keeps only the parameter shard. `optim.offload_fraction` moves the state of some tensors
 (engine/offload.py: whole parameters at stage 0, whole unit shards at stage ≥ 1, chosen as the engine chooses)
 to the host: 16 bytes per element there (fp32 master, two moments, the pinned gradient buffer), none left on
-the device. The host total of a node is its ranks × the fullest rank's, judged against HOST_SHARE of its memory.
+the device, and 12 more per element of a ZeRO unit stepped during backward (optim.offload_overlap: spare master
+and moments). The host total of a node is its ranks × the fullest rank's, judged against HOST_SHARE of its memory.
 
 Activations are the bytes autograd saves for backward, per micro-batch, summed from the tensors each kernel
 saves (T = micro batch × sequence tokens, Ts = T / TP under sequence parallelism, e = compute-dtype bytes):
@@ -44,6 +45,7 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 FP32 = 4
 INDEX = 8  # int64 token ids and labels
 HOST_STATE = 16  # per offloaded element: fp32 master, exp_avg, exp_avg_sq and the gradient's host buffer
+HOST_SPARE = 12  # per element a ZeRO unit steps during backward (optim.offload_overlap): spare master and moments
 HOST_SHARE = 0.8  # of a node's memory, the most offloaded state may take (the rest: processes, loader, page cache)
 MODEL_ORDER = {"model.embed_tokens.weight": 0, "model.norm.weight": 2, "lm_head.weight": 3}  # blocks: 1
 
@@ -122,7 +124,10 @@ def state_bytes(cfg: Config, units: list, shard_size: int, shard_rank: int) -> t
     on_host = offloaded(shards[::-1], fraction)[::-1]
     split = e != FP32
     weights = grads = optim = largest = 0
+    spares = 0
     for unit, host in zip(units, on_host):
+        if host and cfg.optim.offload_overlap and not tp_summed_later(cfg, unit):
+            spares += -(-max(sum(n for _, n in unit), 1) // shard_size)
         numel = sum(n for _, n in unit)
         fp32_numel = sum(n for name, n in unit if split and reduces_in_fp32(name, cfg.parallel.fp32_reduce))
         shard = -(-max(numel, 1) // shard_size)
@@ -133,7 +138,19 @@ def state_bytes(cfg: Config, units: list, shard_size: int, shard_rank: int) -> t
         grads += (shard * shard_size * e + fp32_numel * FP32 if stage == 1 else shard * e) + mine * FP32
         if not host:
             optim += (2 if stage == 3 and not split else 3) * FP32 * shard  # fp32 stage 3: the shard is the master
-    return weights, grads, optim, largest, HOST_STATE * sum(s for s, host in zip(shards, on_host) if host)
+    return weights, grads, optim, largest, HOST_STATE * sum(s for s, host in zip(shards, on_host) if host) + \
+        HOST_SPARE * spares
+
+
+def tp_summed_later(cfg: Config, unit: list) -> bool:
+    """Whether a unit holds TP-replicated gradients, summed over TP after the reduction (norm weights under
+    sequence parallelism, KV projections kept whole): engine/offload_overlap.py does not step it early."""
+    m, p = cfg.model, cfg.parallel
+    if p.tensor == 1:
+        return False
+    return any((p.sequence_parallel and "norm" in name) or (m.kv_heads < p.tensor and ("k_proj" in name or
+                                                                                      "v_proj" in name))
+               for name, _ in unit)
 
 
 # -- activations ---------------------------------------------------------------------------------------

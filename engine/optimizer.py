@@ -73,6 +73,12 @@ class MixedPrecisionAdamW:
         # Checkpoint interface: every DP rank holds the same state, so only DP rank 0 writes it.
         self.writes_state = topo.reduce_rank == 0  # DP and CP ranks hold replicas
 
+    def begin_step(self, lr: float) -> None:
+        """Before the step's backward (ZeroAdamW starts host steps during it; here the step waits for backward)."""
+
+    def offload_readings(self) -> dict:
+        return {}
+
     def zero_grad(self) -> None:
         if self.gradients is not None:
             self.gradients.zero_grad()

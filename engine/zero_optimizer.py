@@ -18,11 +18,13 @@ buffers; the same kernel steps them there, and write_shards copies the new maste
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 from torch.optim.adamw import adamw
 
 from engine import offload
+from engine.offload_overlap import SpeculativeHostSteps
 from engine.optimizer import LossScaler, counts_in_norm, no_weight_decay
 from parallel import comm
 from kernels.adamw import select_implementation
@@ -45,12 +47,23 @@ class ZeroAdamW:
         self.exp_avg_sq = [torch.zeros_like(m) for m in self.master]
         self.adam_step = 0
         self.scaler = LossScaler(precision == "fp16")
-        self.decay_views = [m[r.shard_start:r.shard_end] for u, m in zip(sdp.units, self.master)
-                            for r in u.shard_ranges if not no_weight_decay(r.name, r.param)]
+        self.decay_ranges = [[(r.shard_start, r.shard_end) for r in u.shard_ranges
+                              if not no_weight_decay(r.name, r.param)] for u in sdp.units]
         self.norm_ranges = [[r for r in u.shard_ranges if counts_in_norm(r.param, topo.tp_rank)] for u in sdp.units]
         self.implementation = select_implementation(cfg.implementation, self.master[0].is_cuda)
-        # the kernel's per-tensor step counters, set from adam_step (which checkpoints restore) before each call
-        self.state_steps = [torch.zeros((), dtype=torch.float32, device=m.device) for m in self.master]
+        # offloaded units whose gradients are final once reduced (TP-replicated ones are summed over TP later)
+        eligible = [i for i in self.host_grads if topo.tp_size == 1 or not any(
+            getattr(r.param, "tp_replicated_grad", False) for r in sdp.units[i].shard_ranges)]
+        self.speculation = SpeculativeHostSteps(self, sdp.units, eligible) if cfg.offload_overlap and eligible \
+            else None
+        if self.speculation is not None:
+            sdp.on_reduced = self.speculation.reduced
+        self.redos = 0
+
+    def begin_step(self, lr: float) -> None:
+        """Before the step's backward: offloaded units start their host step as soon as their gradients are in."""
+        if self.speculation is not None:
+            self.speculation.begin(lr)
 
     def zero_grad(self) -> None:
         self.sdp.zero_grad()
@@ -67,29 +80,61 @@ class ZeroAdamW:
     @torch.no_grad()
     def step(self, lr: float) -> tuple[float, bool]:
         """Unscale, clip, update the owned shards, refresh the parameters; returns (norm, skipped)."""
+        backward_end = time.perf_counter()
         grads = [u.master_grad() for u in self.sdp.units]
         if self.scaler.enabled:
             torch._foreach_div_(grads, self.scaler.scale)
         norm = self.global_grad_norm(grads)
         overflow = not math.isfinite(norm)
         self.scaler.update(overflow)
+        clip = not overflow and self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad
+        done = self._settle(not overflow and not clip, clip, backward_end)
         if overflow:
             return norm, True
-        if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad:
+        if clip:
             torch._foreach_mul_(grads, self.cfg.clip_grad / (norm + 1e-6))
-        offload.copy_to_host([(self.host_grads[i], grads[i]) for i in self.host_grads])
-        grads = [self.host_grads.get(i, g) for i, g in enumerate(grads)]
-        c = self.cfg
-        for views in offload.by_device(self.decay_views):  # decoupled weight decay on the decayed ranges only
-            torch._foreach_mul_(views, 1 - lr * c.weight_decay)
-        for s in self.state_steps:
-            s.fill_(self.adam_step)  # the kernel adds one
+        rest = [i for i in range(len(grads)) if i not in done]
+        start = time.perf_counter()
+        offload.copy_to_host([(self.host_grads[i], grads[i]) for i in rest if i in self.host_grads])
+        self.update(rest, [self.host_grads.get(i, grads[i]) for i in rest], lr, self.adam_step)
+        if self.speculation is not None:  # what the host stepped after backward, in full view
+            self.speculation.readings["offload_host_s"] += time.perf_counter() - start
         self.adam_step += 1
-        adamw(self.master, grads, self.exp_avg, self.exp_avg_sq, [], self.state_steps,
-              foreach=self.implementation == "foreach", fused=self.implementation != "foreach", amsgrad=False,
-              beta1=c.beta1, beta2=c.beta2, lr=lr, weight_decay=0.0, eps=c.eps, maximize=False)
         self.sdp.write_shards(self.master)
         return norm, False
+
+    def _settle(self, commit: bool, clip: bool, backward_end: float) -> set:
+        """The units whose speculative host step is committed; counts a redo when clipping discards some."""
+        if self.speculation is None:
+            return set()
+        speculated = len(self.speculation.jobs)
+        done = self.speculation.settle(commit, backward_end)
+        self.redos += int(clip and speculated > 0)
+        return done
+
+    def update(self, indices: list, grads: list, lr: float, adam_step: int, masters=None, exp_avgs=None,
+               exp_avg_sqs=None) -> None:
+        """AdamW on the units `indices` (their own state, or the given tensors in its place), Adam's step count
+        `adam_step` before this update: decoupled weight decay on the decayed ranges, then the kernel."""
+        c = self.cfg
+        masters = masters or [self.master[i] for i in indices]
+        exp_avgs = exp_avgs or [self.exp_avg[i] for i in indices]
+        exp_avg_sqs = exp_avg_sqs or [self.exp_avg_sq[i] for i in indices]
+        if not masters:
+            return
+        decay = [m[a:b] for i, m in zip(indices, masters) for a, b in self.decay_ranges[i]]
+        for views in offload.by_device(decay):  # decoupled weight decay on the decayed ranges only
+            torch._foreach_mul_(views, 1 - lr * c.weight_decay)
+        steps = [torch.full((), float(adam_step), device=m.device) for m in masters]  # the kernel adds one
+        adamw(masters, grads, exp_avgs, exp_avg_sqs, [], steps,
+              foreach=self.implementation == "foreach", fused=self.implementation != "foreach", amsgrad=False,
+              beta1=c.beta1, beta2=c.beta2, lr=lr, weight_decay=0.0, eps=c.eps, maximize=False)
+
+    def offload_readings(self) -> dict:
+        """For metrics.jsonl: the step's host AdamW seconds, the part before backward ended, redos so far."""
+        if self.speculation is None:
+            return {}
+        return {**self.speculation.readings, "offload_redos": self.redos}
 
     # -- checkpoint interface (engine/interfaces.Optimizer) --------------------------------------------------
     def owned_state(self) -> dict:
@@ -115,6 +160,8 @@ class ZeroAdamW:
                 if i not in self.host_grads for t in state]
 
     def host_tensors(self) -> list:
-        """The state kept in host memory (optim.offload_fraction): masters, moments, gradient buffers."""
+        """The state kept in host memory (optim.offload_fraction): masters, moments, gradient buffers, and the
+        spare masters and moments that overlapped steps write into."""
+        spares = self.speculation.held() if self.speculation is not None else []
         return [t for i, grad in self.host_grads.items()
-                for t in (self.master[i], self.exp_avg[i], self.exp_avg_sq[i], grad)]
+                for t in (self.master[i], self.exp_avg[i], self.exp_avg_sq[i], grad)] + spares

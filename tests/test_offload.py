@@ -39,6 +39,7 @@ LAYOUTS = [
     ("tp2-zero1-dp2", 4, "bf16", 0.5, dict(tensor=2, zero_stage=1)),
     ("pp2-zero1-dp2", 4, "fp32", 1.0, dict(pipeline=2, zero_stage=1)),
     ("hsdp2x2-zero2", 4, "bf16", 0.5, dict(zero_stage=2, hsdp_group_size=2)),
+    ("zero2-dp2-no-overlap", 2, "bf16", 1.0, dict(zero_stage=2, overlap=False)),
 ]
 
 
@@ -49,8 +50,9 @@ def pools():
 
 
 def trainer_for(rank, world, precision, fraction, parallel, run_dir=None):
+    parallel = dict(parallel)
     base = {**BASE, "train": dict(BASE["train"], precision=precision),
-            "optim": dict(BASE["optim"], offload_fraction=fraction)}
+            "optim": dict(BASE["optim"], offload_fraction=fraction, offload_overlap=parallel.pop("overlap", True))}
     cfg = make_config(base, **parallel)
     if run_dir is not None:
         cfg.run.dir = run_dir
@@ -87,8 +89,9 @@ def run_layout(rank, world, precision, fraction, parallel):
     trainer = trainer_for(rank, world, precision, fraction, parallel)
     inject_inf_at(trainer, INF_STEP)
     records = [trainer.train_step() for _ in range(STEPS)]
+    overlap = [(r["offload_hidden_s"], r["offload_redos"]) for r in records if "offload_redos" in r]
     return [(r["loss"], r["grad_norm"], r["skipped"]) for r in records], owned(trainer), \
-        len(trainer.optimizer.host_grads)
+        len(trainer.optimizer.host_grads), overlap
 
 
 def assert_same(off: dict, on: dict) -> None:
@@ -107,10 +110,16 @@ def test_offload_changes_no_bit(pools, nproc, precision, fraction, parallel):
     assert [s for _, _, s in steps] == [i + 1 == INF_STEP for i in range(STEPS)]
     finite = [n for _, n, s in steps if not s]
     assert any(n > CLIP for n in finite) and any(n <= CLIP for n in finite), f"clip must bite on some steps: {finite}"
-    for (steps_off, state_off, host_off), (steps_on, state_on, host_on) in zip(off, on):
+    clipped = sum(n > CLIP for n in finite)
+    for (steps_off, state_off, host_off, _), (steps_on, state_on, host_on, overlap) in zip(off, on):
         assert host_off == 0 and host_on > 0  # the state really moved
         assert steps_on == steps_off
         assert_same(state_off, state_on)
+        if parallel.get("zero_stage") and parallel.get("overlap", True):  # host steps started during backward
+            assert len(overlap) == STEPS and any(hidden > 0 for hidden, _ in overlap)
+            assert overlap[-1][1] == clipped  # one redo per clipped step, none for the skipped one
+        else:
+            assert overlap == []
 
 
 def save_then_resume(rank, world, run_dir, precision, first, then, parallel):
@@ -180,7 +189,8 @@ def held(rank, world, *overrides) -> tuple:
     (2, ["parallel.zero_stage=1", "train.precision=bf16", "optim.offload_fraction=0.5"]),
     (2, ["parallel.pipeline=2", "model.tie_embeddings=true", "optim.offload_fraction=0.3"]),
     (2, ["parallel.zero_stage=2", "parallel.tensor=2", "optim.offload_fraction=1"]),
-], ids=["ddp-bf16", "zero3-fp32", "zero1-dp2-bf16", "pp2-tied-ddp", "zero2-tp2"])
+    (2, ["parallel.zero_stage=1", "parallel.tensor=2", "parallel.sequence_parallel=true", "optim.offload_fraction=1"]),
+], ids=["ddp-bf16", "zero3-fp32", "zero1-dp2-bf16", "pp2-tied-ddp", "zero2-tp2", "zero1-tp2-sp"])
 def test_estimate_splits_device_and_host_bytes_as_allocated(pools, world, overrides):
     results = [held(0, 1, *overrides)] if world == 1 else pools[world].run(held, *overrides)
     for stage, got, want in results:

@@ -169,6 +169,8 @@ class OptimConfig:
     implementation: str = "auto"  # AdamW kernel (kernels/adamw.py); auto = torch fused, on CUDA or CPU
     offload_fraction: float = 0.0  # share of each rank's fp32 masters + Adam moments kept and stepped in host
         # memory, in whole tensors (engine/offload.py, docs/offload.md); 0 = none, 1 = all
+    offload_overlap: bool = True  # ZeRO: step each offloaded unit on a host thread as soon as its gradients are
+        # reduced during backward, speculatively, redone after backward when the step clips (engine/offload_overlap.py)
 
 
 @dataclass
