@@ -12,7 +12,7 @@ bf16/fp16); stage 3 keeps only the parameter shard. `optim.offload_fraction` mov
 (engine/offload.py: whole parameters at stage 0, whole unit shards at stage ≥ 1, chosen as the engine chooses)
 to the host: 16 bytes per element there (fp32 master, two moments, the pinned gradient buffer), none left on
 the device, and 12 more per element of a ZeRO unit stepped during backward (optim.offload_overlap: spare master
-and moments). The host total of a node is its ranks × the fullest rank's, judged against HOST_SHARE of its memory.
+and moments; under DDP, of a parameter stepped as its bucket is reduced: see ddp_overlaps). The host total of a node is its ranks × the fullest rank's, judged against HOST_SHARE of its memory.
 
 Activations are the bytes autograd saves for backward, per micro-batch, summed from the tensors each kernel
 saves (T = micro batch × sequence tokens, Ts = T / TP under sequence parallelism, e = compute-dtype bytes):
@@ -116,10 +116,13 @@ def state_bytes(cfg: Config, units: list, shard_size: int, shard_rank: int) -> t
     shard holds)."""
     e, stage, fraction = DTYPE_BYTES[cfg.train.precision], cfg.parallel.zero_stage, cfg.optim.offload_fraction
     if stage == 0:  # the optimizer offloads whole parameters, in reverse model order
-        params = [n for _, n in sorted((x for unit in units for x in unit), key=lambda x: MODEL_ORDER.get(x[0], 1))]
-        host = sum(n for n, off in zip(params[::-1], offloaded(params[::-1], fraction)) if off)
+        named = sorted((x for unit in units for x in unit), key=lambda x: MODEL_ORDER.get(x[0], 1))
+        params = [n for _, n in named]
+        on_host = offloaded(params[::-1], fraction)[::-1]
+        host = sum(n for n, off in zip(params, on_host) if off)
+        spares = sum(n for (name, n), off in zip(named, on_host) if off and ddp_overlaps(cfg, name, shard_size))
         n = sum(params)
-        return n * e, n * e, (n - host) * (8 if e == FP32 else 12), 0, host * HOST_STATE
+        return n * e, n * e, (n - host) * (8 if e == FP32 else 12), 0, host * HOST_STATE + spares * HOST_SPARE
     shards = [-(-max(sum(n for _, n in unit), 1) // shard_size) for unit in units]
     on_host = offloaded(shards[::-1], fraction)[::-1]
     split = e != FP32
@@ -140,6 +143,16 @@ def state_bytes(cfg: Config, units: list, shard_size: int, shard_rank: int) -> t
             optim += (2 if stage == 3 and not split else 3) * FP32 * shard  # fp32 stage 3: the shard is the master
     return weights, grads, optim, largest, HOST_STATE * sum(s for s, host in zip(shards, on_host) if host) + \
         HOST_SPARE * spares
+
+
+def ddp_overlaps(cfg: Config, name: str, reduce_size: int) -> bool:
+    """engine/optimizer.overlaps from the configuration: an offloaded parameter stepped during backward (and so
+    holding spares) under DDP with optim.offload_overlap."""
+    p, low_precision = cfg.parallel, cfg.train.precision != "fp32"
+    return (cfg.optim.offload_overlap and reduce_size > 1 and not p.hierarchical_node_size
+            and "embed_tokens" not in name and "lm_head" not in name
+            and not (low_precision and reduces_in_fp32(name, p.fp32_reduce))
+            and not tp_summed_later(cfg, [(name, 0)]))
 
 
 def tp_summed_later(cfg: Config, unit: list) -> bool:

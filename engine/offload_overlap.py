@@ -1,9 +1,10 @@
-"""Offloaded AdamW steps overlapped with backward (`optim.offload_overlap`, ZeRO stages 1-3).
+"""Offloaded AdamW steps overlapped with backward (`optim.offload_overlap`).
 
-When a unit's last gradient reduction of the step has been waited for during backward
-(parallel/fsdp.ShardedDataParallel.on_reduced: never earlier, the output of an async reduction is undefined
-until then), its reduced fp32 shard is copied to the host (on a side stream on CUDA) and a worker thread starts
-the unit's AdamW at once, while backward continues. The global gradient norm is only known after the whole
+When a piece's last gradient reduction of the step has been waited for during backward (a ZeRO unit:
+parallel/fsdp.ShardedDataParallel.on_reduced; a DDP bucket's parameters: parallel/ddp.BucketedDDP.on_reduced;
+never earlier, the output of an async reduction is undefined until then), its reduced fp32 gradient is copied
+to the host (on a side stream on CUDA) and a worker thread starts the piece's AdamW at once, while backward
+continues. The global gradient norm is only known after the whole
 backward, so this step is speculative: it uses the unscaled, unclipped gradient and writes into spare buffers
 (master and both moments), leaving the state untouched. The optimizer step then
 
@@ -15,7 +16,9 @@ backward, so this step is speculative: it uses the unscaled, unclipped gradient 
 
 The speculative step is the same kernel on the same inputs as the step it replaces (the loss scale is a power
 of two, so unscaling on the host or the device gives the same bits), hence exact. A unit whose gradient still
-changes after its reduction (TP-replicated gradients summed over TP in finish_gradients) is not speculated.
+changes after its reduction (TP-replicated gradients summed over TP, tied embeddings summed over the pipeline
+ends, in finish_gradients) is not speculated. The optimizer provides the state: `speculate(i, grad, lr,
+adam_step)` steps piece i's spares, `commit(i)` makes them its state.
 """
 from __future__ import annotations
 
@@ -24,16 +27,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from engine import offload
 
 
 class SpeculativeHostSteps:
-    def __init__(self, opt, units: list, eligible: list[int]):
-        self.opt, self.units = opt, units
-        self.index = {id(units[i]): i for i in eligible}
-        self.spares = {i: [offload.host_empty(opt.master[i]) for _ in range(3)] for i in eligible}
+    def __init__(self, opt, eligible: list[int], on_cuda: bool):
+        self.opt, self.eligible = opt, set(eligible)
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="trilith-offload")
-        self.stream = torch.cuda.Stream() if any(u.param_shard.is_cuda for u in units) else None
+        self.stream = torch.cuda.Stream() if on_cuda else None
         self.jobs: dict = {}
         self.lr = None
         self.redos = 0
@@ -43,12 +43,16 @@ class SpeculativeHostSteps:
         """Before the step's backward: its learning rate, which the speculative steps use."""
         self.lr, self.jobs = lr, {}
 
-    def reduced(self, unit) -> None:
-        """`unit`'s gradient shard is final (its reduction waited for): copy it to the host, step it there."""
-        i = self.index.get(id(unit))
-        if i is None or self.lr is None or i in self.jobs:
+    def fence(self) -> None:
+        """Before the optimizer changes gradients in place (unscale, clip): the copies to the host are done."""
+        if self.stream is not None:
+            torch.cuda.current_stream().wait_stream(self.stream)
+
+    def reduced(self, i: int, grad: torch.Tensor) -> None:
+        """Piece `i`'s fp32 gradient `grad` (on the device) is final: copy it to the host, step it there."""
+        if i not in self.eligible or self.lr is None or i in self.jobs:
             return
-        grad, host = unit.master_grad(), self.opt.host_grads[i]
+        host = self.opt.host_grads[i]
         event = None
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream())
@@ -68,10 +72,7 @@ class SpeculativeHostSteps:
         grad = self.opt.host_grads[i]
         if self.opt.scaler.enabled:
             grad.div_(scale)
-        spare = self.spares[i]
-        for dest, source in zip(spare, (self.opt.master[i], self.opt.exp_avg[i], self.opt.exp_avg_sq[i])):
-            dest.copy_(source)
-        self.opt.update([i], [grad], lr, adam_step, *([t] for t in spare))
+        self.opt.speculate(i, grad, lr, adam_step)
         return start, time.perf_counter()
 
     def settle(self, commit: bool, backward_end: float) -> set:
@@ -83,11 +84,6 @@ class SpeculativeHostSteps:
         self.readings = {"offload_host_s": host, "offload_hidden_s": hidden}
         done = set(self.jobs) if commit else set()
         for i in done:
-            state = (self.opt.master, self.opt.exp_avg, self.opt.exp_avg_sq)
-            for tensors, spare_index in zip(state, range(3)):
-                tensors[i], self.spares[i][spare_index] = self.spares[i][spare_index], tensors[i]
+            self.opt.commit(i)
         self.jobs, self.lr = {}, None
         return done
-
-    def held(self) -> list:
-        return [t for spare in self.spares.values() for t in spare]

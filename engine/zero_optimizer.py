@@ -54,10 +54,14 @@ class ZeroAdamW:
         # offloaded units whose gradients are final once reduced (TP-replicated ones are summed over TP later)
         eligible = [i for i in self.host_grads if topo.tp_size == 1 or not any(
             getattr(r.param, "tp_replicated_grad", False) for r in sdp.units[i].shard_ranges)]
-        self.speculation = SpeculativeHostSteps(self, sdp.units, eligible) if cfg.offload_overlap and eligible \
-            else None
+        self.speculation = SpeculativeHostSteps(self, eligible, sdp.units[0].param_shard.is_cuda) \
+            if cfg.offload_overlap and eligible else None
+        self.spares = {i: [offload.host_empty(self.master[i]) for _ in range(3)] for i in eligible} \
+            if self.speculation is not None else {}
         if self.speculation is not None:
-            sdp.on_reduced = self.speculation.reduced
+            index = {id(sdp.units[i]): i for i in eligible}
+            sdp.on_reduced = lambda unit: self.speculation.reduced(index[id(unit)], unit.master_grad()) \
+                if id(unit) in index else None
         self.redos = 0
 
     def begin_step(self, lr: float) -> None:
@@ -81,6 +85,8 @@ class ZeroAdamW:
     def step(self, lr: float) -> tuple[float, bool]:
         """Unscale, clip, update the owned shards, refresh the parameters; returns (norm, skipped)."""
         backward_end = time.perf_counter()
+        if self.speculation is not None:
+            self.speculation.fence()
         grads = [u.master_grad() for u in self.sdp.units]
         if self.scaler.enabled:
             torch._foreach_div_(grads, self.scaler.scale)
@@ -130,6 +136,18 @@ class ZeroAdamW:
               foreach=self.implementation == "foreach", fused=self.implementation != "foreach", amsgrad=False,
               beta1=c.beta1, beta2=c.beta2, lr=lr, weight_decay=0.0, eps=c.eps, maximize=False)
 
+    def speculate(self, i: int, grad: torch.Tensor, lr: float, adam_step: int) -> None:
+        """Unit i's AdamW into its spare master and moments (engine/offload_overlap.py, on its worker thread)."""
+        spare = self.spares[i]
+        for dest, source in zip(spare, (self.master[i], self.exp_avg[i], self.exp_avg_sq[i])):
+            dest.copy_(source)
+        self.update([i], [grad], lr, adam_step, *([t] for t in spare))
+
+    def commit(self, i: int) -> None:
+        """Unit i's spares become its state (the old state, the next step's spares)."""
+        for k, tensors in enumerate((self.master, self.exp_avg, self.exp_avg_sq)):
+            tensors[i], self.spares[i][k] = self.spares[i][k], tensors[i]
+
     def offload_readings(self) -> dict:
         """For metrics.jsonl: the step's host AdamW seconds, the part before backward ended, redos so far."""
         if self.speculation is None:
@@ -162,6 +180,6 @@ class ZeroAdamW:
     def host_tensors(self) -> list:
         """The state kept in host memory (optim.offload_fraction): masters, moments, gradient buffers, and the
         spare masters and moments that overlapped steps write into."""
-        spares = self.speculation.held() if self.speculation is not None else []
+        spares = [t for spare in self.spares.values() for t in spare]
         return [t for i, grad in self.host_grads.items()
                 for t in (self.master[i], self.exp_avg[i], self.exp_avg_sq[i], grad)] + spares

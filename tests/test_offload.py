@@ -40,6 +40,7 @@ LAYOUTS = [
     ("pp2-zero1-dp2", 4, "fp32", 1.0, dict(pipeline=2, zero_stage=1)),
     ("hsdp2x2-zero2", 4, "bf16", 0.5, dict(zero_stage=2, hsdp_group_size=2)),
     ("zero2-dp2-no-overlap", 2, "bf16", 1.0, dict(zero_stage=2, overlap=False)),
+    ("ddp-dp2-fp32-no-overlap", 2, "fp32", 0.5, dict(zero_stage=0, overlap=False)),
 ]
 
 
@@ -115,7 +116,7 @@ def test_offload_changes_no_bit(pools, nproc, precision, fraction, parallel):
         assert host_off == 0 and host_on > 0  # the state really moved
         assert steps_on == steps_off
         assert_same(state_off, state_on)
-        if parallel.get("zero_stage") and parallel.get("overlap", True):  # host steps started during backward
+        if parallel.get("overlap", True):  # host steps started during backward
             assert len(overlap) == STEPS and any(hidden > 0 for hidden, _ in overlap)
             assert overlap[-1][1] == clipped  # one redo per clipped step, none for the skipped one
         else:
@@ -188,9 +189,10 @@ def held(rank, world, *overrides) -> tuple:
     (1, ["parallel.zero_stage=3", "optim.offload_fraction=0.6"]),
     (2, ["parallel.zero_stage=1", "train.precision=bf16", "optim.offload_fraction=0.5"]),
     (2, ["parallel.pipeline=2", "model.tie_embeddings=true", "optim.offload_fraction=0.3"]),
+    (2, ["train.precision=bf16", "optim.offload_fraction=0.7"]),
     (2, ["parallel.zero_stage=2", "parallel.tensor=2", "optim.offload_fraction=1"]),
     (2, ["parallel.zero_stage=1", "parallel.tensor=2", "parallel.sequence_parallel=true", "optim.offload_fraction=1"]),
-], ids=["ddp-bf16", "zero3-fp32", "zero1-dp2-bf16", "pp2-tied-ddp", "zero2-tp2", "zero1-tp2-sp"])
+], ids=["ddp-bf16", "zero3-fp32", "zero1-dp2-bf16", "pp2-tied-ddp", "ddp-dp2-bf16", "zero2-tp2", "zero1-tp2-sp"])
 def test_estimate_splits_device_and_host_bytes_as_allocated(pools, world, overrides):
     results = [held(0, 1, *overrides)] if world == 1 else pools[world].run(held, *overrides)
     for stage, got, want in results:
