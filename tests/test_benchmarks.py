@@ -131,5 +131,8 @@ def test_bench_offload_prints_ratios_and_the_deepest_models():
     for fraction in ("0", "0.5", "1"):
         assert re.search(rf"^step at offload_fraction {fraction}: median [\d.]+ ms \(ratio [\d.]+\)", out, re.M)
         assert re.search(rf"^optimizer step at offload_fraction {fraction}: .* fastest [\d.]+ ms", out, re.M)
+    for fraction in ("0.5", "1"):  # ZeRO-1 by default: host steps start during backward
+        assert re.search(rf"^offload_fraction {fraction}: host AdamW [\d.]+ ms/step, \d+% of it behind backward", out,
+                         re.M)
     deepest = [int(n) for n in re.findall(r"^deepest model fitting .*: (\d+) layers", out, re.M)]
     assert len(deepest) == 2 and deepest[1] > deepest[0] > 0  # offload leaves room for more layers

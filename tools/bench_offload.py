@@ -1,12 +1,15 @@
 """Step time with the optimizer state offloaded to the host (optim.offload_fraction 0.5 and 1) against none.
 
 One process trains the same model at each fraction, steps interleaved (one step of each per round) so that
-background load hits all equally; prints the median step time of each and its ratio to fraction 0. On CPU the
-"device" is the CPU too: the ratio is the cost of the offload machinery (copies, two state homes), not of PCIe.
+background load hits all equally; prints the median and fastest step and optimizer-step times of each and their
+ratios to fraction 0, then the host AdamW time per step and the share of it hidden behind backward
+(optim.offload_overlap; ZeRO by default here: single-rank DDP has no reduction to start host steps from). On
+CPU the "device" is the CPU too, and the host thread competes with backward for the same cores: the ratio is
+the cost of the offload machinery (copies, two state homes, speculation), not of PCIe.
 With --device-memory it also prints the deepest model of this width the estimate (engine/memory_estimate.py)
 fits in one device's memory without and with offload.
 
-    python tools/bench_offload.py [--hidden 256 --layers 4 --seq 256 --batch 4 --steps 10 --precision fp32]
+    python tools/bench_offload.py [--hidden 256 --layers 4 --seq 256 --batch 4 --steps 10 --zero-stage 1]
     python tools/bench_offload.py --hidden 2048 --layers 16 --heads 16 --kv-heads 8 --ffn 5632 --vocab 32000 \\
         --seq 2048 --batch 1 --precision bf16 --device-memory 141GB
 """
@@ -40,6 +43,7 @@ def config(args, fraction: float, run_dir: str):
         "train": dict(micro_batch_size=args.batch, global_batch_size=args.batch, steps=args.steps + args.warmup,
                       precision=args.precision, device=args.device, log_interval=10**6),
         "optim": dict(offload_fraction=fraction), "data": dict(mock=True),
+        "parallel": dict(zero_stage=args.zero_stage),
         "run": dict(dir=run_dir)})
 
 
@@ -78,6 +82,7 @@ def main(argv=None) -> int:
                           ("vocab", 8192), ("seq", 256), ("batch", 4), ("steps", 10), ("warmup", 2)):
         ap.add_argument(f"--{flag}", type=int, default=default)
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=1)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--device-memory", default="", help="also print the deepest model that fits, e.g. 80GB")
     ap.add_argument("--fit-only", action="store_true", help="only the deepest models (no training)")
@@ -105,6 +110,7 @@ def time_steps(args) -> None:
             trainers[fraction] = Trainer(cfg, env)
         times: dict = {f: [] for f in FRACTIONS}
         optimizer_times: dict = {f: [] for f in FRACTIONS}
+        records: dict = {f: [] for f in FRACTIONS}
         for fraction, trainer in trainers.items():
             timed(trainer, optimizer_times[fraction])
         for step in range(args.warmup + args.steps):
@@ -112,11 +118,12 @@ def time_steps(args) -> None:
                 if env.device.type == "cuda":
                     torch.cuda.synchronize()
                 start = time.perf_counter()
-                trainer.train_step()
+                record = trainer.train_step()
                 if env.device.type == "cuda":
                     torch.cuda.synchronize()
                 if step >= args.warmup:
                     times[fraction].append(time.perf_counter() - start)
+                    records[fraction].append(record)
         for trainer in trainers.values():
             trainer.loader.close()
     print(f"shape: hidden {args.hidden}, layers {args.layers}, seq {args.seq}, batch {args.batch}, {args.precision}, "
@@ -127,6 +134,14 @@ def time_steps(args) -> None:
             median, fastest = statistics.median(series[fraction]), min(series[fraction])
             print(f"{name} at offload_fraction {fraction:g}: median {median * 1000:.1f} ms "
                   f"(ratio {median / median0:.3f}), fastest {fastest * 1000:.1f} ms (ratio {fastest / fastest0:.3f})")
+    for fraction in FRACTIONS[1:]:
+        overlapped = [r for r in records[fraction] if "offload_host_s" in r]
+        if overlapped:
+            host = sum(r["offload_host_s"] for r in overlapped)
+            hidden = sum(r["offload_hidden_s"] for r in overlapped)
+            redos = overlapped[-1]["offload_redos"] - records[fraction][0].get("offload_redos", 0)
+            print(f"offload_fraction {fraction:g}: host AdamW {host / len(overlapped) * 1000:.1f} ms/step, "
+                  f"{hidden / host if host else 0:.0%} of it behind backward; {redos} redos in {len(overlapped) - 1} steps")
 
 
 if __name__ == "__main__":
