@@ -12,7 +12,8 @@ bf16/fp16); stage 3 keeps only the parameter shard. `optim.offload_fraction` mov
 (engine/offload.py: whole parameters at stage 0, whole unit shards at stage ≥ 1, chosen as the engine chooses)
 to the host: 16 bytes per element there (fp32 master, two moments, the pinned gradient buffer), none left on
 the device, and 12 more per element of a ZeRO unit stepped during backward (optim.offload_overlap: spare master
-and moments; under DDP, of a parameter stepped as its bucket is reduced: see ddp_overlaps). The host total of a node is its ranks × the fullest rank's, judged against HOST_SHARE of its memory.
+and moments; under DDP, of a parameter stepped as its bucket is reduced: see ddp_overlaps). The host total of a
+node is its ranks × the fullest rank's, judged against HOST_SHARE of its memory.
 
 Activations are the bytes autograd saves for backward, per micro-batch, summed from the tensors each kernel
 saves (T = micro batch × sequence tokens, Ts = T / TP under sequence parallelism, e = compute-dtype bytes):

@@ -52,8 +52,8 @@ def no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
 
 def overlaps(name: str, param: torch.nn.Parameter, gradients, tp_size: int) -> bool:
     """Whether an offloaded parameter's host step can start as soon as its DDP bucket is reduced: its `.grad`
-    is then final (an in-place bucket of a flat reduction over more than one rank; not summed over TP or a tied group afterwards; the
-    embedding and output tables never, whose row exchange or tie is summed later)."""
+    is then final (an in-place bucket of a flat reduction over more than one rank; not summed over TP or a tied
+    group afterwards; the embedding and output tables never, whose row exchange or tie is summed later)."""
     bucket = getattr(gradients, "bucket_of", {}).get(param)
     return (bucket is not None and bucket.in_place and gradients.dp_size > 1 and gradients.hierarchy is None
             and "embed_tokens" not in name and "lm_head" not in name

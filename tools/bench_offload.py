@@ -140,8 +140,9 @@ def time_steps(args) -> None:
             host = sum(r["offload_host_s"] for r in overlapped)
             hidden = sum(r["offload_hidden_s"] for r in overlapped)
             redos = overlapped[-1]["offload_redos"] - records[fraction][0].get("offload_redos", 0)
+            share = hidden / host if host else 0.0
             print(f"offload_fraction {fraction:g}: host AdamW {host / len(overlapped) * 1000:.1f} ms/step, "
-                  f"{hidden / host if host else 0:.0%} of it behind backward; {redos} redos in {len(overlapped) - 1} steps")
+                  f"{share:.0%} of it behind backward; {redos} redos in {len(overlapped) - 1} steps")
 
 
 if __name__ == "__main__":
