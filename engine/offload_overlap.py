@@ -4,21 +4,21 @@ When a piece's last gradient reduction of the step has been waited for during ba
 parallel/fsdp.ShardedDataParallel.on_reduced; a DDP bucket's parameters: parallel/ddp.BucketedDDP.on_reduced;
 never earlier, the output of an async reduction is undefined until then), its reduced fp32 gradient is copied
 to the host (on a side stream on CUDA) and a worker thread starts the piece's AdamW at once, while backward
-continues. The global gradient norm is only known after the whole
-backward, so this step is speculative: it uses the unscaled, unclipped gradient and writes into spare buffers
-(master and both moments), leaving the state untouched. The optimizer step then
+continues. The global gradient norm is only known after the whole backward, so this step is speculative: it
+uses the unscaled, unclipped gradient and writes into spare buffers (master and both moments), leaving the
+state untouched. The optimizer step then
 
-- commits when the norm is finite and needs no clipping: the spares become the state (a swap, no copy);
+- commits when the norm is finite and needs no clipping: the spares become the state;
 - discards on a non-finite norm (the step is skipped anyway);
-- discards and redoes when the norm needs clipping: the offloaded units are stepped again after backward with
+- discards and redoes when the norm needs clipping: the offloaded pieces are stepped again after backward with
   the clipped gradients, as without overlap (a redo costs one host step of the offloaded share on the critical
   path, plus the wasted speculative one off it).
 
 The speculative step is the same kernel on the same inputs as the step it replaces (the loss scale is a power
-of two, so unscaling on the host or the device gives the same bits), hence exact. A unit whose gradient still
-changes after its reduction (TP-replicated gradients summed over TP, tied embeddings summed over the pipeline
-ends, in finish_gradients) is not speculated. The optimizer provides the state: `speculate(i, grad, lr,
-adam_step)` steps piece i's spares, `commit(i)` makes them its state.
+of two, so unscaling on the host or the device gives the same bits), hence exact. A piece whose gradient still
+changes after its reduction is not speculated (the optimizers choose: TP-replicated gradients, summed over TP
+in finish_gradients; under DDP also the embedding and output tables). The optimizer provides the state:
+`speculate(i, grad, lr, adam_step)` steps piece i's spares, `commit(i)` makes them its state.
 """
 from __future__ import annotations
 
@@ -28,7 +28,6 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 
-
 class SpeculativeHostSteps:
     def __init__(self, opt, eligible: list[int], on_cuda: bool):
         self.opt, self.eligible = opt, set(eligible)
@@ -36,7 +35,6 @@ class SpeculativeHostSteps:
         self.stream = torch.cuda.Stream() if on_cuda else None
         self.jobs: dict = {}
         self.lr = None
-        self.redos = 0
         self.readings: dict = {}
 
     def begin(self, lr: float) -> None:
@@ -76,8 +74,8 @@ class SpeculativeHostSteps:
         return start, time.perf_counter()
 
     def settle(self, commit: bool, backward_end: float) -> set:
-        """Wait for the speculative steps; commit them (swap the spares in) or drop them. Returns the units
-        committed. Records the host seconds, the part of them before `backward_end`, and redos."""
+        """Wait for the speculative steps; commit them or drop them. Returns the pieces committed. Records the
+        host seconds and the part of them before `backward_end`."""
         spans = [job.result() for job in self.jobs.values()]
         host = sum(end - start for start, end in spans)
         hidden = sum(max(0.0, min(end, backward_end) - start) for start, end in spans)
