@@ -9,7 +9,7 @@ the cost of the offload machinery (copies, two state homes, speculation), not of
 With --device-memory it also prints the deepest model of this width the estimate (engine/memory_estimate.py)
 fits in one device's memory without and with offload.
 
-    python tools/bench_offload.py [--hidden 256 --layers 4 --seq 256 --batch 4 --steps 10 --zero-stage 1]
+    python tools/bench_offload.py [--hidden 256 --layers 4 --seq 256 --batch 4 --steps 10 --zero-stage 1 --clip 1]
     python tools/bench_offload.py --hidden 2048 --layers 16 --heads 16 --kv-heads 8 --ffn 5632 --vocab 32000 \\
         --seq 2048 --batch 1 --precision bf16 --device-memory 141GB
 """
@@ -42,7 +42,7 @@ def config(args, fraction: float, run_dir: str):
                       seq_length=args.seq),
         "train": dict(micro_batch_size=args.batch, global_batch_size=args.batch, steps=args.steps + args.warmup,
                       precision=args.precision, device=args.device, log_interval=10**6),
-        "optim": dict(offload_fraction=fraction), "data": dict(mock=True),
+        "optim": dict(offload_fraction=fraction, clip_grad=args.clip), "data": dict(mock=True),
         "parallel": dict(zero_stage=args.zero_stage),
         "run": dict(dir=run_dir)})
 
@@ -83,6 +83,7 @@ def main(argv=None) -> int:
         ap.add_argument(f"--{flag}", type=int, default=default)
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=1)
+    ap.add_argument("--clip", type=float, default=1.0, help="optim.clip_grad (a step that clips redoes its host step)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--device-memory", default="", help="also print the deepest model that fits, e.g. 80GB")
     ap.add_argument("--fit-only", action="store_true", help="only the deepest models (no training)")
