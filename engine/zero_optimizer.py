@@ -50,7 +50,7 @@ class ZeroAdamW:
         self.decay_ranges = [[(r.shard_start, r.shard_end) for r in u.shard_ranges
                               if not no_weight_decay(r.name, r.param)] for u in sdp.units]
         self.norm_ranges = [[r for r in u.shard_ranges if counts_in_norm(r.param, topo.tp_rank)] for u in sdp.units]
-        self.implementation = select_implementation(cfg.implementation, self.master[0].is_cuda)
+        self.implementation = select_implementation(cfg.implementation, sdp.units[0].param_shard.is_cuda)
         # offloaded units whose gradients are final once reduced (TP-replicated ones are summed over TP later)
         eligible = [i for i in self.host_grads if topo.tp_size == 1 or not any(
             getattr(r.param, "tp_replicated_grad", False) for r in sdp.units[i].shard_ranges)]
