@@ -38,8 +38,14 @@ class Optimizer(Protocol):
     adam_step: int  # Adam's step count, for the bias corrections
     writes_state: bool  # False on ranks whose state is an exact copy of one that writes (saved once)
 
+    def begin_step(self, lr: float) -> None:
+        """Before the step's first backward, with the learning rate `step` will get."""
+
     def step(self, lr: float) -> tuple[float, bool]:
         """Unscale, clip by the global gradient norm, update; returns (norm, skipped because not finite)."""
+
+    def offload_readings(self) -> dict:
+        """metrics.jsonl fields of optimizer offload overlap (host seconds, seconds hidden, redos); {} if none."""
 
     def zero_grad(self) -> None:
         """Release the step's gradients (zero them where they are views into persistent buckets: stage 0)."""

@@ -8,7 +8,12 @@ are fewer KV heads than TP ranks), and for ZeRO the sharding units of parallel/f
 padded to a multiple of the shard group, HSDP's group when set). Stage 0 keeps every gradient in the compute
 dtype and fp32 masters (below fp32) plus the two Adam moments; stage ≥ 1 keeps a fp32 master and moments of
 its shard; stage 1 keeps full gradients, stages 2-3 their reduced shards (fp32 for the norm segment under
-bf16/fp16); stage 3 keeps only the parameter shard.
+bf16/fp16); stage 3 keeps only the parameter shard. `optim.offload_fraction` moves the state of some tensors
+(engine/offload.py: whole parameters at stage 0, whole unit shards at stage ≥ 1, chosen as the engine chooses)
+to the host: 16 bytes per element there (fp32 master, two moments, the pinned gradient buffer), none left on
+the device, and 12 more per element of a ZeRO unit stepped during backward (optim.offload_overlap: spare master
+and moments; under DDP, of a parameter stepped as its bucket is reduced: see ddp_overlaps). The host total of a
+node is its ranks × the fullest rank's, judged against HOST_SHARE of its memory.
 
 Activations are the bytes autograd saves for backward, per micro-batch, summed from the tensors each kernel
 saves (T = micro batch × sequence tokens, Ts = T / TP under sequence parallelism, e = compute-dtype bytes):
@@ -31,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config.schema import Config, data_parallel_size
+from engine.offload import offloaded
 from engine.stage_balance import chunk_layers
 from parallel.ddp import reduces_in_fp32
 from parallel.stage_layers import chunk_roles, stage_layer_ids
@@ -39,6 +45,10 @@ from parallel.tensor import padded_vocab_size
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 FP32 = 4
 INDEX = 8  # int64 token ids and labels
+HOST_STATE = 16  # per offloaded element: fp32 master, exp_avg, exp_avg_sq and the gradient's host buffer
+HOST_SPARE = 12  # per element a ZeRO unit steps during backward (optim.offload_overlap): spare master and moments
+HOST_SHARE = 0.8  # of a node's memory, the most offloaded state may take (the rest: processes, loader, page cache)
+MODEL_ORDER = {"model.embed_tokens.weight": 0, "model.norm.weight": 2, "lm_head.weight": 3}  # blocks: 1
 
 
 @dataclass
@@ -53,6 +63,7 @@ class StageMemory:
     comm_buffers: int
     per_micro_batch: int
     in_flight: float
+    host: int = 0  # optimizer state in host memory (optim.offload_fraction), not part of `total`
     notes: list = field(default_factory=list)
 
     @property
@@ -100,32 +111,60 @@ def stage_chunks(cfg: Config, stage: int) -> list[tuple[int, bool, bool]]:
     return [(len(ids[j]), *chunk_roles(stage, p.pipeline, p.virtual_stages, j)) for j in range(p.virtual_stages)]
 
 
-def unit_sizes(cfg: Config, units: list) -> list[tuple[int, int]]:
-    """(elements, elements reduced in fp32 under bf16/fp16) of each sharding unit."""
-    split = DTYPE_BYTES[cfg.train.precision] != FP32
-    return [(sum(n for _, n in unit),
-             sum(n for name, n in unit if split and reduces_in_fp32(name, cfg.parallel.fp32_reduce))) for unit in units]
-
-
-def state_bytes(cfg: Config, sizes: list, shard_size: int, shard_rank: int) -> tuple[int, int, int, int]:
-    """(parameters, gradients, optimizer state, largest unit's full bytes) of the rank `shard_rank` of its shard
-    group (ranks differ only in the fp32 gradients of the norm segment their shard holds), from the units'
-    `unit_sizes`."""
-    e, stage = DTYPE_BYTES[cfg.train.precision], cfg.parallel.zero_stage
-    if stage == 0:
-        n = sum(numel for numel, _ in sizes)
-        return n * e, n * e, n * (8 if e == FP32 else 12), 0
+def state_bytes(cfg: Config, units: list, shard_size: int, shard_rank: int) -> tuple[int, int, int, int, int]:
+    """(parameters, gradients, device optimizer state, largest unit's full bytes, host optimizer state) of the
+    rank `shard_rank` of its shard group (ranks differ only in the fp32 gradients of the norm segment their
+    shard holds)."""
+    e, stage, fraction = DTYPE_BYTES[cfg.train.precision], cfg.parallel.zero_stage, cfg.optim.offload_fraction
+    if stage == 0:  # the optimizer offloads whole parameters, in reverse model order
+        named = sorted((x for unit in units for x in unit), key=lambda x: MODEL_ORDER.get(x[0], 1))
+        params = [n for _, n in named]
+        on_host = offloaded(params[::-1], fraction)[::-1]
+        host = sum(n for n, off in zip(params, on_host) if off)
+        spares = sum(n for (name, n), off in zip(named, on_host) if off and ddp_overlaps(cfg, name, shard_size))
+        n = sum(params)
+        return n * e, n * e, (n - host) * (8 if e == FP32 else 12), 0, host * HOST_STATE + spares * HOST_SPARE
+    shards = [-(-max(sum(n for _, n in unit), 1) // shard_size) for unit in units]
+    on_host = offloaded(shards[::-1], fraction)[::-1]
     split = e != FP32
     weights = grads = optim = largest = 0
-    for numel, fp32_numel in sizes:
+    spares = 0
+    for unit, host in zip(units, on_host):
+        if host and cfg.optim.offload_overlap and not tp_summed_later(cfg, unit):
+            spares += -(-max(sum(n for _, n in unit), 1) // shard_size)
+        numel = sum(n for _, n in unit)
+        fp32_numel = sum(n for name, n in unit if split and reduces_in_fp32(name, cfg.parallel.fp32_reduce))
         shard = -(-max(numel, 1) // shard_size)
         largest = max(largest, shard * shard_size * e)
         fp32_start = numel - fp32_numel
         mine = max(0, min(numel, (shard_rank + 1) * shard) - max(fp32_start, shard_rank * shard))
         weights += shard * (e if stage == 3 else e * shard_size)
         grads += (shard * shard_size * e + fp32_numel * FP32 if stage == 1 else shard * e) + mine * FP32
-        optim += (2 if stage == 3 and not split else 3) * FP32 * shard  # fp32 stage 3: the shard is the master
-    return weights, grads, optim, largest
+        if not host:
+            optim += (2 if stage == 3 and not split else 3) * FP32 * shard  # fp32 stage 3: the shard is the master
+    return weights, grads, optim, largest, HOST_STATE * sum(s for s, host in zip(shards, on_host) if host) + \
+        HOST_SPARE * spares
+
+
+def ddp_overlaps(cfg: Config, name: str, reduce_size: int) -> bool:
+    """engine/optimizer.overlaps from the configuration: an offloaded parameter stepped during backward (and so
+    holding spares) under DDP with optim.offload_overlap."""
+    p, low_precision = cfg.parallel, cfg.train.precision != "fp32"
+    return (cfg.optim.offload_overlap and reduce_size > 1 and not p.hierarchical_node_size
+            and "embed_tokens" not in name and "lm_head" not in name
+            and not (low_precision and reduces_in_fp32(name, p.fp32_reduce))
+            and not tp_summed_later(cfg, [(name, 0)]))
+
+
+def tp_summed_later(cfg: Config, unit: list) -> bool:
+    """Whether a unit holds TP-replicated gradients, summed over TP after the reduction (norm weights under
+    sequence parallelism, KV projections kept whole): engine/offload_overlap.py does not step it early."""
+    m, p = cfg.model, cfg.parallel
+    if p.tensor == 1:
+        return False
+    return any((p.sequence_parallel and "norm" in name) or (m.kv_heads < p.tensor and ("k_proj" in name or
+                                                                                      "v_proj" in name))
+               for name, _ in unit)
 
 
 # -- activations ---------------------------------------------------------------------------------------
@@ -231,9 +270,8 @@ def estimate(cfg: Config, world_size: int, shard_rank: int | None = None) -> lis
         chunks = stage_chunks(cfg, stage)
         units = [u for layers, pre, post in chunks for u in chunk_units(cfg, layers, pre, post)]
         ranks = [0] if p.zero_stage == 0 else range(shard_size) if shard_rank is None else [shard_rank]
-        sizes = unit_sizes(cfg, units)
-        weights, grads, optim, largest = max((state_bytes(cfg, sizes, shard_size, r) for r in ranks),
-                                             key=lambda state: state[1])
+        weights, grads, optim, largest, host = max((state_bytes(cfg, units, shard_size, r) for r in ranks),
+                                                   key=lambda state: state[1])
         per_mb = sum(chunk_activation(cfg, layers, pre, post, t.micro_batch_size, recompute)
                      for layers, pre, post in chunks)
         if m.position_embedding == "rope":  # cos/sin tables, one per chunk, shared by every micro-batch
@@ -249,7 +287,7 @@ def estimate(cfg: Config, world_size: int, shard_rank: int | None = None) -> lis
                 t, recompute=t.recompute_after_switch, micro_batch_size=micro))
             activations = max(activations, estimate_activations(after, stage, dp))
         comm = comm_bytes(cfg, units, largest, e, dp)
-        out.append(StageMemory(stage, weights, grads, optim, activations, comm, per_mb, flight))
+        out.append(StageMemory(stage, weights, grads, optim, activations, comm, per_mb, flight, host))
     return out
 
 
@@ -286,6 +324,44 @@ def gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
+def node_memory() -> int:
+    """Bytes of memory on this node (MemTotal of /proc/meminfo); 0 where unknown (not judged)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    except (OSError, StopIteration, ValueError):
+        return 0
+
+
+def node_host_bytes(cfg: Config, world_size: int, ranks_per_node: int) -> int:
+    """Offloaded optimizer state of one node: its ranks × the fullest rank's."""
+    return ranks_per_node * max(s.host for s in estimate(cfg, world_size))
+
+
+def fitting_fraction(cfg: Config, world_size: int, ranks_per_node: int, budget: int) -> float:
+    """The largest optim.offload_fraction (to 0.01) whose node total fits `budget` bytes."""
+    low, high = 0.0, cfg.optim.offload_fraction
+    for _ in range(12):
+        mid = (low + high) / 2
+        trial = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, offload_fraction=mid))
+        low, high = (mid, high) if node_host_bytes(trial, world_size, ranks_per_node) <= budget else (low, mid)
+    return math.floor(low * 100) / 100
+
+
+def host_problem(cfg: Config, world_size: int, ranks_per_node: int, memory: int) -> str | None:
+    """One line when a node's offloaded optimizer state exceeds HOST_SHARE of its `memory` bytes (0 = not
+    judged), naming optim.offload_fraction and the fraction that fits; None when it fits."""
+    need = node_host_bytes(cfg, world_size, ranks_per_node) if cfg.optim.offload_fraction > 0 else 0
+    budget = int(HOST_SHARE * memory)
+    if not memory or need <= budget:
+        return None
+    fits = fitting_fraction(cfg, world_size, ranks_per_node, budget)
+    fix = f"set optim.offload_fraction={fits:g} or less" if fits else "turn it off (optim.offload_fraction=0)"
+    return (f"optim.offload_fraction={cfg.optim.offload_fraction:g} puts {gib(need)} of optimizer state in each "
+            f"node's host memory ({ranks_per_node} ranks), more than {HOST_SHARE:.0%} of its {gib(memory)}; {fix}, "
+            f"or shard the state over more ranks (parallel.zero_stage ≥ 1, more data-parallel ranks)")
+
+
 def device_memory(device) -> int:
     """Bytes of memory on `device` (a torch.device) to judge the fit by; 0 on CPU (not judged)."""
     return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
@@ -303,7 +379,7 @@ def parse_bytes(text: str) -> int:
     except ValueError:
         value = math.nan
     if unit not in units or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"device memory {text!r} is not a size like 80GB, 141GiB or 8.5e10")
+        raise ValueError(f"memory size {text!r} is not a size like 80GB, 141GiB or 8.5e10")
     return int(value * units[unit])
 
 
@@ -337,9 +413,11 @@ def biggest_lever(cfg: Config, world_size: int) -> tuple[str, int] | None:
     return best
 
 
-def report(cfg: Config, world_size: int, device_memory: int = 0) -> str:
+def report(cfg: Config, world_size: int, device_memory: int = 0, host_memory: int = 0,
+           ranks_per_node: int = 1) -> str:
     """The estimate as text: one line per pipeline stage, the fit against `device_memory` (0 = not judged) and,
-    when it does not fit, the biggest lever."""
+    when it does not fit, the biggest lever; with optim.offload_fraction, the host state of a node of
+    `ranks_per_node` ranks against `host_memory` (0 = not judged)."""
     p = cfg.parallel
     dp = data_parallel_size(cfg, world_size)
     stages = estimate(cfg, world_size)
@@ -348,8 +426,9 @@ def report(cfg: Config, world_size: int, device_memory: int = 0) -> str:
              f"{f', HSDP {p.hsdp_group_size}' if p.hsdp_group_size else ''}, {cfg.train.precision}, recompute "
              f"{cfg.train.recompute}{', SP' if p.sequence_parallel else ''}):"]
     for s in stages:
+        host = f" (+ {gib(s.host)} in host memory)" if s.host else ""
         lines.append(f"  stage {s.stage}: parameters {gib(s.parameters)}, gradients {gib(s.gradients)}, optimizer "
-                     f"{gib(s.optimizer)}, activations {gib(s.activations)} ({s.in_flight:g} × "
+                     f"{gib(s.optimizer)}{host}, activations {gib(s.activations)} ({s.in_flight:g} × "
                      f"{gib(s.per_micro_batch)} per micro-batch), comm buffers {gib(s.comm_buffers)}: total "
                      f"{gib(s.total)}")
     worst = max(stages, key=lambda s: s.total)
@@ -361,4 +440,17 @@ def report(cfg: Config, world_size: int, device_memory: int = 0) -> str:
             lever = biggest_lever(cfg, world_size)
             lines.append(f"  biggest lever: {lever[0]} saves {gib(lever[1])} on that rank" if lever else
                          "  no single setting helps: add ranks (parallel.tensor or parallel.pipeline)")
+    if cfg.optim.offload_fraction > 0:
+        lines.append(host_report(cfg, world_size, stages, host_memory, ranks_per_node))
     return "\n".join(lines)
+
+
+def host_report(cfg: Config, world_size: int, stages: list, memory: int, ranks_per_node: int) -> str:
+    per_rank = max(s.host for s in stages)
+    line = (f"  host memory (optim.offload_fraction={cfg.optim.offload_fraction:g}): {gib(per_rank)} on the fullest "
+            f"rank, {gib(per_rank * ranks_per_node)} per node of {ranks_per_node} ranks")
+    if not memory:
+        return line
+    problem = host_problem(cfg, world_size, ranks_per_node, memory)
+    return line + (f"\n  HOST DOES NOT FIT: {problem}" if problem else
+                   f": fits {HOST_SHARE:.0%} of {gib(memory)} node memory")

@@ -3,10 +3,15 @@ global over the tensor- and pipeline-parallel ranks (each parameter counted exac
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
+from torch.optim.adamw import adamw as adamw_kernel
+
+from engine import offload
 from engine.config.schema import OptimConfig
+from engine.offload_overlap import SpeculativeHostSteps
 from kernels.adamw import adamw
 from parallel import comm
 
@@ -45,17 +50,33 @@ def no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
     return param.dim() < 2 or "norm" in name
 
 
+def overlaps(name: str, param: torch.nn.Parameter, gradients, tp_size: int) -> bool:
+    """Whether an offloaded parameter's host step can start as soon as its DDP bucket is reduced: its `.grad`
+    is then final (an in-place bucket of a flat reduction over more than one rank; not summed over TP or a tied
+    group afterwards; the embedding and output tables never, whose row exchange or tie is summed later)."""
+    bucket = getattr(gradients, "bucket_of", {}).get(param)
+    return (bucket is not None and bucket.in_place and gradients.dp_size > 1 and gradients.hierarchy is None
+            and "embed_tokens" not in name and "lm_head" not in name
+            and not (tp_size > 1 and getattr(param, "tp_replicated_grad", False)))
+
+
 class MixedPrecisionAdamW:
     """Holds fp32 master copies of low-precision model parameters (or uses fp32 parameters directly).
     `gradients`, when given, owns the parameters' `.grad` storage (parallel/ddp.BucketedDDP: views into
-    persistent buckets) and zeroes it in `zero_grad`."""
+    persistent buckets) and zeroes it in `zero_grad`. The masters (and so the moments) of the parameters
+    chosen by `optim.offload_fraction` live on the host (engine/offload.py), whatever their dtype."""
 
     def __init__(self, named_params: list, cfg: OptimConfig, topo, precision: str, gradients=None):
         self.cfg, self.topo, self.gradients = cfg, topo, gradients
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
-        self.master = [p if p.dtype == torch.float32 else p.detach().float().clone().requires_grad_(True)
-                       for p in self.params]
+        # backward produces the gradients roughly in reverse order of definition: offload in that order
+        on_host = offload.offloaded([p.numel() for p in reversed(self.params)], cfg.offload_fraction)[::-1]
+        self.master = [offload.host_copy(p).requires_grad_(True) if host else
+                       p if p.dtype == torch.float32 else p.detach().float().clone().requires_grad_(True)
+                       for p, host in zip(self.params, on_host)]
+        # the pinned host buffers that an offloaded master's gradient arrives in
+        self.host_grads = {i: offload.host_empty(self.master[i]) for i, host in enumerate(on_host) if host}
         decay = [m for (n, p), m in zip(named_params, self.master) if not no_weight_decay(n, p)]
         other = [m for (n, p), m in zip(named_params, self.master) if no_weight_decay(n, p)]
         groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0}]
@@ -65,6 +86,57 @@ class MixedPrecisionAdamW:
         self._adam_step = 0
         # Checkpoint interface: every DP rank holds the same state, so only DP rank 0 writes it.
         self.writes_state = topo.reduce_rank == 0  # DP and CP ranks hold replicas
+        self.redos, self.speculation, self.spares = 0, None, {}
+        eligible = [i for i in self.host_grads if gradients is not None and
+                    overlaps(self.names[i], self.params[i], gradients, topo.tp_size)]
+        if cfg.offload_overlap and eligible:
+            self.speculation = SpeculativeHostSteps(self, eligible, self.params[0].is_cuda)
+            self.spares = {i: [offload.host_empty(self.master[i]) for _ in range(3)] for i in eligible}
+            self.spare_steps: dict = {}
+            self.group_of = {id(m): g for g in self.inner.param_groups for m in g["params"]}
+            index = {id(self.params[i]): i for i in eligible}
+            gradients.on_reduced = lambda params: [self.speculation.reduced(index[id(p)], p.grad.float())
+                                                   for p in params if id(p) in index]
+
+    def begin_step(self, lr: float) -> None:
+        """Before the step's backward: offloaded parameters start their host step once their bucket is reduced."""
+        if self.speculation is not None:
+            self.speculation.begin(lr)
+
+    def speculate(self, i: int, grad: torch.Tensor, lr: float, adam_step: int) -> None:
+        """Parameter i's AdamW into its spare master and moments (engine/offload_overlap.py, worker thread):
+        torch's AdamW kernel with the flags and hyper-parameters of its group, as inner.step() would run it."""
+        m, spare = self.master[i], self.spares[i]
+        state, group = self.inner.state.get(m), self.group_of[id(m)]
+        spare[0].copy_(m)
+        if state:
+            spare[1].copy_(state["exp_avg"])
+            spare[2].copy_(state["exp_avg_sq"])
+            step = state["step"].clone()
+        else:  # the first step: Adam's state starts at zero
+            spare[1].zero_()
+            spare[2].zero_()
+            step = torch.zeros((), dtype=torch.float32, device=m.device)
+        beta1, beta2 = group["betas"]
+        adamw_kernel([spare[0]], [grad], [spare[1]], [spare[2]], [], [step], foreach=group["foreach"],
+                     fused=group["fused"], capturable=group["capturable"], amsgrad=False, beta1=beta1, beta2=beta2,
+                     lr=lr, weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+        self.spare_steps[i] = step
+
+    def commit(self, i: int) -> None:
+        """Parameter i's spares become its state (its old moments, the next step's spares)."""
+        m, spare = self.master[i], self.spares[i]
+        m.copy_(spare[0])
+        state = self.inner.state[m]
+        old = state.get("exp_avg"), state.get("exp_avg_sq")
+        state["step"], state["exp_avg"], state["exp_avg_sq"] = self.spare_steps.pop(i), spare[1], spare[2]
+        spare[1], spare[2] = (t if t is not None else offload.host_empty(m) for t in old)
+
+    def offload_readings(self) -> dict:
+        """For metrics.jsonl: the step's host AdamW seconds, the part before backward ended, redos so far."""
+        if self.speculation is None:
+            return {}
+        return {**self.speculation.readings, "offload_redos": self.redos}
 
     def zero_grad(self) -> None:
         if self.gradients is not None:
@@ -76,45 +148,76 @@ class MixedPrecisionAdamW:
             if m is not p:  # an fp32 parameter is its own master: its `.grad` is handled above
                 m.grad = None
 
-    def _gather_master_grads(self) -> None:
-        for p, m in zip(self.params, self.master):
-            if p is m:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                continue
-            m.grad = p.grad.float() if p.grad is not None else torch.zeros_like(m)
+    def _device_grads(self) -> list:
+        """Every master's fp32 gradient on the parameter's device (an offloaded master's too: the norm and
+        clipping run there, as without offload); a master on the device gets it as its `.grad`."""
+        grads = []
+        for i, (p, m) in enumerate(zip(self.params, self.master)):
+            if p.grad is None and p is m:
+                p.grad = torch.zeros_like(p)
+            g = p.grad.float() if p.grad is not None else torch.zeros(p.shape, device=p.device)
+            if p is not m and i not in self.host_grads:
+                m.grad = g
+            grads.append(g)
+        return grads
 
-    def global_grad_norm(self) -> float:
-        counted = [m.grad for p, m in zip(self.params, self.master) if counts_in_norm(p, self.topo.tp_rank)]
+    def _grads_to_host(self, grads: list, done: set) -> None:
+        """The offloaded masters' gradients into their host buffers, but for those `done` (stepped during
+        backward and committed: no gradient, so inner.step() passes them by)."""
+        offload.copy_to_host([(self.host_grads[i], grads[i]) for i in self.host_grads if i not in done])
+        for i, buffer in self.host_grads.items():
+            self.master[i].grad = None if i in done else buffer
+
+    def global_grad_norm(self, grads: list) -> float:
+        counted = [g for p, g in zip(self.params, grads) if counts_in_norm(p, self.topo.tp_rank)]
         # One multi-tensor kernel for the per-tensor norms; their squares are summed in fp64.
         norms = torch._foreach_norm(counted) if counted else []
         total = torch.stack(norms).double().pow(2).sum().reshape(1) if norms else \
-            torch.zeros(1, dtype=torch.float64, device=self.master[0].device)
+            torch.zeros(1, dtype=torch.float64, device=self.params[0].device)
         comm.all_reduce(total, self.topo.mp_group)
         return math.sqrt(total.item())
 
     @torch.no_grad()
     def step(self, lr: float) -> tuple[float, bool]:
         """Unscale, clip, update; returns (gradient norm before clipping, whether the step was skipped)."""
-        self._gather_master_grads()
-        grads = [m.grad for m in self.master]
+        backward_end = time.perf_counter()
+        if self.speculation is not None:
+            self.speculation.fence()
+        grads = self._device_grads()
         if self.scaler.enabled:
             torch._foreach_div_(grads, self.scaler.scale)
-        norm = self.global_grad_norm()
+        norm = self.global_grad_norm(grads)
         overflow = not math.isfinite(norm)
         self.scaler.update(overflow)
+        clip = not overflow and self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad
+        done = set()
+        if self.speculation is not None:
+            self.redos += int(clip and bool(self.speculation.jobs))
+            done = self.speculation.settle(not overflow and not clip, backward_end)
         if overflow:
             return norm, True
-        if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad:
+        if clip:
             torch._foreach_mul_(grads, self.cfg.clip_grad / (norm + 1e-6))
+        start = time.perf_counter()
+        self._grads_to_host(grads, done)
         for group in self.inner.param_groups:
             group["lr"] = lr
         self.inner.step()
+        if self.speculation is not None:  # host steps after backward (on a GPU, the whole call: it is host-bound)
+            self.speculation.readings["offload_host_s"] += time.perf_counter() - start
         self._adam_step += 1
-        for p, m in zip(self.params, self.master):
-            if p is not m:
-                p.copy_(m)
+        self._write_params()
         return norm, False
+
+    def _write_params(self) -> None:
+        offload.copy_to_device([(p, m) for p, m in zip(self.params, self.master) if p is not m])
+
+    def host_tensors(self) -> list:
+        """The state kept in host memory (optim.offload_fraction): masters, moments, gradient buffers, and the
+        spare masters and moments that overlapped steps write into."""
+        masters = [self.master[i] for i in self.host_grads]
+        moments = [t for m in masters for key, t in self.inner.state.get(m, {}).items() if key != "step"]
+        return masters + moments + list(self.host_grads.values()) + [t for s in self.spares.values() for t in s]
 
     def state_dict(self) -> dict:
         return {"inner": self.inner.state_dict(), "scaler": self.scaler.state_dict(),
@@ -124,10 +227,9 @@ class MixedPrecisionAdamW:
         self.inner.load_state_dict(state["inner"])
         self.scaler.load_state_dict(state["scaler"])
         with torch.no_grad():
-            for p, m, saved in zip(self.params, self.master, state["master"]):
+            for m, saved in zip(self.master, state["master"]):
                 m.copy_(saved)
-                if p is not m:
-                    p.copy_(m)
+            self._write_params()
 
     # Checkpoint interface (docs/checkpoints.md): optimizer state per parameter name as flat fp32 ranges.
 
@@ -161,14 +263,13 @@ class MixedPrecisionAdamW:
         index = {id(m): i for i, m in enumerate(m for group in self.inner.param_groups for m in group["params"])}
         state = self.inner.state_dict()
         state["state"] = {}
-        for name, p, m in zip(self.names, self.params, self.master):
+        for name, m in zip(self.names, self.master):
             n = m.numel()
             m.copy_(read(name, "master", 0, n).view_as(m))
             state["state"][index[id(m)]] = {"step": torch.tensor(float(self._adam_step), dtype=torch.float32),
                                             "exp_avg": read(name, "exp_avg", 0, n).view_as(m),
                                             "exp_avg_sq": read(name, "exp_avg_sq", 0, n).view_as(m)}
-            if p is not m:
-                p.copy_(m)
+        self._write_params()
         self.inner.load_state_dict(state)
         self.check_state_devices()
 

@@ -11,7 +11,10 @@ finite loss and gradient norm, gradient norm neither vanishing nor exploding rel
 loss falling, and memory (max over ranks) not growing from the early steps to the last ones. A run that
 switches recomputation and micro batch mid-run (`train.recompute_switch_step`) switches half-way through
 the pre-flight, and memory is judged after the switch: that is the setting most of the run uses. Exit
-status 0 when every check passes, 1 otherwise (2 for configuration errors, like training).
+status 0 when every check passes, 1 otherwise (2 for configuration errors, like training). Before any step, an
+`optim.offload_fraction` whose host state (engine/memory_estimate.py, at the pre-flight's world size: no less
+than the real run's per rank when that has more data-parallel ranks) would not fit the smallest node's memory
+is refused as a configuration error, in one line naming the fraction that fits.
 """
 from __future__ import annotations
 
@@ -20,13 +23,14 @@ import copy
 import math
 import statistics
 import sys
+from collections import Counter
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from engine.config.schema import Config, ConfigError, data_parallel_size, load_config, validate
-from engine.memory_estimate import device_memory, report
+from engine.memory_estimate import device_memory, host_problem, node_memory, report
 from engine.observe.rank_sniff import sniff
 from engine.plan.planner import warning as layout_warning
 from engine.plan.profile import default_profile, load_profile
@@ -162,15 +166,27 @@ def verdicts(history: list[dict], growth_mb: float, base_mb: float) -> list[tupl
     return out
 
 
+def check_host_memory(real: Config, env: DistEnv) -> tuple[int, int]:
+    """Refuse (ConfigError) offloaded optimizer state that would not fit the smallest node; returns the ranks
+    per node and the node memory it was judged with."""
+    ranks = max(Counter(env.nodes).values()) if env.nodes else 1
+    smallest = torch.tensor([node_memory()], dtype=torch.float64, device=env.device)
+    comm.all_reduce(smallest, world_group(), op=dist.ReduceOp.MIN)
+    problem = host_problem(real, env.world_size, ranks, int(smallest.item()))
+    if problem:
+        raise ConfigError(problem)
+    return ranks, int(smallest.item())
+
+
 def preflight(cfg: Config, env: DistEnv, steps: int = STEPS) -> bool:
     real, small, notes = preflight_config(cfg, env.world_size, steps)
+    ranks_per_node, host_memory = check_host_memory(real, env)
     run_dir = setup_run_dir(small, env.rank)
     configure_logging(run_dir, env.rank)
     for note in notes:
         log.info(f"pre-flight: {note}")
-    log.info(f"the real run's {report(real, env.world_size, device_memory(env.device))}")
+    log.info(f"the real run's {report(real, env.world_size, device_memory(env.device), host_memory, ranks_per_node)}")
     if env.rank == 0:  # the planner's advice: a warning, not a check (its model is a prediction)
-        ranks_per_node = max(1, env.world_size // max(1, len(set(env.nodes))))
         advice = layout_advice(real, env.world_size, env.device, ranks_per_node)
         if advice:
             log.warning(f"pre-flight: WARNING {advice}")

@@ -310,12 +310,13 @@ class Trainer:
         start, window_start = time.perf_counter(), self.consumed_samples
 
         micro_batches, data_wait = self.next_micro_batches()
+        lr = lr_at(*lr_position(self.cfg.train, self.step, self.consumed_samples), self.cfg.optim)
+        self.optimizer.begin_step(lr)  # offloaded optimizer steps may start during backward
         self.data_parallel.start_step(len(micro_batches))  # gradients are reduced on the last micro-batch
         micro_losses = self.forward_backward(micro_batches)
         self.data_parallel.finish_gradients()
         self.probes.gradients(self.step + 1, self.data_parallel)  # before the optimizer consumes them
         losses_by_rank, summing = gather_losses(micro_losses, self.topo)  # overlaps the optimizer step
-        lr = lr_at(*lr_position(self.cfg.train, self.step, self.consumed_samples), self.cfg.optim)
         with self.step_timer.optimizer():
             grad_norm, skipped = self.optimizer.step(lr)
             self.optimizer.zero_grad()
@@ -326,6 +327,7 @@ class Trainer:
 
         heartbeat.set_step(self.step)
         record = step_record(self, losses_by_rank, lr, grad_norm, skipped, elapsed, data_wait)
+        record.update(self.optimizer.offload_readings())
         record.update(self.probes.readings(self.step, record, losses_by_rank, window_start, self.micro_batch_size,
                                            self.describe_sample, micro_batches[0].tokens, self.pipe))
         record.update(self.loss_guard.observe(self.step, record["loss"], "nonfinite_samples" in record,

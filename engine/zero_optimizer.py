@@ -10,14 +10,21 @@ kernels/adamw.py: fused by default, or foreach; apex, being GPU-only, maps to to
 shards). Weight decay only applies to some ranges of a shard, so it is applied first, as one multi-tensor
 multiply over those ranges, and the kernel runs with weight_decay=0: torch's AdamW also scales the
 parameter by (1 - lr·wd) before the Adam update, so the result is the same.
+
+`optim.offload_fraction` puts the masters and moments of some units' shards on the host (engine/offload.py):
+their gradients are unscaled, measured and clipped on the device as the others', then copied to pinned host
+buffers; the same kernel steps them there, and write_shards copies the new masters back.
 """
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 from torch.optim.adamw import adamw
 
+from engine import offload
+from engine.offload_overlap import SpeculativeHostSteps
 from engine.optimizer import LossScaler, counts_in_norm, no_weight_decay
 from parallel import comm
 from kernels.adamw import select_implementation
@@ -30,25 +37,44 @@ class ZeroAdamW:
         # Checkpoint interface: each shard is written once; under HSDP only the first replica group writes.
         self.writes_state = comm.group_rank(sdp.replicate_group) == 0
         # fp32 stage 3: the parameter shard is a tensor of its own, so it serves as the master (no copy per step)
-        self.master = [u.param_shard if sdp.stage == 3 and u.param_shard.dtype == torch.float32
-                       else u.param_shard.detach().float().clone() for u in sdp.units]
+        # backward reduces the units in reverse order: offload in that order
+        on_host = offload.offloaded([u.shard_numel for u in reversed(sdp.units)], cfg.offload_fraction)[::-1]
+        self.master = [offload.host_copy(u.param_shard) if host else
+                       u.param_shard if sdp.stage == 3 and u.param_shard.dtype == torch.float32
+                       else u.param_shard.detach().float().clone() for u, host in zip(sdp.units, on_host)]
+        self.host_grads = {i: offload.host_empty(m) for i, (m, host) in enumerate(zip(self.master, on_host)) if host}
         self.exp_avg = [torch.zeros_like(m) for m in self.master]
         self.exp_avg_sq = [torch.zeros_like(m) for m in self.master]
         self.adam_step = 0
         self.scaler = LossScaler(precision == "fp16")
-        self.decay_views = [m[r.shard_start:r.shard_end] for u, m in zip(sdp.units, self.master)
-                            for r in u.shard_ranges if not no_weight_decay(r.name, r.param)]
+        self.decay_ranges = [[(r.shard_start, r.shard_end) for r in u.shard_ranges
+                              if not no_weight_decay(r.name, r.param)] for u in sdp.units]
         self.norm_ranges = [[r for r in u.shard_ranges if counts_in_norm(r.param, topo.tp_rank)] for u in sdp.units]
-        self.implementation = select_implementation(cfg.implementation, self.master[0].is_cuda)
-        # the kernel's per-tensor step counters, set from adam_step (which checkpoints restore) before each call
-        self.state_steps = [torch.zeros((), dtype=torch.float32, device=m.device) for m in self.master]
+        self.implementation = select_implementation(cfg.implementation, sdp.units[0].param_shard.is_cuda)
+        # offloaded units whose gradients are final once reduced (TP-replicated ones are summed over TP later)
+        eligible = [i for i in self.host_grads if topo.tp_size == 1 or not any(
+            getattr(r.param, "tp_replicated_grad", False) for r in sdp.units[i].shard_ranges)]
+        self.speculation = SpeculativeHostSteps(self, eligible, sdp.units[0].param_shard.is_cuda) \
+            if cfg.offload_overlap and eligible else None
+        self.spares = {i: [offload.host_empty(self.master[i]) for _ in range(3)] for i in eligible} \
+            if self.speculation is not None else {}
+        if self.speculation is not None:
+            index = {id(sdp.units[i]): i for i in eligible}
+            sdp.on_reduced = lambda unit: self.speculation.reduced(index[id(unit)], unit.master_grad()) \
+                if id(unit) in index else None
+        self.redos = 0
+
+    def begin_step(self, lr: float) -> None:
+        """Before the step's backward: offloaded units start their host step as soon as their gradients are in."""
+        if self.speculation is not None:
+            self.speculation.begin(lr)
 
     def zero_grad(self) -> None:
         self.sdp.zero_grad()
 
     def global_grad_norm(self, grads: list) -> float:
         pieces = [g[r.shard_start:r.shard_end] for g, ranges in zip(grads, self.norm_ranges) for r in ranges]
-        total = torch.zeros(1, dtype=torch.float64, device=self.master[0].device)
+        total = torch.zeros(1, dtype=torch.float64, device=grads[0].device)
         if pieces:  # one multi-tensor norm, accumulated in fp64
             total += torch.stack(torch._foreach_norm(pieces, 2, dtype=torch.float64)).square().sum()
         comm.all_reduce(total, self.sdp.shard_group)  # HSDP replicas hold the same shards: not summed again
@@ -58,27 +84,75 @@ class ZeroAdamW:
     @torch.no_grad()
     def step(self, lr: float) -> tuple[float, bool]:
         """Unscale, clip, update the owned shards, refresh the parameters; returns (norm, skipped)."""
+        backward_end = time.perf_counter()
+        if self.speculation is not None:
+            self.speculation.fence()
         grads = [u.master_grad() for u in self.sdp.units]
         if self.scaler.enabled:
             torch._foreach_div_(grads, self.scaler.scale)
         norm = self.global_grad_norm(grads)
         overflow = not math.isfinite(norm)
         self.scaler.update(overflow)
+        clip = not overflow and self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad
+        done = self._settle(not overflow and not clip, clip, backward_end)
         if overflow:
             return norm, True
-        if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad:
+        if clip:
             torch._foreach_mul_(grads, self.cfg.clip_grad / (norm + 1e-6))
-        c = self.cfg
-        if self.decay_views:  # decoupled weight decay on the decayed ranges only
-            torch._foreach_mul_(self.decay_views, 1 - lr * c.weight_decay)
-        for s in self.state_steps:
-            s.fill_(self.adam_step)  # the kernel adds one
+        rest = [i for i in range(len(grads)) if i not in done]
+        start = time.perf_counter()
+        offload.copy_to_host([(self.host_grads[i], grads[i]) for i in rest if i in self.host_grads])
+        self.update(rest, [self.host_grads.get(i, grads[i]) for i in rest], lr, self.adam_step)
+        if self.speculation is not None:  # what the host stepped after backward, in full view
+            self.speculation.readings["offload_host_s"] += time.perf_counter() - start
         self.adam_step += 1
-        adamw(self.master, grads, self.exp_avg, self.exp_avg_sq, [], self.state_steps,
-              foreach=self.implementation == "foreach", fused=self.implementation != "foreach", amsgrad=False,
-              beta1=c.beta1, beta2=c.beta2, lr=lr, weight_decay=0.0, eps=c.eps, maximize=False)
         self.sdp.write_shards(self.master)
         return norm, False
+
+    def _settle(self, commit: bool, clip: bool, backward_end: float) -> set:
+        """The units whose speculative host step is committed; counts a redo when clipping discards some."""
+        if self.speculation is None:
+            return set()
+        speculated = len(self.speculation.jobs)
+        done = self.speculation.settle(commit, backward_end)
+        self.redos += int(clip and speculated > 0)
+        return done
+
+    def update(self, indices: list, grads: list, lr: float, adam_step: int, masters=None, exp_avgs=None,
+               exp_avg_sqs=None) -> None:
+        """AdamW on the units `indices` (their own state, or the given tensors in its place), Adam's step count
+        `adam_step` before this update: decoupled weight decay on the decayed ranges, then the kernel."""
+        c = self.cfg
+        masters = masters or [self.master[i] for i in indices]
+        exp_avgs = exp_avgs or [self.exp_avg[i] for i in indices]
+        exp_avg_sqs = exp_avg_sqs or [self.exp_avg_sq[i] for i in indices]
+        if not masters:
+            return
+        decay = [m[a:b] for i, m in zip(indices, masters) for a, b in self.decay_ranges[i]]
+        for views in offload.by_device(decay):  # decoupled weight decay on the decayed ranges only
+            torch._foreach_mul_(views, 1 - lr * c.weight_decay)
+        steps = [torch.full((), float(adam_step), device=m.device) for m in masters]  # the kernel adds one
+        adamw(masters, grads, exp_avgs, exp_avg_sqs, [], steps,
+              foreach=self.implementation == "foreach", fused=self.implementation != "foreach", amsgrad=False,
+              beta1=c.beta1, beta2=c.beta2, lr=lr, weight_decay=0.0, eps=c.eps, maximize=False)
+
+    def speculate(self, i: int, grad: torch.Tensor, lr: float, adam_step: int) -> None:
+        """Unit i's AdamW into its spare master and moments (engine/offload_overlap.py, on its worker thread)."""
+        spare = self.spares[i]
+        for dest, source in zip(spare, (self.master[i], self.exp_avg[i], self.exp_avg_sq[i])):
+            dest.copy_(source)
+        self.update([i], [grad], lr, adam_step, *([t] for t in spare))
+
+    def commit(self, i: int) -> None:
+        """Unit i's spares become its state (the old state, the next step's spares)."""
+        for k, tensors in enumerate((self.master, self.exp_avg, self.exp_avg_sq)):
+            tensors[i], self.spares[i][k] = self.spares[i][k], tensors[i]
+
+    def offload_readings(self) -> dict:
+        """For metrics.jsonl: the step's host AdamW seconds, the part before backward ended, redos so far."""
+        if self.speculation is None:
+            return {}
+        return {**self.speculation.readings, "offload_redos": self.redos}
 
     # -- checkpoint interface (engine/interfaces.Optimizer) --------------------------------------------------
     def owned_state(self) -> dict:
@@ -99,4 +173,13 @@ class ZeroAdamW:
         self.sdp.write_shards(self.master)
 
     def held_tensors(self) -> list:
-        return self.master + self.exp_avg + self.exp_avg_sq
+        """The state this rank keeps on its device."""
+        return [t for i, state in enumerate(zip(self.master, self.exp_avg, self.exp_avg_sq))
+                if i not in self.host_grads for t in state]
+
+    def host_tensors(self) -> list:
+        """The state kept in host memory (optim.offload_fraction): masters, moments, gradient buffers, and the
+        spare masters and moments that overlapped steps write into."""
+        spares = [t for spare in self.spares.values() for t in spare]
+        return [t for i, grad in self.host_grads.items()
+                for t in (self.master[i], self.exp_avg[i], self.exp_avg_sq[i], grad)] + spares

@@ -87,6 +87,11 @@ class BucketedDDP:
         self.num_micro_batches = 1
         self.launched_in_backward = 0
         self.staged: list[StagedReduction] = []  # hierarchical reductions with stages not yet issued, oldest first
+        # called with an in-place bucket's parameters once its reduction is waited for (then their `.grad` is the
+        # DP average; TP and tied sums still follow in finish_gradients): engine/offload_overlap.py starts
+        # their host step. While set, launching a bucket waits for the one launched before it.
+        self.on_reduced = None
+        self.in_flight: list[_Bucket] = []
         pad_to = comm.group_size(hierarchy[0]) if hierarchy else 1
         self.embedding_rows = self._row_exchange(chunks, fp32_names, row_exchange_tokens) \
             if row_exchange_tokens and self.dp_size > 1 and hierarchy is None else None
@@ -202,6 +207,17 @@ class BucketedDDP:
             self.staged = [r for r in self.staged if r.stages_left] + [bucket.handle]
         else:
             bucket.handle = comm.all_reduce(bucket.buffer, self.dp_group, async_op=True)
+            if self.on_reduced is not None:
+                for earlier in self.in_flight:
+                    self._wait_and_tell(earlier)
+                self.in_flight = [bucket]
+
+    def _wait_and_tell(self, bucket: _Bucket) -> None:
+        if bucket.handle is not None:
+            bucket.handle.wait()
+            bucket.handle = None
+        if self.on_reduced is not None and bucket.in_place and bucket.launched:
+            self.on_reduced(bucket.params)
 
     def finish_gradients(self) -> None:
         """Wait for every bucket (the averages are then in `.grad`), then sum TP-partial gradients over TP:
@@ -212,8 +228,10 @@ class BucketedDDP:
             for bucket in self.buckets:
                 if not bucket.launched:  # a parameter that received no gradient this step
                     self._launch(bucket)
-                if bucket.handle is not None:
+                if self.hierarchy and bucket.handle is not None:
                     bucket.handle.wait()
+                elif bucket.handle is not None:
+                    self._wait_and_tell(bucket)
                 if not bucket.in_place:
                     partial = [(p, view) for p, view in zip(bucket.params, bucket.views)
                                if getattr(p, "tp_replicated_grad", False)]
@@ -226,7 +244,7 @@ class BucketedDDP:
                         else:
                             p.grad.copy_(view)
                 bucket.launched, bucket.handle, bucket.ready = False, None, 0
-            self.staged = []
+            self.staged, self.in_flight = [], []
             if self.embedding_rows:
                 self.embedding_rows.reduce()
         for chunk in self.chunks:

@@ -72,6 +72,9 @@ class ShardedDataParallel:
         tied = tied_embedding_weights(chunks) if tied_group is not None else []
         self.row_lookups: list[ShardedEmbeddingLookup] = []
         self.fusing = False  # stages 1 and 3, inside a step: backward accumulates into the full gradient buffers
+        # called with each unit whose reduced gradient shard is complete for the step (the TP sum of
+        # TP-replicated gradients aside): engine/offload_overlap.py starts its host step
+        self.on_reduced = None
         for chunk in chunks:
             names = {p: n for n, p in chunk.named_parameters()}
             mine, seen = [], set()
@@ -205,10 +208,11 @@ class ShardedDataParallel:
         if unit.tied:  # summed with the other pipeline end first, after the whole backward (finish_gradients)
             return
         if self.stage >= 2 or unit.micro_batches_done == self.num_micro_batches:
-            self._reduce(unit)
+            self._reduce(unit, final=unit.micro_batches_done == self.num_micro_batches)
 
     # -- gradient reduction --------------------------------------------------------------------------
-    def _reduce(self, unit: Unit) -> None:
+    def _reduce(self, unit: Unit, final: bool) -> None:
+        """Start reducing `unit`'s gradients (`final`: the step's last reduction of it)."""
         out = unit.reduce_target(self.pool)
         unit.reduced = True
         full = unit.full_grad.div_(self.dp_size)
@@ -226,7 +230,7 @@ class ShardedDataParallel:
             full32, unit.full_grad, unit.full_grad32 = unit.full_grad32, None, None
         else:
             full = None  # stage 1 keeps its own full gradient buffers
-        self.pending.append((unit, out, out32, reductions, full, full32, send32))
+        self.pending.append((unit, out, out32, reductions, full, full32, send32, final))
         while len(self.pending) > 2:  # bound the memory held by in-flight reductions
             self._complete(self.pending.popleft())
 
@@ -241,11 +245,13 @@ class ShardedDataParallel:
         return stages
 
     def _complete(self, item) -> None:
-        unit, out, out32, reductions, full, full32, send32 = item
+        unit, out, out32, reductions, full, full32, send32, final = item
         for staged in reductions:
             staged.wait()
         unit.take_reduced(out, out32)
         self.pool.give(full, full32, send32, out32, None if out is unit.grad_buffer else out)
+        if final and self.on_reduced is not None:
+            self.on_reduced(unit)
 
     def start_step(self, num_micro_batches: int) -> None:
         """Declare the step's backward passes. Until finish_gradients, stages 1 and 3 have backward accumulate
@@ -276,7 +282,7 @@ class ShardedDataParallel:
                 unit.borrow_full_grad(self.pool)
                 for p in unit.tied:  # full gradients, so the two ends' different unit layouts do not matter
                     comm.all_reduce(unit.full_grad_view(p), self.tied_group)
-                self._reduce(unit)
+                self._reduce(unit, final=True)
         while self.pending:
             self._complete(self.pending.popleft())
         for unit in self.units:  # nothing stays gathered between steps (the optimizer changes the shards)

@@ -122,3 +122,17 @@ def test_bench_preprocess_against_real_megatron(tmp_path):
                "--vocab-size", "400", "--workers", "1", "--megatron", str(MEGATRON), "--megatron-python",
                str(MEGATRON_PYTHON), timeout=600)
     assert out.count("same tokens as megatron-lm: True") == 2, out
+
+
+def test_bench_offload_prints_ratios_and_the_deepest_models():
+    out = tool("tools/bench_offload.py", "--hidden", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--ffn",
+               "64", "--vocab", "64", "--seq", "16", "--batch", "2", "--steps", "2", "--warmup", "1",
+               "--device-memory", "64MB")
+    for fraction in ("0", "0.5", "1"):
+        assert re.search(rf"^step at offload_fraction {fraction}: median [\d.]+ ms \(ratio [\d.]+\)", out, re.M)
+        assert re.search(rf"^optimizer step at offload_fraction {fraction}: .* fastest [\d.]+ ms", out, re.M)
+    for fraction in ("0.5", "1"):  # ZeRO-1 by default: host steps start during backward
+        assert re.search(rf"^offload_fraction {fraction}: host AdamW [\d.]+ ms/step, \d+% of it behind backward", out,
+                         re.M)
+    deepest = [int(n) for n in re.findall(r"^deepest model fitting .*: (\d+) layers", out, re.M)]
+    assert len(deepest) == 2 and deepest[1] > deepest[0] > 0  # offload leaves room for more layers

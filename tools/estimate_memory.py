@@ -3,12 +3,16 @@
     python tools/estimate_memory.py --config launch/configs/llama_7b_64gpu.yaml --world-size 64 --device-memory 80GB
     python tools/estimate_memory.py --config FILE --world-size 8 parallel.zero_stage=3 train.recompute=full
     python tools/estimate_memory.py --config launch/configs/llama_7b_64gpu_long.yaml --world-size 64 parallel.context=8
+    python tools/estimate_memory.py --config launch/configs/llama_7b_64gpu.yaml --world-size 64 --device-memory 80GB \
+        --host-memory 1TB --ranks-per-node 8 optim.offload_fraction=1
 
 Prints, for each pipeline stage (every rank of a stage holds the same), the parameters, gradients, optimizer
 state, activations (micro-batches the schedule holds at once × one micro-batch's) and communication buffers,
 their total against --device-memory, and, when it does not fit, the single setting that saves the most. Under
 context parallelism (parallel.context=c) a rank's activations are those of s/c tokens, and ZeRO shards over
-DP × CP. The pre-flight (engine/preflight.py) prints the same estimate.
+DP × CP. With optim.offload_fraction the optimizer state kept in host memory is shown apart, per rank and per
+node of --ranks-per-node ranks, against --host-memory. The pre-flight (engine/preflight.py) prints the same
+estimate and refuses a fraction whose host state does not fit the node.
 """
 from __future__ import annotations
 
@@ -32,10 +36,15 @@ def main(argv=None) -> int:
                         help="ranks of the run (default: parallel.tensor × parallel.context × parallel.pipeline, "
                              "one data-parallel rank)")
     parser.add_argument("--device-memory", default="", help="memory of one device, e.g. 80GB (GB = GiB = 2**30)")
+    parser.add_argument("--host-memory", default="", help="memory of one node, e.g. 1TB (judged with offload)")
+    parser.add_argument("--ranks-per-node", type=int, default=8, help="ranks sharing a node's host memory (8)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides, as for training")
     args = parser.parse_args(argv)
     try:
         device_memory = parse_bytes(args.device_memory) if args.device_memory else 0
+        host_memory = parse_bytes(args.host_memory) if args.host_memory else 0
+        if args.ranks_per_node < 1:
+            raise ValueError(f"--ranks-per-node {args.ranks_per_node}: give the ranks on one node (≥ 1)")
         if args.world_size < 0:
             raise ValueError(f"--world-size {args.world_size}: give the number of ranks (≥ 1), or leave it out")
         cfg = load_config(args.config, args.overrides)
@@ -45,7 +54,7 @@ def main(argv=None) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"estimate_memory: {exc}", file=sys.stderr)
         return 2
-    print(report(cfg, world, device_memory))
+    print(report(cfg, world, device_memory, host_memory, min(args.ranks_per_node, world)))
     return 0
 
 

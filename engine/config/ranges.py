@@ -55,6 +55,7 @@ RANGES = {
     ("train", "seed"): Interval(0, 2**32 - 1),
     ("train", "batch_size_ramp"): AT_LEAST_ONE,
     ("optim", "min_lr_ratio"): FRACTION, ("optim", "decay_fraction"): FRACTION,
+    ("optim", "offload_fraction"): FRACTION,
     ("optim", "beta1"): BELOW_ONE, ("optim", "beta2"): BELOW_ONE, ("optim", "eps"): POSITIVE,
     ("data", "eod_token_id"): Interval(-1),  # -1 = the tokenizer's end-of-document token
     ("checkpoint", "keep"): AT_LEAST_ONE,

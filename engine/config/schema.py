@@ -167,6 +167,10 @@ class OptimConfig:
     eps: float = 1e-8  # AdamW denominator epsilon
     decay_fraction: float = 0.2  # wsd: last fraction of steps that decays; two_phase: the linear tail
     implementation: str = "auto"  # AdamW kernel (kernels/adamw.py); auto = torch fused, on CUDA or CPU
+    offload_fraction: float = 0.0  # share of each rank's fp32 masters + Adam moments kept and stepped in host
+        # memory, in whole tensors (engine/offload.py, docs/offload.md); 0 = none, 1 = all
+    offload_overlap: bool = True  # ZeRO: step each offloaded unit on a host thread as soon as its gradients are
+        # reduced during backward, speculatively, redone after backward when the step clips (engine/offload_overlap.py)
 
 
 @dataclass
@@ -509,6 +513,9 @@ def validate(cfg: Config, world_size: int) -> None:
                           f"virtual_stages = {p.pipeline}×{p.virtual_stages} = {chunks} chunks (in chunk order), "
                           f"each at least 1, summing to model.num_layers={m.num_layers}")
     validate_context(cfg)
+    if cfg.optim.offload_fraction > 0 and cfg.optim.implementation == "apex":
+        raise ConfigError(f"optim.offload_fraction={cfg.optim.offload_fraction} steps host memory, which apex's "
+                          f"GPU-only FusedAdam cannot; use optim.implementation=auto (torch's fused kernel)")
     dp = data_parallel_size(cfg, world_size)
     validate_data_parallel(p, dp * p.context)  # the groups they split are DP × CP
     per_step = t.micro_batch_size * dp

@@ -1,0 +1,150 @@
+"""Step time with the optimizer state offloaded to the host (optim.offload_fraction 0.5 and 1) against none.
+
+One process trains the same model at each fraction, steps interleaved (one step of each per round) so that
+background load hits all equally; prints the median and fastest step and optimizer-step times of each and their
+ratios to fraction 0, then the host AdamW time per step and the share of it hidden behind backward
+(optim.offload_overlap; ZeRO by default here: single-rank DDP has no reduction to start host steps from). On
+CPU the "device" is the CPU too, and the host thread competes with backward for the same cores: the ratio is
+the cost of the offload machinery (copies, two state homes, speculation), not of PCIe.
+With --device-memory it also prints the deepest model of this width the estimate (engine/memory_estimate.py)
+fits in one device's memory without and with offload.
+
+    python tools/bench_offload.py [--hidden 256 --layers 4 --seq 256 --batch 4 --steps 10 --zero-stage 1 --clip 1]
+    python tools/bench_offload.py --hidden 2048 --layers 16 --heads 16 --kv-heads 8 --ffn 5632 --vocab 32000 \\
+        --seq 2048 --batch 1 --precision bf16 --device-memory 141GB
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.config.schema import from_dict, validate  # noqa: E402
+from engine.memory_estimate import chunk_units, estimate, gib, parse_bytes  # noqa: E402
+from engine.train import Trainer  # noqa: E402
+from parallel.distributed import DistEnv  # noqa: E402
+
+FRACTIONS = (0.0, 0.5, 1.0)
+
+
+def config(args, fraction: float, run_dir: str):
+    return from_dict({
+        "model": dict(hidden_size=args.hidden, num_layers=args.layers, num_attention_heads=args.heads,
+                      num_kv_heads=args.kv_heads, ffn_hidden_size=args.ffn, vocab_size=args.vocab,
+                      seq_length=args.seq),
+        "train": dict(micro_batch_size=args.batch, global_batch_size=args.batch, steps=args.steps + args.warmup,
+                      precision=args.precision, device=args.device, log_interval=10**6),
+        "optim": dict(offload_fraction=fraction, clip_grad=args.clip), "data": dict(mock=True),
+        "parallel": dict(zero_stage=args.zero_stage),
+        "run": dict(dir=run_dir)})
+
+
+MAX_LAYERS = 4096
+
+
+def deepest_fitting(cfg, memory: int) -> tuple[int, int]:
+    """(layers, parameters) of the deepest model of `cfg`'s width (at most MAX_LAYERS) whose estimate fits
+    `memory` bytes; (0, 0) when not even one layer does."""
+    def with_layers(layers):
+        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=layers))
+
+    low, high = 0, MAX_LAYERS + 1  # fits at low (0: trivially), not at high
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if estimate(with_layers(mid), 1)[0].total <= memory else (low, mid)
+    return low, sum(n for unit in chunk_units(with_layers(low), low, True, True) for _, n in unit) if low else 0
+
+
+def timed(trainer, seconds: list) -> None:
+    """Record the wall time of each optimizer step of `trainer` in `seconds` (the step's own share)."""
+    step = trainer.optimizer.step
+
+    def timed_step(lr):
+        start = time.perf_counter()
+        out = step(lr)
+        seconds.append(time.perf_counter() - start)
+        return out
+
+    trainer.optimizer.step = timed_step
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for flag, default in (("hidden", 256), ("layers", 4), ("heads", 8), ("kv-heads", 4), ("ffn", 688),
+                          ("vocab", 8192), ("seq", 256), ("batch", 4), ("steps", 10), ("warmup", 2)):
+        ap.add_argument(f"--{flag}", type=int, default=default)
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=1)
+    ap.add_argument("--clip", type=float, default=1.0, help="optim.clip_grad (a step that clips redoes its host step)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device-memory", default="", help="also print the deepest model that fits, e.g. 80GB")
+    ap.add_argument("--fit-only", action="store_true", help="only the deepest models (no training)")
+    args = ap.parse_args(argv)
+    if not args.fit_only:
+        time_steps(args)
+    if args.device_memory:
+        memory = parse_bytes(args.device_memory)
+        for fraction in (0.0, 1.0):
+            layers, params = deepest_fitting(config(args, fraction, "/unused"), memory)
+            bound = "at least " if layers == MAX_LAYERS else ""
+            print(f"deepest model fitting {gib(memory)} at offload_fraction {fraction:g}: {bound}{layers} layers, "
+                  f"{params / 1e9:.2f} B parameters")
+    return 0
+
+
+def time_steps(args) -> None:
+    """Train at each fraction, steps interleaved; print medians, fastest steps and their ratios to fraction 0."""
+    env = DistEnv(0, 1, 0, torch.device(args.device), "gloo")
+    with tempfile.TemporaryDirectory() as run_dir:
+        trainers = {}
+        for fraction in FRACTIONS:
+            cfg = config(args, fraction, str(Path(run_dir) / str(fraction)))
+            validate(cfg, 1)
+            trainers[fraction] = Trainer(cfg, env)
+        times: dict = {f: [] for f in FRACTIONS}
+        optimizer_times: dict = {f: [] for f in FRACTIONS}
+        records: dict = {f: [] for f in FRACTIONS}
+        for fraction, trainer in trainers.items():
+            timed(trainer, optimizer_times[fraction])
+        for step in range(args.warmup + args.steps):
+            for fraction, trainer in trainers.items():
+                if env.device.type == "cuda":
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                record = trainer.train_step()
+                if env.device.type == "cuda":
+                    torch.cuda.synchronize()
+                if step >= args.warmup:
+                    times[fraction].append(time.perf_counter() - start)
+                    records[fraction].append(record)
+        for trainer in trainers.values():
+            trainer.loader.close()
+    print(f"shape: hidden {args.hidden}, layers {args.layers}, seq {args.seq}, batch {args.batch}, {args.precision}, "
+          f"{args.device}; {args.steps} steps each: median and fastest (the fastest is the least disturbed by load)")
+    for name, series in (("step", times), ("optimizer step", {f: s[args.warmup:] for f, s in optimizer_times.items()})):
+        median0, fastest0 = statistics.median(series[0.0]), min(series[0.0])
+        for fraction in FRACTIONS:
+            median, fastest = statistics.median(series[fraction]), min(series[fraction])
+            print(f"{name} at offload_fraction {fraction:g}: median {median * 1000:.1f} ms "
+                  f"(ratio {median / median0:.3f}), fastest {fastest * 1000:.1f} ms (ratio {fastest / fastest0:.3f})")
+    for fraction in FRACTIONS[1:]:
+        overlapped = [r for r in records[fraction] if "offload_host_s" in r]
+        if overlapped:
+            host = sum(r["offload_host_s"] for r in overlapped)
+            hidden = sum(r["offload_hidden_s"] for r in overlapped)
+            redos = overlapped[-1]["offload_redos"] - records[fraction][0].get("offload_redos", 0)
+            share = hidden / host if host else 0.0
+            print(f"offload_fraction {fraction:g}: host AdamW {host / len(overlapped) * 1000:.1f} ms/step, "
+                  f"{share:.0%} of it behind backward; {redos} redos in {len(overlapped) - 1} steps")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
