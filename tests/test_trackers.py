@@ -4,6 +4,7 @@ one run id; a missing package or a tracker failing mid-run is one warning and th
 import json
 import struct
 import sys
+import time
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -94,6 +95,7 @@ def test_wandb_offline_writes_every_key_and_a_resume_continues_the_same_run(tmp_
         crash_after(crash, 4)
         with pytest.raises(RuntimeError, match="node lost"):
             train_main(args)
+    time.sleep(1.0)  # wandb names an offline sitting's folder by its start second: two in one second share one
     assert train_main(args) == 0
     run_id = (run_dir / "wandb_run_id").read_text().strip()
     runs = sorted((run_dir / "wandb").glob(f"offline-run-*-{run_id}"))
