@@ -4,6 +4,7 @@ README stays an entry page, its test count is the suite's, and the memory estima
 what the tool prints today."""
 import ast
 import functools
+import json
 import re
 import shlex
 import subprocess
@@ -263,18 +264,39 @@ def launch_check_arguments(command: str) -> list[str]:
     return ["--world-size", str(launch_world_size(words)), *preflight, "--config", words[config + 1], *overrides]
 
 
+CHECK_EACH = """
+import contextlib, io, json, runpy, sys
+check = runpy.run_path("launch/check.py", run_name="check")["main"]
+results = []
+for arguments in json.load(sys.stdin):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = check(arguments)
+    results.append([code, err.getvalue().strip()])
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def launch_checks():
+    """launch/check.py's verdict (status, refusal) on every documented launch, from one process: the launcher's
+    own first step, without a Python start-up per command."""
+    launches = documented_launches()
+    arguments = [[w for w in launch_check_arguments(command) if not w.startswith("checkpoint.load=")]
+                 for _, command in launches]  # a checkpoint.load is made by an earlier command
+    done = subprocess.run([sys.executable, "-c", CHECK_EACH], cwd=ROOT, input=json.dumps(arguments),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return dict(zip(launches, json.loads(done.stdout.splitlines()[-1])))
+
+
 @pytest.mark.parametrize("page,command", documented_launches())
-def test_every_documented_launch_configures_a_valid_run(page, command):
+def test_every_documented_launch_configures_a_valid_run(launch_checks, page, command):
     """Each training launch the docs show names a shipped config that validates at the world size its launcher
-    starts (launch/check.py, the launcher's own first step) — except that its data and GPUs are the reader's."""
-    arguments = launch_check_arguments(command)
-    if any(w.startswith("checkpoint.load=") for w in arguments):  # needs a checkpoint made by an earlier command
-        arguments = [w for w in arguments if not w.startswith("checkpoint.load=")]
-    done = subprocess.run([sys.executable, "launch/check.py", *arguments], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
-    refusal = done.stderr.strip()
+    starts (launch/check.py) — except that its data and GPUs are the reader's."""
+    code, refusal = launch_checks[(page, command)]
     gpu_only = "train.device=cuda asks for GPUs, but CUDA is not usable" in refusal  # checked after the config
-    assert done.returncode == 0 or gpu_only, f"{page}: `{command}` is refused before any rank starts: {refusal}"
+    assert code == 0 or gpu_only, f"{page}: `{command}` is refused before any rank starts: {refusal}"
 
 
 def test_launch_world_sizes_are_read_as_the_launchers_read_them():
