@@ -111,10 +111,11 @@ def stage_chunks(cfg: Config, stage: int) -> list[tuple[int, bool, bool]]:
     return [(len(ids[j]), *chunk_roles(stage, p.pipeline, p.virtual_stages, j)) for j in range(p.virtual_stages)]
 
 
-def state_bytes(cfg: Config, units: list, shard_size: int, shard_rank: int) -> tuple[int, int, int, int, int]:
+def state_bytes(cfg: Config, units: list, shard_size: int, shard_rank: int | None = None
+                ) -> tuple[int, int, int, int, int]:
     """(parameters, gradients, device optimizer state, largest unit's full bytes, host optimizer state) of the
-    rank `shard_rank` of its shard group (ranks differ only in the fp32 gradients of the norm segment their
-    shard holds)."""
+    rank `shard_rank` of its shard group, by default the one with the most gradient bytes (ranks differ only in
+    the fp32 gradients of the norm segment their shard holds)."""
     e, stage, fraction = DTYPE_BYTES[cfg.train.precision], cfg.parallel.zero_stage, cfg.optim.offload_fraction
     if stage == 0:  # the optimizer offloads whole parameters, in reverse model order
         named = sorted((x for unit in units for x in unit), key=lambda x: MODEL_ORDER.get(x[0], 1))
@@ -129,6 +130,7 @@ def state_bytes(cfg: Config, units: list, shard_size: int, shard_rank: int) -> t
     split = e != FP32
     weights = grads = optim = largest = 0
     spares = 0
+    fp32_held = [0] * shard_size  # per rank: elements of the units' fp32 norm segments its shards hold
     for unit, host in zip(units, on_host):
         if host and cfg.optim.offload_overlap and not tp_summed_later(cfg, unit):
             spares += -(-max(sum(n for _, n in unit), 1) // shard_size)
@@ -137,11 +139,13 @@ def state_bytes(cfg: Config, units: list, shard_size: int, shard_rank: int) -> t
         shard = -(-max(numel, 1) // shard_size)
         largest = max(largest, shard * shard_size * e)
         fp32_start = numel - fp32_numel
-        mine = max(0, min(numel, (shard_rank + 1) * shard) - max(fp32_start, shard_rank * shard))
+        for rank in range(fp32_start // shard, -(-numel // shard)) if fp32_numel else ():
+            fp32_held[rank] += min(numel, (rank + 1) * shard) - max(fp32_start, rank * shard)
         weights += shard * (e if stage == 3 else e * shard_size)
-        grads += (shard * shard_size * e + fp32_numel * FP32 if stage == 1 else shard * e) + mine * FP32
+        grads += shard * shard_size * e + fp32_numel * FP32 if stage == 1 else shard * e
         if not host:
             optim += (2 if stage == 3 and not split else 3) * FP32 * shard  # fp32 stage 3: the shard is the master
+    grads += FP32 * (max(fp32_held) if shard_rank is None else fp32_held[shard_rank])
     return weights, grads, optim, largest, HOST_STATE * sum(s for s, host in zip(shards, on_host) if host) + \
         HOST_SPARE * spares
 
@@ -269,9 +273,7 @@ def estimate(cfg: Config, world_size: int, shard_rank: int | None = None) -> lis
     for stage in range(p.pipeline):
         chunks = stage_chunks(cfg, stage)
         units = [u for layers, pre, post in chunks for u in chunk_units(cfg, layers, pre, post)]
-        ranks = [0] if p.zero_stage == 0 else range(shard_size) if shard_rank is None else [shard_rank]
-        weights, grads, optim, largest, host = max((state_bytes(cfg, units, shard_size, r) for r in ranks),
-                                                   key=lambda state: state[1])
+        weights, grads, optim, largest, host = state_bytes(cfg, units, shard_size, shard_rank)
         per_mb = sum(chunk_activation(cfg, layers, pre, post, t.micro_batch_size, recompute)
                      for layers, pre, post in chunks)
         if m.position_embedding == "rope":  # cos/sin tables, one per chunk, shared by every micro-batch
