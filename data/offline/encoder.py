@@ -28,6 +28,7 @@ any difference turns the cache off.
 """
 import itertools
 import json
+import operator
 import os
 import re
 import sys
@@ -38,6 +39,7 @@ from data.eod import eod_id_from_tokenizer
 from data.offline.chunk_rules import OTHER_SPACES, SAFE_SPACES, cut_rule  # noqa: F401 (the spaces: re-exported)
 
 _OTHER_SPACE_RE = re.compile("[" + re.escape(OTHER_SPACES) + "]")
+_strip_run = operator.methodcaller("lstrip", " \u2581")
 # Misses are encoded in inputs of this many chunks, as a batch.
 _GROUP_CHUNKS = 1024
 
@@ -157,7 +159,7 @@ class HFEncoder:
             unk = plain["model"].get("unk_token")
             if unk in vocab:
                 self._word_start[vocab[unk]] = False
-        self._token_chars = None
+        self._token_chars, self._run_ids = None, {}
         if self._joined is not None and self.rule.pieces is None:
             # The joined chunks are one word whose cuts no token spans: a chunk's tokens are those whose lengths
             # in characters add up to its own ("▁" stands for a space). A byte-fallback token <0xNN> counts for
@@ -189,6 +191,9 @@ class HFEncoder:
                             [len(e.ids) for e in encodings])
             words = [chunks[i] for i in slots]
         # Many chunks to one input: the tokenizer encodes each word as a text of its own.
+        runs = None
+        if self.rule.even_runs and words:
+            words, runs = self._shorten_even_runs(words)
         groups = [words[k:k + _GROUP_CHUNKS] for k in range(0, len(words), _GROUP_CHUNKS)]
         if self._joined is not None:
             fast = self._word_start is not None or self._token_chars is not None
@@ -212,8 +217,47 @@ class HFEncoder:
                 per_piece = np.bincount(word, minlength=sum(pieces[k]))
                 counts.append(np.add.reduceat(per_piece, np.cumsum([0] + pieces[k][:-1])))
         if groups:
+            counts = np.concatenate(counts)
+            if runs is not None:
+                ids, counts = self._restore_even_runs(np.concatenate(ids), counts, runs)
             self._store(first + (np.arange(len(words)) if slots is None else np.asarray(slots, np.int64)), ids,
-                        np.concatenate(counts))
+                        counts)
+
+    def _shorten_even_runs(self, chunks):
+        """(the chunks with each leading run of an even length over 2 cut to two spaces, those lengths or 0)."""
+        lengths = np.fromiter(map(len, chunks), np.int64, len(chunks))
+        runs = lengths - np.fromiter(map(len, map(_strip_run, chunks)), np.int64, len(chunks))
+        runs[(runs % 2 == 1) | (runs == 2)] = 0
+        short = list(chunks)
+        for i in np.flatnonzero(runs).tolist():
+            short[i] = short[i][runs[i] - 2:]
+        return short, runs
+
+    def _restore_even_runs(self, ids, counts, runs):
+        """(ids, tokens per chunk) with each shortened chunk's first token, "▁▁", replaced by its run's ids."""
+        needed = [n for n in [2] + np.unique(runs[runs > 0]).tolist() if n not in self._run_ids]
+        for n, enc in zip(needed, self._joined.encode_batch_fast([" " * n for n in needed],
+                                                                 add_special_tokens=False)):
+            self._run_ids[n] = np.asarray(enc.ids, np.int32)
+        table = sorted(self._run_ids)
+        pool = np.concatenate([ids] + [self._run_ids[n] for n in table])
+        pool_lens = np.asarray([len(self._run_ids[n]) for n in table], np.int64)
+        pool_starts = len(ids) + np.cumsum(pool_lens) - pool_lens
+        where = np.searchsorted(table, runs)  # the run's place in the table (meaningless where runs is 0)
+        short = runs > 0
+        # Two pieces per chunk, read from the pool: its run's ids (shortened chunks only), then its own ids
+        # without the "▁▁" that stood for the run.
+        starts = np.empty(2 * len(runs), np.int64)
+        lens = np.zeros(2 * len(runs), np.int64)
+        starts[0::2] = np.where(short, pool_starts[np.minimum(where, len(table) - 1)], 0)
+        lens[0::2] = np.where(short, pool_lens[np.minimum(where, len(table) - 1)], 0)
+        starts[1::2] = np.cumsum(counts) - counts + short
+        if not np.all(ids[starts[1::2][short] - 1] == self._run_ids[2][0]):
+            raise RuntimeError("preprocess: a shortened run did not encode as the one token '\u2581\u2581'; "
+                               "the even-run rule is wrong")
+        lens[1::2] = counts - short
+        ends = np.cumsum(lens)
+        return [pool[np.repeat(starts - (ends - lens), lens) + np.arange(int(ends[-1]))]], lens[0::2] + lens[1::2]
 
     def _counts_by_length(self, chunks, ids):
         """(ids, tokens per chunk) of chunks joined into one word, from the tokens' lengths."""
