@@ -98,14 +98,15 @@ class CutRule:
     the words of a pre-tokenized input; with `joined_pre_tokenizer` (the pre-tokenizer's config -> one
     under which the concatenated chunks encode as they do alone), as one text: chunk i owns the
     pre-tokenizer's next `pieces(chunk i)` words, each of which starts with `word_mark`, or without
-    `pieces` (one word, no token spanning two chunks) the tokens that make up its bytes. With `even_runs`, a
-    joined chunk's leading run of even length is encoded as two spaces (see the docstring above)."""
+    `pieces` (one word, no token spanning two chunks) the tokens that make up its bytes. With `runs`, a chunk is a
+    run of spaces or "▁" and a word, and one that lacks either is encoded alone; with `even_runs` too, a joined
+    chunk's run of even length is encoded as two spaces (see the docstring above)."""
 
     def __init__(self, name, split, alone=None, joined_pre_tokenizer=None, pieces=None, word_mark=None,
-                 even_runs=False):
+                 runs=False, even_runs=False):
         self.name, self.split, self.alone = name, split, alone
         self.joined_pre_tokenizer, self.pieces, self.word_mark = joined_pre_tokenizer, pieces, word_mark
-        self.even_runs = even_runs
+        self.runs, self.even_runs = runs, even_runs
 
 
 GPT2 = CutRule("GPT-2 byte-level", _GPT2_CHUNK_RE.findall)
@@ -135,7 +136,7 @@ METASPACE_NEVER = CutRule("Metaspace", _SPACE_CHUNK_RE.findall, lambda c: c[0] !
 # "▁" follows another character, which no token spans (see above); a chunk that does not start with a space
 # or ends with one (a document's last run) would not be cut so, and is encoded alone.
 _RUN_CHUNK_RE = re.compile("[ \u2581]++[^ \u2581]*+|[^ \u2581]++")
-_RUNS = dict(alone=lambda c: c[0] not in " \u2581" or c[-1] in " \u2581",
+_RUNS = dict(runs=True,
              joined_pre_tokenizer=lambda pre: dict(pre, split=False, prepend_scheme="never"))
 METASPACE_RUNS = CutRule("Metaspace whitespace-run", _prepended(_RUN_CHUNK_RE.findall), **_RUNS)
 METASPACE_RUNS_NEVER = CutRule("Metaspace whitespace-run", _RUN_CHUNK_RE.findall, **_RUNS)

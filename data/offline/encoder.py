@@ -17,7 +17,7 @@ boundaries (data/offline/chunk_rules.py says where, and why). Each chunk costs o
 also collects the misses; those are encoded many at a time, as the words of a pre-tokenized input (each
 encoded as a text of its own) or, for Metaspace, joined into one text whose pre-tokenizer cuts it back at
 the chunks' spaces, or (vocabularies with whitespace runs) that is one word no token of which spans two
-chunks.
+chunks, where an even run leading a chunk may stand as two spaces.
 
 The argument needs: a pre-tokenizer of those families, a model without dropout, a post-processor
 that only puts fixed tokens around a document (read off two probes and added back), whitespace on
@@ -180,20 +180,25 @@ class HFEncoder:
             self._build_inner()
         self._starts.resize(first + len(chunks))
         self._lens.resize(first + len(chunks))
-        words, slots = chunks, None
-        if self.rule.alone is not None:
-            alone, slots = [], []
-            for i, c in enumerate(chunks):
-                (alone if self.rule.alone(c) else slots).append(i)
-            if alone:
-                encodings = self._inner.encode_batch([chunks[i] for i in alone], add_special_tokens=False)
-                self._store(first + np.asarray(alone, np.int64), [np.asarray(e.ids, np.int32) for e in encodings],
+        words, slots, runs = chunks, None, None
+        if self.rule.runs:  # a chunk without its run or its word is encoded alone
+            lengths = np.fromiter(map(len, chunks), np.int64, len(chunks))
+            runs = lengths - np.fromiter(map(len, map(_strip_run, chunks)), np.int64, len(chunks))
+            lone = (runs == 0) | (runs == lengths)
+        elif self.rule.alone is not None:
+            lone = np.fromiter(map(self.rule.alone, chunks), bool, len(chunks))
+        if self.rule.runs or self.rule.alone is not None:
+            alone, slots = np.flatnonzero(lone), np.flatnonzero(~lone)
+            if alone.size:
+                encodings = self._inner.encode_batch([chunks[i] for i in alone.tolist()], add_special_tokens=False)
+                self._store(first + alone, [np.asarray(e.ids, np.int32) for e in encodings],
                             [len(e.ids) for e in encodings])
-            words = [chunks[i] for i in slots]
-        # Many chunks to one input: the tokenizer encodes each word as a text of its own.
-        runs = None
+            words = [chunks[i] for i in slots.tolist()]
         if self.rule.even_runs and words:
-            words, runs = self._shorten_even_runs(words)
+            words, runs = self._shorten_even_runs(words, runs[slots])
+        else:
+            runs = None
+        # Many chunks to one input: the tokenizer encodes each word as a text of its own.
         groups = [words[k:k + _GROUP_CHUNKS] for k in range(0, len(words), _GROUP_CHUNKS)]
         if self._joined is not None:
             fast = self._word_start is not None or self._token_chars is not None
@@ -220,14 +225,11 @@ class HFEncoder:
             counts = np.concatenate(counts)
             if runs is not None:
                 ids, counts = self._restore_even_runs(np.concatenate(ids), counts, runs)
-            self._store(first + (np.arange(len(words)) if slots is None else np.asarray(slots, np.int64)), ids,
-                        counts)
+            self._store(first + (np.arange(len(words)) if slots is None else slots), ids, counts)
 
-    def _shorten_even_runs(self, chunks):
+    def _shorten_even_runs(self, chunks, runs):
         """(the chunks with each leading run of an even length over 2 cut to two spaces, those lengths or 0)."""
-        lengths = np.fromiter(map(len, chunks), np.int64, len(chunks))
-        runs = lengths - np.fromiter(map(len, map(_strip_run, chunks)), np.int64, len(chunks))
-        runs[(runs % 2 == 1) | (runs == 2)] = 0
+        runs = np.where((runs % 2 == 0) & (runs > 2), runs, 0)
         short = list(chunks)
         for i in np.flatnonzero(runs).tolist():
             short[i] = short[i][runs[i] - 2:]
