@@ -96,16 +96,18 @@ class CutRule:
     `alone(chunk)`, if given: the chunk must be encoded as a text of its own (a Metaspace chunk without a
     leading space gets the "▁" a text's start gets); the others are encoded many at a time. By default as
     the words of a pre-tokenized input; with `joined_pre_tokenizer` (the pre-tokenizer's config -> one
-    under which the concatenated chunks encode as they do alone), as one text: chunk i owns the
+    under which the concatenated chunks, passed through `joined_text` if given, encode as they do alone; None
+    for none), as one text: chunk i owns the
     pre-tokenizer's next `pieces(chunk i)` words, each of which starts with `word_mark`, or without
     `pieces` (one word, no token spanning two chunks) the tokens that make up its bytes. With `runs`, a chunk is a
     run of spaces or "▁" and a word, and one that lacks either is encoded alone; with `even_runs` too, a joined
     chunk's run of even length is encoded as two spaces (see the docstring above)."""
 
     def __init__(self, name, split, alone=None, joined_pre_tokenizer=None, pieces=None, word_mark=None,
-                 runs=False, even_runs=False):
+                 runs=False, even_runs=False, joined_text=None):
         self.name, self.split, self.alone = name, split, alone
         self.joined_pre_tokenizer, self.pieces, self.word_mark = joined_pre_tokenizer, pieces, word_mark
+        self.joined_text = joined_text
         self.runs, self.even_runs = runs, even_runs
 
 
@@ -134,10 +136,11 @@ METASPACE_NEVER = CutRule("Metaspace", _SPACE_CHUNK_RE.findall, lambda c: c[0] !
 # A vocabulary with whitespace-run tokens: a chunk is a run of spaces or "▁" and what follows up to the next
 # one. Joined, the chunks are one word given no "▁" (the first chunk's, if any, is in it), cut only where a
 # "▁" follows another character, which no token spans (see above); a chunk that does not start with a space
-# or ends with one (a document's last run) would not be cut so, and is encoded alone.
+# or ends with one (a document's last run) would not be cut so, and is encoded alone. That word goes to the
+# model with its spaces written as "▁", without a pre-tokenizer: all Metaspace would do with `split` false and
+# nothing prepended, and cheaper.
 _RUN_CHUNK_RE = re.compile("[ \u2581]++[^ \u2581]*+|[^ \u2581]++")
-_RUNS = dict(runs=True,
-             joined_pre_tokenizer=lambda pre: dict(pre, split=False, prepend_scheme="never"))
+_RUNS = dict(runs=True, joined_pre_tokenizer=lambda pre: None, joined_text=lambda text: text.replace(" ", "\u2581"))
 METASPACE_RUNS = CutRule("Metaspace whitespace-run", _prepended(_RUN_CHUNK_RE.findall), **_RUNS)
 METASPACE_RUNS_NEVER = CutRule("Metaspace whitespace-run", _RUN_CHUNK_RE.findall, **_RUNS)
 # The same cuts, with the even runs of a chunk encoded as two spaces (see above).

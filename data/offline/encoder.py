@@ -203,7 +203,7 @@ class HFEncoder:
         if self._joined is not None:
             fast = self._word_start is not None or self._token_chars is not None
             encode = self._joined.encode_batch_fast if fast else self._joined.encode_batch
-            encodings = encode(["".join(g) for g in groups], add_special_tokens=False)
+            encodings = encode(self._joined_texts("".join(g) for g in groups), add_special_tokens=False)
             pieces = [[self.rule.pieces(c) for c in g] for g in groups] if self.rule.pieces else None
         else:
             encodings = self._inner.encode_batch(groups, is_pretokenized=True, add_special_tokens=False)
@@ -227,6 +227,9 @@ class HFEncoder:
                 ids, counts = self._restore_even_runs(np.concatenate(ids), counts, runs)
             self._store(first + (np.arange(len(words)) if slots is None else slots), ids, counts)
 
+    def _joined_texts(self, texts):
+        return list(map(self.rule.joined_text, texts)) if self.rule.joined_text else list(texts)
+
     def _shorten_even_runs(self, chunks, runs):
         """(the chunks with each leading run of an even length over 2 cut to two spaces, those lengths or 0)."""
         runs = np.where((runs % 2 == 0) & (runs > 2), runs, 0)
@@ -238,7 +241,7 @@ class HFEncoder:
     def _restore_even_runs(self, ids, counts, runs):
         """(ids, tokens per chunk) with each shortened chunk's first token, "▁▁", replaced by its run's ids."""
         needed = [n for n in [2] + np.unique(runs[runs > 0]).tolist() if n not in self._run_ids]
-        for n, enc in zip(needed, self._joined.encode_batch_fast([" " * n for n in needed],
+        for n, enc in zip(needed, self._joined.encode_batch_fast(self._joined_texts(" " * n for n in needed),
                                                                  add_special_tokens=False)):
             self._run_ids[n] = np.asarray(enc.ids, np.int32)
         table = sorted(self._run_ids)
@@ -266,7 +269,7 @@ class HFEncoder:
         lengths = self._token_chars[ids]
         ends = np.cumsum(lengths)
         if ends.size and lengths.min() < 0:
-            encodings = self._joined.encode_batch_fast(chunks, add_special_tokens=False)
+            encodings = self._joined.encode_batch_fast(self._joined_texts(chunks), add_special_tokens=False)
             return (np.asarray([i for e in encodings for i in e.ids], np.int32),
                     np.asarray([len(e.ids) for e in encodings], np.int64))
         chunk_ends = np.cumsum(np.fromiter(map(len, chunks), np.int64, len(chunks)))
