@@ -41,15 +41,16 @@ first documents of every process are checked against the plain encoder.
   part is "▁", and no merge makes a token holding "▁▁" followed by another character. The last "▁", at n - 1,
   can then end up only in a run token or in a token starting at n - 1 (one starting earlier would hold "▁▁"
   and w's first character). Before any merge touches the run, its pairs are all ("▁", "▁"), of that lowest
-  rank r, while a merge joining n - 1 to w has a higher one. So the run's first merges are its pairs at rank r,
+  rank r, while a merge joining n - 1 to w has a higher one, and w's own merges never touch the run. So the
+  run's first merges are its pairs at rank r,
   applied left to right (the heap takes the leftmost of equal ranks, and a pair whose left "▁" was just merged
   is stale): (0, 1), (2, 3), ..., and for n even (n - 2, n - 1) joins the last "▁" to the run before anything
   can join it to w. Merges pushed meanwhile rank above r (runs of "▁", or "▁▁" + w's start, which no merge
   makes). From then on no merge crosses n, as no merge makes "▁▁" + another character: the run and w are
   encoded independently, as each alone, w without a "▁" before it, for every even n alike. So the chunk's ids
   are the run's ids, then those of "▁▁" + w after the token "▁▁" (one token: the merge ("▁", "▁")). With the
-  lowest rank of all, as in converted Llama 2 and Mistral vocabularies ("▁▁" is their best-scored piece), the
-  condition holds. Python code indents by even runs, so the misses hold far fewer characters.
+  lowest rank of all, as in converted Llama 2 vocabularies ("▁▁" is Llama 2's best-scored piece), the
+  condition holds; a vocabulary where it fails keeps whole whitespace-run chunks. Python code indents by even runs, so the misses hold far fewer characters.
 
 Documents holding whitespace that Python's `re` and the tokenizer's regex engine may classify differently
 (OTHER_SPACES in _encoder.py) go to the plain encoder.

@@ -257,7 +257,7 @@ class HFEncoder:
         starts[0::2] = np.where(short, pool_starts[np.minimum(where, len(table) - 1)], 0)
         lens[0::2] = np.where(short, pool_lens[np.minimum(where, len(table) - 1)], 0)
         starts[1::2] = np.cumsum(counts) - counts + short
-        if not np.all(ids[starts[1::2][short] - 1] == self._run_ids[2][0]):
+        if len(self._run_ids[2]) != 1 or not np.all(ids[starts[1::2][short] - 1] == self._run_ids[2][0]):
             raise RuntimeError("preprocess: a shortened run did not encode as the one token '\u2581\u2581'; "
                                "the even-run rule is wrong")
         lens[1::2] = counts - short
