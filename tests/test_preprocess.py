@@ -302,7 +302,7 @@ def test_metaspace_cache_is_exact_for_each_prepend_scheme(tmp_path, families, fa
     reference = Tokenizer.from_str(json.dumps(config))
     encoder = load_encoder(("hf", json.dumps(config)))
     rules = {"metaspace": (chunk_rules.METASPACE, chunk_rules.METASPACE_NEVER),
-             "llama2": (chunk_rules.METASPACE_RUNS, chunk_rules.METASPACE_RUNS_NEVER)}[family]
+             "llama2": (chunk_rules.METASPACE_EVEN_RUNS, chunk_rules.METASPACE_EVEN_RUNS_NEVER)}[family]
     assert encoder.rule is rules[scheme == "never"]
     encoder.verify_first = 0
     if scheme == "never" and family == "metaspace":  # and the words of the joined misses from the word ids
@@ -348,8 +348,9 @@ def llama2_code(tmp_path_factory):
 @pytest.mark.parametrize("byte_fallback", [True, False])
 def test_llama2_layout_cache_is_exact_on_source_code(tmp_path, llama2_code, capsys, byte_fallback):
     """Whitespace-run tokens, byte fallback and split false, as converted Llama 2 and Mistral tokenizers have
-    them: the cache stays on with cuts only where a space follows another character, and source code with runs
-    of spaces everywhere gives the ids of the whole-document encoder, in-process and through --workers 2.
+    them: the cache stays on with cuts only where a space follows another character, even runs encoded as two
+    spaces, and source code with runs of spaces everywhere gives the ids of the whole-document encoder,
+    in-process and through --workers 2.
     Without byte fallback, characters outside the vocabulary are unknown tokens of unknown length: their
     chunks are encoded one at a time."""
     from tokenizers import Tokenizer
@@ -366,7 +367,7 @@ def test_llama2_layout_cache_is_exact_on_source_code(tmp_path, llama2_code, caps
             json.dump(config, f)
     reference = Tokenizer.from_file(path)
     encoder = load_encoder(tokenizer_spec(None, path))
-    assert encoder.rule is chunk_rules.METASPACE_RUNS, encoder.cache_reason
+    assert encoder.rule is chunk_rules.METASPACE_EVEN_RUNS, encoder.cache_reason
     encoder.verify_first = 0  # the comparison below is the check
     rng = np.random.RandomState(3)
     texts = (held_out + _source_code(rng, 300) + ["    x", "\u2581  y", " ", "x    ", "\n  \n", "a b  c   d"]
@@ -382,7 +383,7 @@ def test_llama2_layout_cache_is_exact_on_source_code(tmp_path, llama2_code, caps
     eod = reference.token_to_id(eod_token)
     ds = IndexedDataset(prefix)
     assert [ds[i].tolist() for i in range(len(ds))] == [reference.encode(t).ids + [eod] for t in docs]
-    assert "; cache on (Metaspace whitespace-run cuts) in all " in capsys.readouterr().out
+    assert "; cache on (Metaspace whitespace-run, even-run cuts) in all " in capsys.readouterr().out
 
 
 def test_metaspace_vocabulary_the_rule_cannot_cover_keeps_the_cache_off(tmp_path, llama2_code, monkeypatch,
@@ -414,6 +415,39 @@ def test_metaspace_vocabulary_the_rule_cannot_cover_keeps_the_cache_off(tmp_path
     monkeypatch.setattr(chunk_rules, "_metaspace_rule", lambda *args: (chunk_rules.METASPACE_RUNS, None))
     forced = load_encoder(tokenizer_spec(None, crossing))
     with pytest.raises(RuntimeError, match="a token spans two chunks"):
+        forced.encode_batch(texts[:1])
+
+
+@pytest.mark.parametrize("change", ["word merge first", "run + word token"])
+def test_even_runs_only_where_the_merges_allow_them(tmp_path, llama2_code, change):
+    """Even runs are encoded as two spaces only when ("▁", "▁") outranks every merge that could take a run's
+    last "▁" and no token holds "▁▁" + a character. A merge ("▁", "r") ranked first takes the last "▁" of
+    "    return" from the run (ids "▁▁▁", "▁r..."); a token "▁▁r" joins it across the cut. Either way the rule
+    falls back to whole whitespace-run chunks, which stay exact, and forcing the even-run encoding on such a
+    vocabulary is caught rather than written."""
+    from tokenizers import Tokenizer
+    from data.offline import chunk_rules
+    path, _, held_out = llama2_code
+    config = json.load(open(path))
+    model = config["model"]
+    if change == "word merge first":
+        model["merges"].remove(["\u2581", "r"])
+        model["merges"].insert(0, ["\u2581", "r"])
+    else:
+        model["vocab"]["\u2581\u2581r"] = max(model["vocab"].values()) + 1
+        model["merges"].insert(0, ["\u2581\u2581", "r"])
+    reference = Tokenizer.from_str(json.dumps(config))
+    texts = ["    return x\n        return y\n"] + held_out + _source_code(np.random.RandomState(5), 50)
+    assert reference.encode(texts[0]).ids != (reference.encode("    ", add_special_tokens=False).ids
+                                              + reference.encode("  return x", add_special_tokens=False).ids[1:])
+    encoder = load_encoder(("hf", json.dumps(config)))
+    assert encoder.rule is chunk_rules.METASPACE_RUNS, encoder.cache_reason
+    encoder.verify_first = 0
+    for t, ids in zip(texts, encoder.encode_batch(texts)):
+        assert ids.tolist() == reference.encode(t).ids, repr(t)
+    forced = load_encoder(("hf", json.dumps(config)))
+    forced.rule, forced.verify_first = chunk_rules.METASPACE_EVEN_RUNS, 0
+    with pytest.raises(RuntimeError, match="the even-run rule is wrong"):
         forced.encode_batch(texts[:1])
 
 

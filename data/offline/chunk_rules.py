@@ -35,6 +35,23 @@ first documents of every process are checked against the plain encoder.
   chunk starting with a space gets no second "▁" prepended; a document's first chunk gets the one the
   document gets.
 
+  Even runs. A whitespace-run chunk "▁"*n + w (w without "▁", the chunk at a cut) is encoded as "▁▁" + w when n
+  is even, its first token (the one "▁▁") then replaced by the ids of "▁"*n alone. This is exact when, besides
+  the above, the merge ("▁", "▁") has the lowest rank among the merges of two runs of "▁" and those whose left
+  part is "▁", and no merge makes a token holding "▁▁" followed by another character. The last "▁", at n - 1,
+  can then end up only in a run token or in a token starting at n - 1 (one starting earlier would hold "▁▁"
+  and w's first character). Before any merge touches the run, its pairs are all ("▁", "▁"), of that lowest
+  rank r, while a merge joining n - 1 to w has a higher one, and w's own merges never touch the run. So the
+  run's first merges are its pairs at rank r,
+  applied left to right (the heap takes the leftmost of equal ranks, and a pair whose left "▁" was just merged
+  is stale): (0, 1), (2, 3), ..., and for n even (n - 2, n - 1) joins the last "▁" to the run before anything
+  can join it to w. Merges pushed meanwhile rank above r (runs of "▁", or "▁▁" + w's start, which no merge
+  makes). From then on no merge crosses n, as no merge makes "▁▁" + another character: the run and w are
+  encoded independently, as each alone, w without a "▁" before it, for every even n alike. So the chunk's ids
+  are the run's ids, then those of "▁▁" + w after the token "▁▁" (one token: the merge ("▁", "▁")). With the
+  lowest rank of all, as in converted Llama 2 vocabularies ("▁▁" is Llama 2's best-scored piece), the
+  condition holds; a vocabulary where it fails keeps whole whitespace-run chunks. Python code indents by even runs, so the misses hold far fewer characters.
+
 Documents holding whitespace that Python's `re` and the tokenizer's regex engine may classify differently
 (OTHER_SPACES in _encoder.py) go to the plain encoder.
 """
@@ -80,13 +97,19 @@ class CutRule:
     `alone(chunk)`, if given: the chunk must be encoded as a text of its own (a Metaspace chunk without a
     leading space gets the "▁" a text's start gets); the others are encoded many at a time. By default as
     the words of a pre-tokenized input; with `joined_pre_tokenizer` (the pre-tokenizer's config -> one
-    under which the concatenated chunks encode as they do alone), as one text: chunk i owns the
+    under which the concatenated chunks, passed through `joined_text` if given, encode as they do alone; None
+    for none), as one text: chunk i owns the
     pre-tokenizer's next `pieces(chunk i)` words, each of which starts with `word_mark`, or without
-    `pieces` (one word, no token spanning two chunks) the tokens that make up its bytes."""
+    `pieces` (one word, no token spanning two chunks) the tokens that make up its bytes. With `runs`, a chunk is a
+    run of spaces or "▁" and a word, and one that lacks either is encoded alone; with `even_runs` too, a joined
+    chunk's run of even length is encoded as two spaces (see the docstring above)."""
 
-    def __init__(self, name, split, alone=None, joined_pre_tokenizer=None, pieces=None, word_mark=None):
+    def __init__(self, name, split, alone=None, joined_pre_tokenizer=None, pieces=None, word_mark=None,
+                 runs=False, even_runs=False, joined_text=None):
         self.name, self.split, self.alone = name, split, alone
         self.joined_pre_tokenizer, self.pieces, self.word_mark = joined_pre_tokenizer, pieces, word_mark
+        self.joined_text = joined_text
+        self.runs, self.even_runs = runs, even_runs
 
 
 GPT2 = CutRule("GPT-2 byte-level", _GPT2_CHUNK_RE.findall)
@@ -114,12 +137,17 @@ METASPACE_NEVER = CutRule("Metaspace", _SPACE_CHUNK_RE.findall, lambda c: c[0] !
 # A vocabulary with whitespace-run tokens: a chunk is a run of spaces or "▁" and what follows up to the next
 # one. Joined, the chunks are one word given no "▁" (the first chunk's, if any, is in it), cut only where a
 # "▁" follows another character, which no token spans (see above); a chunk that does not start with a space
-# or ends with one (a document's last run) would not be cut so, and is encoded alone.
+# or ends with one (a document's last run) would not be cut so, and is encoded alone. That word goes to the
+# model with its spaces written as "▁", without a pre-tokenizer: all Metaspace would do with `split` false and
+# nothing prepended, and cheaper.
 _RUN_CHUNK_RE = re.compile("[ \u2581]++[^ \u2581]*+|[^ \u2581]++")
-_RUNS = dict(alone=lambda c: c[0] not in " \u2581" or c[-1] in " \u2581",
-             joined_pre_tokenizer=lambda pre: dict(pre, split=False, prepend_scheme="never"))
+_RUNS = dict(runs=True, joined_pre_tokenizer=lambda pre: None, joined_text=lambda text: text.replace(" ", "\u2581"))
 METASPACE_RUNS = CutRule("Metaspace whitespace-run", _prepended(_RUN_CHUNK_RE.findall), **_RUNS)
 METASPACE_RUNS_NEVER = CutRule("Metaspace whitespace-run", _RUN_CHUNK_RE.findall, **_RUNS)
+# The same cuts, with the even runs of a chunk encoded as two spaces (see above).
+_EVEN = dict(_RUNS, even_runs=True)
+METASPACE_EVEN_RUNS = CutRule("Metaspace whitespace-run, even-run", _prepended(_RUN_CHUNK_RE.findall), **_EVEN)
+METASPACE_EVEN_RUNS_NEVER = CutRule("Metaspace whitespace-run, even-run", _RUN_CHUNK_RE.findall, **_EVEN)
 
 
 def _byte_level(pre, use_regex):
@@ -143,14 +171,31 @@ def _metaspace_rule(pre, model, vocab):
         return None, "Metaspace with a BPE subword prefix or suffix (they mark the document's ends, not chunks')"
     if mark not in vocab or (model.get("unk_token") or "").endswith(mark):
         return None, "Metaspace whose '\u2581' is not a token of its own"
-    made = ["".join(m) if isinstance(m, list) else m.replace(" ", "", 1) for m in model.get("merges") or ()]
+    pairs = [tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1)) for m in model.get("merges") or ()]
+    made = ["".join(p) for p in pairs]
     crossing = next((t for t in made if re.search("[^\u2581]\u2581", t)), None)
     if crossing is not None:
         return None, (f"Metaspace merges make {crossing!r}, with '\u2581' after another character (a merge may "
                       f"cross a space)")
     if any(mark in t[1:] for t in made):  # whitespace runs, possibly followed by a word
+        if _even_runs_hold(pairs, made):
+            return (METASPACE_EVEN_RUNS if first else METASPACE_EVEN_RUNS_NEVER), None
         return (METASPACE_RUNS if first else METASPACE_RUNS_NEVER), None
     return (METASPACE if first else METASPACE_NEVER), None
+
+
+def _even_runs_hold(pairs, made):
+    """Whether the merges allow the even-run encoding (see the docstring): ("▁", "▁") ranks below every other
+    merge of two runs of "▁" or with "▁" on the left, and no merge makes "▁▁" followed by another character.
+    Ranks as the tokenizer keeps them: a merge's place in the list, the last one where a pair repeats."""
+    mark = "\u2581"
+    if any(re.match(mark + "{2,}[^" + mark + "]", t) for t in made):
+        return False
+    rank = {pair: i for i, pair in enumerate(pairs)}
+    lowest = rank.get((mark, mark))
+    return lowest is not None and all(
+        i > lowest for (left, right), i in rank.items()
+        if (left, right) != (mark, mark) and (left == mark or not (left + right).strip(mark)))
 
 
 def cut_rule(config, vocab):

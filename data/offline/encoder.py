@@ -17,7 +17,7 @@ boundaries (data/offline/chunk_rules.py says where, and why). Each chunk costs o
 also collects the misses; those are encoded many at a time, as the words of a pre-tokenized input (each
 encoded as a text of its own) or, for Metaspace, joined into one text whose pre-tokenizer cuts it back at
 the chunks' spaces, or (vocabularies with whitespace runs) that is one word no token of which spans two
-chunks.
+chunks, where an even run leading a chunk may stand as two spaces.
 
 The argument needs: a pre-tokenizer of those families, a model without dropout, a post-processor
 that only puts fixed tokens around a document (read off two probes and added back), whitespace on
@@ -28,6 +28,7 @@ any difference turns the cache off.
 """
 import itertools
 import json
+import operator
 import os
 import re
 import sys
@@ -38,6 +39,7 @@ from data.eod import eod_id_from_tokenizer
 from data.offline.chunk_rules import OTHER_SPACES, SAFE_SPACES, cut_rule  # noqa: F401 (the spaces: re-exported)
 
 _OTHER_SPACE_RE = re.compile("[" + re.escape(OTHER_SPACES) + "]")
+_strip_run = operator.methodcaller("lstrip", " \u2581")
 # Misses are encoded in inputs of this many chunks, as a batch.
 _GROUP_CHUNKS = 1024
 
@@ -157,7 +159,7 @@ class HFEncoder:
             unk = plain["model"].get("unk_token")
             if unk in vocab:
                 self._word_start[vocab[unk]] = False
-        self._token_chars = None
+        self._token_chars, self._run_ids = None, {}
         if self._joined is not None and self.rule.pieces is None:
             # The joined chunks are one word whose cuts no token spans: a chunk's tokens are those whose lengths
             # in characters add up to its own ("▁" stands for a space). A byte-fallback token <0xNN> counts for
@@ -178,22 +180,30 @@ class HFEncoder:
             self._build_inner()
         self._starts.resize(first + len(chunks))
         self._lens.resize(first + len(chunks))
-        words, slots = chunks, None
-        if self.rule.alone is not None:
-            alone, slots = [], []
-            for i, c in enumerate(chunks):
-                (alone if self.rule.alone(c) else slots).append(i)
-            if alone:
-                encodings = self._inner.encode_batch([chunks[i] for i in alone], add_special_tokens=False)
-                self._store(first + np.asarray(alone, np.int64), [np.asarray(e.ids, np.int32) for e in encodings],
+        words, slots, runs = chunks, None, None
+        if self.rule.runs:  # a chunk without its run or its word is encoded alone
+            lengths = np.fromiter(map(len, chunks), np.int64, len(chunks))
+            runs = lengths - np.fromiter(map(len, map(_strip_run, chunks)), np.int64, len(chunks))
+            lone = (runs == 0) | (runs == lengths)
+        elif self.rule.alone is not None:
+            lone = np.fromiter(map(self.rule.alone, chunks), bool, len(chunks))
+        if self.rule.runs or self.rule.alone is not None:
+            alone, slots = np.flatnonzero(lone), np.flatnonzero(~lone)
+            if alone.size:
+                encodings = self._inner.encode_batch([chunks[i] for i in alone.tolist()], add_special_tokens=False)
+                self._store(first + alone, [np.asarray(e.ids, np.int32) for e in encodings],
                             [len(e.ids) for e in encodings])
-            words = [chunks[i] for i in slots]
+            words = [chunks[i] for i in slots.tolist()]
+        if self.rule.even_runs and words:
+            words, runs = self._shorten_even_runs(words, runs[slots])
+        else:
+            runs = None
         # Many chunks to one input: the tokenizer encodes each word as a text of its own.
         groups = [words[k:k + _GROUP_CHUNKS] for k in range(0, len(words), _GROUP_CHUNKS)]
         if self._joined is not None:
             fast = self._word_start is not None or self._token_chars is not None
             encode = self._joined.encode_batch_fast if fast else self._joined.encode_batch
-            encodings = encode(["".join(g) for g in groups], add_special_tokens=False)
+            encodings = encode(self._joined_texts("".join(g) for g in groups), add_special_tokens=False)
             pieces = [[self.rule.pieces(c) for c in g] for g in groups] if self.rule.pieces else None
         else:
             encodings = self._inner.encode_batch(groups, is_pretokenized=True, add_special_tokens=False)
@@ -212,15 +222,54 @@ class HFEncoder:
                 per_piece = np.bincount(word, minlength=sum(pieces[k]))
                 counts.append(np.add.reduceat(per_piece, np.cumsum([0] + pieces[k][:-1])))
         if groups:
-            self._store(first + (np.arange(len(words)) if slots is None else np.asarray(slots, np.int64)), ids,
-                        np.concatenate(counts))
+            counts = np.concatenate(counts)
+            if runs is not None:
+                ids, counts = self._restore_even_runs(np.concatenate(ids), counts, runs)
+            self._store(first + (np.arange(len(words)) if slots is None else slots), ids, counts)
+
+    def _joined_texts(self, texts):
+        return list(map(self.rule.joined_text, texts)) if self.rule.joined_text else list(texts)
+
+    def _shorten_even_runs(self, chunks, runs):
+        """(the chunks with each leading run of an even length over 2 cut to two spaces, those lengths or 0)."""
+        runs = np.where((runs % 2 == 0) & (runs > 2), runs, 0)
+        short = list(chunks)
+        for i in np.flatnonzero(runs).tolist():
+            short[i] = short[i][runs[i] - 2:]
+        return short, runs
+
+    def _restore_even_runs(self, ids, counts, runs):
+        """(ids, tokens per chunk) with each shortened chunk's first token, "▁▁", replaced by its run's ids."""
+        needed = [n for n in [2] + np.unique(runs[runs > 0]).tolist() if n not in self._run_ids]
+        for n, enc in zip(needed, self._joined.encode_batch_fast(self._joined_texts(" " * n for n in needed),
+                                                                 add_special_tokens=False)):
+            self._run_ids[n] = np.asarray(enc.ids, np.int32)
+        table = sorted(self._run_ids)
+        pool = np.concatenate([ids] + [self._run_ids[n] for n in table])
+        pool_lens = np.asarray([len(self._run_ids[n]) for n in table], np.int64)
+        pool_starts = len(ids) + np.cumsum(pool_lens) - pool_lens
+        where = np.searchsorted(table, runs)  # the run's place in the table (meaningless where runs is 0)
+        short = runs > 0
+        # Two pieces per chunk, read from the pool: its run's ids (shortened chunks only), then its own ids
+        # without the "▁▁" that stood for the run.
+        starts = np.empty(2 * len(runs), np.int64)
+        lens = np.zeros(2 * len(runs), np.int64)
+        starts[0::2] = np.where(short, pool_starts[np.minimum(where, len(table) - 1)], 0)
+        lens[0::2] = np.where(short, pool_lens[np.minimum(where, len(table) - 1)], 0)
+        starts[1::2] = np.cumsum(counts) - counts + short
+        if len(self._run_ids[2]) != 1 or not np.all(ids[starts[1::2][short] - 1] == self._run_ids[2][0]):
+            raise RuntimeError("preprocess: a shortened run did not encode as the one token '\u2581\u2581'; "
+                               "the even-run rule is wrong")
+        lens[1::2] = counts - short
+        ends = np.cumsum(lens)
+        return [pool[np.repeat(starts - (ends - lens), lens) + np.arange(int(ends[-1]))]], lens[0::2] + lens[1::2]
 
     def _counts_by_length(self, chunks, ids):
         """(ids, tokens per chunk) of chunks joined into one word, from the tokens' lengths."""
         lengths = self._token_chars[ids]
         ends = np.cumsum(lengths)
         if ends.size and lengths.min() < 0:
-            encodings = self._joined.encode_batch_fast(chunks, add_special_tokens=False)
+            encodings = self._joined.encode_batch_fast(self._joined_texts(chunks), add_special_tokens=False)
             return (np.asarray([i for e in encodings for i in e.ids], np.int32),
                     np.asarray([len(e.ids) for e in encodings], np.int64))
         chunk_ends = np.cumsum(np.fromiter(map(len, chunks), np.int64, len(chunks)))
