@@ -64,7 +64,7 @@ def verify(config: str, user_overrides: list, ranked: list, world: int, profile,
             failed = True
             continue
         pt, mt = planned.prediction.total, got["step_s"]
-        pm = estimate(planned.cfg, world)[0].total + profile.memory_base_bytes + profile.engine_memory_bytes
+        pm = estimate(planned.cfg, world)[0].peak + profile.memory_base_bytes + profile.engine_memory_bytes
         mm = got["peak_bytes"]
         print(f"| {name} | {pt:.3g} | {mt:.3g} | {100 * (pt - mt) / mt:+.0f}% | {pm / 2**30:.2f} | {mm / 2**30:.2f} | "
               f"{100 * (pm - mm) / mm:+.0f}% |", flush=True)
