@@ -223,8 +223,9 @@ def loss_activation(cfg: Config, tokens: int) -> int:
 
 def loss_transient(cfg: Config, tokens: int, queued_logits_grad: bool) -> tuple[int, int]:
     """(forward, backward) bytes the loss allocates beyond what `loss_activation` keeps, for `tokens` tokens
-    (kernels/cross_entropy.py); `queued_logits_grad`: the logits' gradient is already counted among a
-    deferring stage's queued output gradients."""
+    (kernels/cross_entropy.py's eager kernels; compiled ones fuse a chunk's passes, so this bounds them from
+    above); `queued_logits_grad`: the logits' gradient is already counted among a deferring stage's queued
+    output gradients."""
     m, t = cfg.model, cfg.parallel.tensor
     e, padded = DTYPE_BYTES[cfg.train.precision], padded_vocab_size(m.vocab_size, t)
     vocab = padded // t
