@@ -95,6 +95,7 @@ def worker(plan_file: str, out_file: str, steps: int, budget: float) -> None:
         if late.item():
             break
         cfg = apply(base, lines + [f"run.dir={base.run.dir}/{i}"])
+        groups = comm.registered_groups()
         gc.collect()
         setup_run_dir(cfg, env.rank)
         with TensorPeak() as peak:  # the first step creates the optimizer state: the second is the steady peak
@@ -110,6 +111,7 @@ def worker(plan_file: str, out_file: str, steps: int, budget: float) -> None:
         comm.all_reduce(worst, world_group(), op=torch.distributed.ReduceOp.MAX)
         results.append({"step_s": statistics.median(times), "peak_bytes": worst.item()})
         del trainer
+        comm.destroy_groups_since(groups)  # the layout's groups, whose threads and sockets would pile up
         if env.rank == 0:
             print(f"layout {i + 1}/{len(job['layouts'])}: {results[-1]}", flush=True)
     if env.rank == 0:
