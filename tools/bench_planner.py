@@ -15,7 +15,9 @@ everything the layout allocated since its Trainer was built included (engine/obs
 torch.profiler's allocation events), the largest rank's, against the estimate's fullest stage at its peak
 (engine/memory_estimate.py: held tensors and the loss's transients). Those two steps run under the profiler,
 which slows them, so step time is rank 0's median of --steps further steps. Layouts run in a shuffled
-order (fixed seed) until --budget seconds have passed, so that the whole benchmark stays within ~6 minutes.
+order (fixed seed) until --budget seconds have passed, so that the whole benchmark stays within ~6 minutes; then
+the first layout runs once more, and its change over the job is printed (the job's drift: the machine's load,
+or state the job accumulates).
 Printed: the table, the Spearman rank correlation of predicted and measured step times, the measured time of
 the predicted best against the measured best, and the median absolute errors of step time and memory.
 """
@@ -77,11 +79,37 @@ def spearman(xs: list, ys: list) -> float:
 
 
 # -- the job: every layout in turn on the same ranks --------------------------------------------------------
-def worker(plan_file: str, out_file: str, steps: int, budget: float) -> None:
+def measure(base: Config, lines: list, run_dir: str, env, steps: int) -> dict:
+    """One layout on these ranks: its step time (rank 0's median of `steps`) and the largest rank's peak."""
     import torch
 
     from engine.observe.tensor_peak import TensorPeak
     from engine.train import Trainer, setup_run_dir
+    from parallel import comm
+    from parallel.distributed import world_group
+    cfg = apply(base, lines + [f"run.dir={run_dir}"])
+    groups = comm.registered_groups()
+    gc.collect()
+    setup_run_dir(cfg, env.rank)
+    with TensorPeak() as peak:  # the first step creates the optimizer state: the second is the steady peak
+        trainer = Trainer(cfg, env)
+        trainer.train_step()
+        peak.reset()
+        trainer.train_step()
+    try:
+        times = [trainer.train_step()["step_time_s"] for _ in range(steps)]
+    finally:
+        trainer.loader.close()
+    worst = torch.tensor([float(peak.bytes)], dtype=torch.float64)
+    comm.all_reduce(worst, world_group(), op=torch.distributed.ReduceOp.MAX)
+    del trainer
+    comm.destroy_groups_since(groups)  # the layout's groups, whose threads and sockets would pile up
+    return {"step_s": statistics.median(times), "peak_bytes": worst.item()}
+
+
+def worker(plan_file: str, out_file: str, steps: int, budget: float) -> None:
+    import torch
+
     from parallel import comm
     from parallel.distributed import init_distributed, shutdown, world_group
     job = json.loads(Path(plan_file).read_text())
@@ -94,28 +122,14 @@ def worker(plan_file: str, out_file: str, steps: int, budget: float) -> None:
         comm.all_reduce(late, world_group(), op=torch.distributed.ReduceOp.MAX)  # rank 0's clock decides alike
         if late.item():
             break
-        cfg = apply(base, lines + [f"run.dir={base.run.dir}/{i}"])
-        groups = comm.registered_groups()
-        gc.collect()
-        setup_run_dir(cfg, env.rank)
-        with TensorPeak() as peak:  # the first step creates the optimizer state: the second is the steady peak
-            trainer = Trainer(cfg, env)
-            trainer.train_step()
-            peak.reset()
-            trainer.train_step()
-        try:
-            times = [trainer.train_step()["step_time_s"] for _ in range(steps)]
-        finally:
-            trainer.loader.close()
-        worst = torch.tensor([float(peak.bytes)], dtype=torch.float64)
-        comm.all_reduce(worst, world_group(), op=torch.distributed.ReduceOp.MAX)
-        results.append({"step_s": statistics.median(times), "peak_bytes": worst.item()})
-        del trainer
-        comm.destroy_groups_since(groups)  # the layout's groups, whose threads and sockets would pile up
+        results.append(measure(base, lines, f"{base.run.dir}/{i}", env, steps))
         if env.rank == 0:
             print(f"layout {i + 1}/{len(job['layouts'])}: {results[-1]}", flush=True)
+    # the first layout again: a step time that changed over the job is drift of the job, not of the layouts
+    again = measure(base, job["layouts"][0], f"{base.run.dir}/again", env, steps)
     if env.rank == 0:
         Path(out_file).write_text(json.dumps(results))
+        Path(out_file).with_name("again.json").write_text(json.dumps(again))
     shutdown(True)
 
 
@@ -197,6 +211,9 @@ def main(argv=None) -> int:
     measured = json.loads(out_file.read_text())
     print(f"measured {len(measured)} of {len(result.ranked)} layouts within --budget {args.budget:.0f} s "
           f"(kept in {work}: --rescore it after changing the model)")
+    again = json.loads((work / "again.json").read_text())["step_s"]
+    print(f"drift: the first layout ({chosen[0].layout.name(args.nproc)}) measured again after the last: {again:.3f} s "
+          f"vs {measured[0]['step_s']:.3f} s at the start ({100 * (again / measured[0]['step_s'] - 1):+.0f}%)")
     report([(p.layout.name(args.nproc), p.cfg) for p in chosen], measured, profile, args.nproc)
     return 0
 

@@ -11,8 +11,8 @@ On CUDA it is the allocator's own peak (reset at entry, less what was allocated 
 torch.profiler's allocation events (profile_memory=True: every allocation and free of the CPU allocator, with
 its address and size) in order, counting only blocks allocated inside: the profiler's own running total also
 carries blocks of earlier profiling sessions freed since, so it is not used. `reset` is a marker event
-(torch.profiler.record_function): the peak is taken over the allocations after it, of everything alive. Profiling slows the code inside
-several-fold: time steps outside the block.
+(torch.profiler.record_function): the peak is taken over the allocations after it, of everything alive.
+Profiling slows the code inside several-fold: time steps outside the block.
 """
 from __future__ import annotations
 

@@ -54,7 +54,8 @@ def describe(planned: Planned, world_size: int, rank: int) -> str:
     tokens = planned.cfg.train.global_batch_size * planned.cfg.model.seq_length
     pred, mem = planned.prediction, planned.memory
     return (f"{rank}. {planned.layout.name(world_size)}: step {pred.total:.3g} s ({tokens / pred.total:,.0f} tok/s), "
-            f"memory {gib(mem.peak)} per rank at its peak\n     time: {pred.summary()}\n     memory (stage {mem.stage}): "
+            f"memory {gib(mem.peak)} per rank at its peak\n     time: {pred.summary()}\n"
+            f"     memory (stage {mem.stage}): "
             f"parameters {gib(mem.parameters)}, gradients {gib(mem.gradients)}, optimizer {gib(mem.optimizer)}, "
             f"activations {gib(mem.activations)} ({mem.in_flight:g} in flight), comm buffers "
             f"{gib(mem.comm_buffers)}, loss transients {gib(mem.transient)}")
