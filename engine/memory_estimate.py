@@ -486,8 +486,8 @@ def report(cfg: Config, world_size: int, device_memory: int = 0, host_memory: in
     worst = max(stages, key=lambda s: s.peak)
     if device_memory:
         fits = worst.peak <= device_memory
-        lines.append(f"  {'fits' if fits else 'DOES NOT FIT'}: largest rank total {gib(worst.peak)} at its peak "
-                     f"(stage {worst.stage}) of {gib(device_memory)} device memory")
+        lines.append(f"  {'fits' if fits else 'DOES NOT FIT'}: largest rank peak {gib(worst.peak)} (stage "
+                     f"{worst.stage}) of {gib(device_memory)} device memory")
         if not fits:
             lever = biggest_lever(cfg, world_size)
             lines.append(f"  biggest lever: {lever[0]} saves {gib(lever[1])} on that rank" if lever else

@@ -203,7 +203,7 @@ def test_the_report_names_the_biggest_lever_when_it_does_not_fit():
                  "train.global_batch_size=64", "model.num_attention_heads=16", "model.num_kv_heads=16")
     text = report(cfg, 8, parse_bytes("1GB"))
     assert "DOES NOT FIT" in text and "biggest lever: train.recompute=full saves" in text, text
-    assert "fits: largest rank total" in report(cfg, 8, parse_bytes("80GB"))
+    assert "fits: largest rank peak" in report(cfg, 8, parse_bytes("80GB"))
 
 
 def test_device_memory_sizes_parse_or_name_the_form():
