@@ -1,6 +1,6 @@
 """How far to trust the layout planner: every layout of a space on 8 CPU ranks (gloo), predicted against measured.
 
-    python tools/bench_planner.py [--nproc 8] [--steps 3] [--profile fresh|cpu_fp32|FILE] [--budget 270]
+    python tools/bench_planner.py [--nproc 8] [--steps 2] [--profile fresh|cpu_fp32|FILE] [--budget 300]
     python tools/bench_planner.py --rescore DIR [--profile cpu_fp32]     (an earlier run's measurements, today's model)
 
 At the peer benchmark's shape (the config defaults: hidden 256, 4 layers, 8 heads, FFN 688, vocabulary 8,192,
@@ -172,9 +172,9 @@ def rescore(work: Path, profile_name: str, nproc: int) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--nproc", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per layout (after two profiled for memory)")
+    ap.add_argument("--steps", type=int, default=2, help="timed steps per layout (after two profiled for memory)")
     ap.add_argument("--profile", default="fresh", help="fresh (calibrate first, in this run), or a stored profile")
-    ap.add_argument("--budget", type=float, default=270.0, help="seconds of measuring after which no layout starts")
+    ap.add_argument("--budget", type=float, default=300.0, help="seconds of measuring after which no layout starts")
     ap.add_argument("--rescore", metavar="DIR", help="predict an earlier run's measurements (its directory) again, "
                     "with --profile (default cpu_fp32)")
     ap.add_argument("--worker", nargs=2, metavar=("PLAN", "OUT"), help=argparse.SUPPRESS)
