@@ -26,6 +26,13 @@ when fused with the output layer. Times the micro-batches a schedule holds at on
 min(PP - stage, m) under 1F1B, and the interleaved schedule's warm-up (of one chunk each). Stages after the first
 that defer weight gradients (parallel.defer_weight_grads) also hold, for one backward, the output gradient of
 every linear layer of their chunk, the output layer's included.
+
+Transients (`StageMemory.transient`, not part of `total`, which stays the held tensors): what the loss allocates
+and frees within a step on a stage that computes it, counted at the worst of its forward (chunk fp32 copies, or
+the unsplit logits beside torch's log-probabilities) and its backward (the logits' gradient and a chunk's
+softmax; torch's unsplit kernel: the fp32 gradients of the log-probabilities and of the logits), less what the
+queued output gradients already count. `peak` = total + transient is the most live tensor bytes of a step:
+what `torch.cuda.max_memory_allocated` reports on a GPU, and engine/observe/tensor_peak.py on the CPU.
 """
 from __future__ import annotations
 
@@ -64,11 +71,18 @@ class StageMemory:
     per_micro_batch: int
     in_flight: float
     host: int = 0  # optimizer state in host memory (optim.offload_fraction), not part of `total`
+    transient: int = 0  # the loss's temporaries at their worst moment, beyond `total` (module docstring)
     notes: list = field(default_factory=list)
 
     @property
     def total(self) -> int:
+        """The tensors held: parameters, gradients, optimizer state, saved activations, collective buffers."""
         return self.parameters + self.gradients + self.optimizer + self.activations + self.comm_buffers
+
+    @property
+    def peak(self) -> int:
+        """The most live tensor bytes during a step: the held tensors and the loss's transients."""
+        return self.total + self.transient
 
 
 # -- parameters ----------------------------------------------------------------------------------------
@@ -211,6 +225,29 @@ def loss_activation(cfg: Config, tokens: int) -> int:
     return (e * vocab + per_token + 1) * tokens
 
 
+def loss_transient(cfg: Config, tokens: int, queued_logits_grad: bool) -> tuple[int, int]:
+    """(forward, backward) bytes the loss allocates beyond what `loss_activation` keeps, for `tokens` tokens
+    (kernels/cross_entropy.py's eager kernels; compiled ones fuse a chunk's passes, so this bounds them from
+    above); `queued_logits_grad`: the logits' gradient is already counted among a deferring stage's queued
+    output gradients."""
+    m, t = cfg.model, cfg.parallel.tensor
+    e, padded = DTYPE_BYTES[cfg.train.precision], padded_vocab_size(m.vocab_size, t)
+    vocab = padded // t
+    logits_grad = 0 if queued_logits_grad else e * tokens * vocab
+    if not m.fused_lm_head_loss and loss_activation(cfg, tokens) == (FP32 * vocab + INDEX) * tokens:
+        # torch's log-softmax: forward the logits (and their fp32 copy) beside the fp32 log-probabilities;
+        # backward the fp32 gradients of the log-probabilities and of the logits (the latter cast to e)
+        forward = (e + (FP32 if e != FP32 else 0)) * tokens * vocab
+        return forward, FP32 * tokens * vocab + (FP32 * tokens * vocab if e != FP32 else 0) + logits_grad
+    chunk = min(tokens, m.loss_chunk_tokens or tokens) * vocab * FP32  # one chunk of fp32 logits
+    copy = chunk if e != FP32 or padded != m.vocab_size else 0  # the chunk's own fp32 copy
+    if m.fused_lm_head_loss:  # the chunk's logits recomputed; the output weight's gradient in fp32
+        logits = e * chunk // FP32
+        return (logits + copy + 2 * chunk,
+                FP32 * vocab * m.hidden_size + logits + copy + chunk + (logits if e != FP32 else 0))
+    return copy + 2 * chunk, logits_grad + copy + chunk  # forward: x − max, exp; backward: the softmax
+
+
 def chunk_activation(cfg: Config, layers: int, pre: bool, post: bool, micro_batch: int, recompute: str) -> int:
     """Bytes saved for backward by one forward of one micro-batch through a model chunk (this rank's share of
     the sequence under context parallelism: activations scale as 1/c)."""
@@ -289,8 +326,22 @@ def estimate(cfg: Config, world_size: int, shard_rank: int | None = None) -> lis
                 t, recompute=t.recompute_after_switch, micro_batch_size=micro))
             activations = max(activations, estimate_activations(after, stage, dp))
         comm = comm_bytes(cfg, units, largest, e, dp)
-        out.append(StageMemory(stage, weights, grads, optim, activations, comm, per_mb, flight, host))
+        transient = stage_transient(cfg, stage, chunks, micro)
+        out.append(StageMemory(stage, weights, grads, optim, activations, comm, per_mb, flight, host, transient))
     return out
+
+
+def stage_transient(cfg: Config, stage: int, chunks: list, micro_batch: int) -> int:
+    """The loss's transients on the stage whose chunk computes it (0 elsewhere): its backward's, or its forward's
+    less the queued output gradients (counted in the activations, they exist only during a backward)."""
+    if not any(post for _, _, post in chunks):
+        return 0
+    tokens = micro_batch * cfg.model.seq_length // cfg.parallel.context
+    deferring = defers_weight_grads(cfg, stage)
+    forward, backward = loss_transient(cfg, tokens, deferring and not cfg.model.fused_lm_head_loss)
+    queued = sum(queued_output_gradients(cfg, layers, post, micro_batch) for layers, _, post in chunks) \
+        if deferring else 0
+    return max(forward - queued, backward, 0)
 
 
 def estimate_activations(cfg: Config, stage: int, dp: int) -> int:
@@ -405,11 +456,12 @@ def levers(cfg: Config) -> list[tuple[str, Config]]:
 
 
 def biggest_lever(cfg: Config, world_size: int) -> tuple[str, int] | None:
-    """(override, bytes it saves on the fullest rank) of the single change that saves most, None if none saves."""
-    worst = max(s.total for s in estimate(cfg, world_size))
+    """(override, bytes it saves on the fullest rank's peak) of the single change that saves most, None if none
+    saves."""
+    worst = max(s.peak for s in estimate(cfg, world_size))
     best = None
     for text, changed in levers(cfg):
-        saved = worst - max(s.total for s in estimate(changed, world_size))
+        saved = worst - max(s.peak for s in estimate(changed, world_size))
         if saved > 0 and (best is None or saved > best[1]):
             best = (text, saved)
     return best
@@ -432,11 +484,11 @@ def report(cfg: Config, world_size: int, device_memory: int = 0, host_memory: in
         lines.append(f"  stage {s.stage}: parameters {gib(s.parameters)}, gradients {gib(s.gradients)}, optimizer "
                      f"{gib(s.optimizer)}{host}, activations {gib(s.activations)} ({s.in_flight:g} × "
                      f"{gib(s.per_micro_batch)} per micro-batch), comm buffers {gib(s.comm_buffers)}: total "
-                     f"{gib(s.total)}")
-    worst = max(stages, key=lambda s: s.total)
+                     f"{gib(s.total)}; with the loss's transients {gib(s.transient)}: peak {gib(s.peak)}")
+    worst = max(stages, key=lambda s: s.peak)
     if device_memory:
-        fits = worst.total <= device_memory
-        lines.append(f"  {'fits' if fits else 'DOES NOT FIT'}: largest rank total {gib(worst.total)} (stage "
+        fits = worst.peak <= device_memory
+        lines.append(f"  {'fits' if fits else 'DOES NOT FIT'}: largest rank peak {gib(worst.peak)} (stage "
                      f"{worst.stage}) of {gib(device_memory)} device memory")
         if not fits:
             lever = biggest_lever(cfg, world_size)

@@ -1,7 +1,9 @@
 """The memory estimate (engine/memory_estimate.py, tools/estimate_memory.py) against what the engine allocates:
 parameters, gradients and optimizer state byte for byte, at ZeRO 0-3, HSDP, TP, PP and bf16; activations
 within 10% of the bytes autograd saves for backward (torch.autograd.graph.saved_tensors_hooks), for each
-recomputation mode, with and without sequence parallelism, on first, middle and last pipeline chunks."""
+recomputation mode, with and without sequence parallelism, on first, middle and last pipeline chunks; the peak
+(held tensors and the loss's transients) within 10% of the live tensor bytes of a step (engine/observe/tensor_peak.py)
+on one rank and on TP, PP and ZeRO-3 layouts of two."""
 import subprocess
 import sys
 
@@ -12,6 +14,7 @@ from engine.config.schema import load_config, validate
 from engine.memory_estimate import (chunk_activation, defers_weight_grads, estimate, in_flight, parse_bytes,
                                     queued_output_gradients, report)
 from engine.model import CausalLM
+from engine.observe.tensor_peak import TensorPeak, replay_peak
 from engine.train import Trainer
 from kernels.grad_accumulation import WeightGradQueue
 from parallel import comm
@@ -200,7 +203,7 @@ def test_the_report_names_the_biggest_lever_when_it_does_not_fit():
                  "train.global_batch_size=64", "model.num_attention_heads=16", "model.num_kv_heads=16")
     text = report(cfg, 8, parse_bytes("1GB"))
     assert "DOES NOT FIT" in text and "biggest lever: train.recompute=full saves" in text, text
-    assert "fits: largest rank total" in report(cfg, 8, parse_bytes("80GB"))
+    assert "fits: largest rank peak" in report(cfg, 8, parse_bytes("80GB"))
 
 
 def test_device_memory_sizes_parse_or_name_the_form():
@@ -228,3 +231,56 @@ def test_the_pre_flight_prints_the_real_runs_estimate(tmp_path, capsys):
     assert main(["--config", TINY, "--steps", "2", f"run.dir={tmp_path}", "model.num_layers=4"]) in (0, 1)
     out = capsys.readouterr().out
     assert "the real run's memory estimate per rank (TP 1 × PP 1 × DP 1" in out and "stage 0: parameters" in out
+
+
+# -- the peak: held tensors and the loss's transients against the live tensor bytes of a step -------------------
+def test_the_tensor_peak_replays_allocations_and_frees_in_time_order():
+    # (ns, address, signed size): an out-of-order free at the same time as its address' next allocation, and the
+    # free of a block allocated before the events (skipped)
+    events = [(1, 0xA, 100), (2, 0xB, 50), (3, 0xA, -100), (3, 0xA, 30), (4, 0xC, -999), (5, 0xB, -50)]
+    assert replay_peak(events) == 150 and replay_peak(events, since_ns=3) == 80
+
+
+def test_the_tensor_peak_counts_live_tensor_bytes_since_its_reset():
+    with TensorPeak() as peak:
+        del_before = torch.empty(2**21)  # 8 MiB, freed before the reset: not in the peak
+        del del_before
+        kept = torch.empty(2**18)  # 1 MiB, alive across the reset: counted
+        peak.reset()
+        temporary = torch.empty(2**20)  # 4 MiB at once with `kept`
+        del temporary
+        later = torch.empty(2**19)  # 2 MiB, after the temporary is gone
+    assert peak.bytes == 5 * 2**20 and kept.numel() + later.numel() > 0
+
+
+PEAK_SHAPE = ["model.vocab_size=4096", "model.seq_length=64", "train.global_batch_size=4", "train.micro_batch_size=1"]
+
+
+def measured_peak(rank, world, *overrides) -> tuple:
+    """(stage, live tensor bytes at the second step's peak, the estimate's peak) on this rank."""
+    cfg = config(world, *PEAK_SHAPE, *overrides)
+    with TensorPeak() as peak:
+        trainer = Trainer(cfg, DistEnv(rank, world))
+        trainer.train_step()  # creates the optimizer state
+        peak.reset()
+        trainer.train_step()
+    stage = trainer.topo.pp_rank
+    return stage, peak.bytes, estimate(cfg, world)[stage].peak
+
+
+def check_peaks(results):
+    for stage, got, want in results:
+        assert abs(want / got - 1) <= 0.10, (stage, got, want)
+
+
+def test_the_peak_is_within_10_percent_of_the_live_tensor_bytes_on_one_rank():
+    check_peaks([measured_peak(0, 1)])  # torch's unsplit log-softmax: its fp32 gradients are the transients
+
+
+@pytest.mark.parametrize("overrides", [
+    ["parallel.tensor=2", "parallel.sequence_parallel=true"],  # the vocabulary-parallel chunked loss
+    ["parallel.pipeline=2"],  # the loss on stage 1, whose queued output gradients hold the logits' gradient
+    ["parallel.zero_stage=3"],
+])
+def test_the_peak_is_within_10_percent_of_the_live_tensor_bytes_on_two_ranks(pool, overrides):
+    check_peaks(pool.run(measured_peak, *overrides))

@@ -1,6 +1,6 @@
 """How far to trust the layout planner: every layout of a space on 8 CPU ranks (gloo), predicted against measured.
 
-    python tools/bench_planner.py [--nproc 8] [--steps 2] [--profile fresh|cpu_fp32|FILE] [--budget 240]
+    python tools/bench_planner.py [--nproc 8] [--steps 2] [--profile fresh|cpu_fp32|FILE] [--budget 300]
     python tools/bench_planner.py --rescore DIR [--profile cpu_fp32]     (an earlier run's measurements, today's model)
 
 At the peer benchmark's shape (the config defaults: hidden 256, 4 layers, 8 heads, FFN 688, vocabulary 8,192,
@@ -9,19 +9,21 @@ benchmark's space (TP 1-8, CP 1-2, PP 1-4, ZeRO 0/3, no recomputation, micro bat
 predicts each one's step time and memory, from a profile calibrated first in the same run (--profile fresh, the
 default: tools/plan_calibrate.py at the benchmark's shapes, ~40 s; the machine's load changes the numbers more
 than anything the model leaves out) or a stored one. One torchrun job of --nproc ranks then trains each layout
-in turn (a fresh Trainer, one warm-up step and --steps measured ones; one job, because starting 8 ranks costs
-~50 s here): step time is rank 0's median, peak memory the largest rank's resident-set growth over the steps
-above its level before the layout was built (glibc keeps a step's freed memory, as in training, so the
-resident set after a step is its peak; freed memory is trimmed between layouts), against the estimate plus
-the profile's engine_memory_bytes. Layouts run in a shuffled
-order (fixed seed) until --budget seconds have passed, so that the whole benchmark stays within ~6 minutes.
+in turn (one job, because starting 8 ranks costs ~50 s here). Peak memory is measured as the estimate counts it,
+and as torch.cuda.max_memory_allocated would on a GPU: the most bytes of live tensors during the second step,
+everything the layout allocated since its Trainer was built included (engine/observe/tensor_peak.py replays
+torch.profiler's allocation events), the largest rank's, against the estimate's fullest stage at its peak
+(engine/memory_estimate.py: held tensors and the loss's transients). Those two steps run under the profiler,
+which slows them, so step time is rank 0's median of --steps further steps. Layouts run in a shuffled
+order (fixed seed) until --budget seconds have passed, so that the whole benchmark stays within ~6 minutes; then
+the first layout runs once more, and its change over the job is printed (the job's drift: the machine's load,
+or state the job accumulates).
 Printed: the table, the Spearman rank correlation of predicted and measured step times, the measured time of
 the predicted best against the measured best, and the median absolute errors of step time and memory.
 """
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import json
 import os
@@ -77,23 +79,42 @@ def spearman(xs: list, ys: list) -> float:
 
 
 # -- the job: every layout in turn on the same ranks --------------------------------------------------------
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def measure(base: Config, lines: list, run_dir: str, env, steps: int) -> dict:
+    """One layout on these ranks: its step time (rank 0's median of `steps`) and the largest rank's peak."""
+    import torch
+
+    from engine.observe.tensor_peak import TensorPeak
+    from engine.train import Trainer, setup_run_dir
+    from parallel import comm
+    from parallel.distributed import world_group
+    cfg = apply(base, lines + [f"run.dir={run_dir}"])
+    groups = comm.registered_groups()
+    gc.collect()
+    setup_run_dir(cfg, env.rank)
+    with TensorPeak() as peak:  # the first step creates the optimizer state: the second is the steady peak
+        trainer = Trainer(cfg, env)
+        trainer.train_step()
+        peak.reset()
+        trainer.train_step()
+    try:
+        times = [trainer.train_step()["step_time_s"] for _ in range(steps)]
+    finally:
+        trainer.loader.close()
+    worst = torch.tensor([float(peak.bytes)], dtype=torch.float64)
+    comm.all_reduce(worst, world_group(), op=torch.distributed.ReduceOp.MAX)
+    del trainer
+    comm.destroy_groups_since(groups)  # the layout's groups, whose threads and sockets would pile up
+    return {"step_s": statistics.median(times), "peak_bytes": worst.item()}
 
 
 def worker(plan_file: str, out_file: str, steps: int, budget: float) -> None:
     import torch
 
-    from engine.observe.host_memory import reuse_freed_memory
-    from engine.train import Trainer, setup_run_dir
     from parallel import comm
     from parallel.distributed import init_distributed, shutdown, world_group
     job = json.loads(Path(plan_file).read_text())
     env = init_distributed("cpu", "gloo", 10.0)
-    reuse_freed_memory()  # as training on the CPU does: a step's freed memory stays, so the RSS after it is its peak
     base = from_dict(job["base"])
-    libc = ctypes.CDLL(None)
     results = []
     start = time.perf_counter()
     for i, lines in enumerate(job["layouts"]):
@@ -101,29 +122,14 @@ def worker(plan_file: str, out_file: str, steps: int, budget: float) -> None:
         comm.all_reduce(late, world_group(), op=torch.distributed.ReduceOp.MAX)  # rank 0's clock decides alike
         if late.item():
             break
-        cfg = apply(base, lines + [f"run.dir={base.run.dir}/{i}"])
-        gc.collect()
-        libc.malloc_trim(0)
-        before = rss_bytes()
-        setup_run_dir(cfg, env.rank)
-        trainer = Trainer(cfg, env)
-        times, peak = [], 0
-        try:
-            for step in range(steps + 1):
-                record = trainer.train_step()
-                peak = max(peak, rss_bytes() - before)
-                if step:
-                    times.append(record["step_time_s"])
-        finally:
-            trainer.loader.close()
-        worst = torch.tensor([float(peak)], dtype=torch.float64)
-        comm.all_reduce(worst, world_group(), op=torch.distributed.ReduceOp.MAX)
-        results.append({"step_s": statistics.median(times), "peak_bytes": worst.item()})
-        del trainer
+        results.append(measure(base, lines, f"{base.run.dir}/{i}", env, steps))
         if env.rank == 0:
             print(f"layout {i + 1}/{len(job['layouts'])}: {results[-1]}", flush=True)
+    # the first layout again: a step time that changed over the job is drift of the job, not of the layouts
+    again = measure(base, job["layouts"][0], f"{base.run.dir}/again", env, steps)
     if env.rank == 0:
         Path(out_file).write_text(json.dumps(results))
+        Path(out_file).with_name("again.json").write_text(json.dumps(again))
     shutdown(True)
 
 
@@ -135,7 +141,7 @@ def report(jobs: list, measured: list, profile, nproc: int) -> None:
     predicted, time_err, mem_err = [], [], []
     for (name, cfg), m in zip(jobs, measured):
         pt, mt = predict(cfg, nproc, profile, nproc).total, m["step_s"]
-        pm, mm = peak_bytes(cfg, nproc) + profile.engine_memory_bytes, m["peak_bytes"]
+        pm, mm = peak_bytes(cfg, nproc), m["peak_bytes"]
         predicted.append(pt)
         time_err.append(abs(pt - mt) / mt)
         mem_err.append(abs(pm - mm) / mm)
@@ -166,9 +172,9 @@ def rescore(work: Path, profile_name: str, nproc: int) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--nproc", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=2, help="measured steps per layout (after one warm-up step)")
+    ap.add_argument("--steps", type=int, default=2, help="timed steps per layout (after two profiled for memory)")
     ap.add_argument("--profile", default="fresh", help="fresh (calibrate first, in this run), or a stored profile")
-    ap.add_argument("--budget", type=float, default=240.0, help="seconds of measuring after which no layout starts")
+    ap.add_argument("--budget", type=float, default=300.0, help="seconds of measuring after which no layout starts")
     ap.add_argument("--rescore", metavar="DIR", help="predict an earlier run's measurements (its directory) again, "
                     "with --profile (default cpu_fp32)")
     ap.add_argument("--worker", nargs=2, metavar=("PLAN", "OUT"), help=argparse.SUPPRESS)
@@ -193,7 +199,7 @@ def main(argv=None) -> int:
     plan_file.write_text(json.dumps({"base": to_dict(cfg),
                                      "layouts": [overrides(cfg, p.layout, args.nproc) for p in chosen]}))
     print(f"{len(chosen)} of {result.enumerated} valid layouts of {args.nproc} CPU ranks (gloo), profile "
-          f"{profile.device}; 1 warm-up + {args.steps} measured steps each, one job", flush=True)
+          f"{profile.device}; 2 steps for memory + {args.steps} timed steps each, one job", flush=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
            str(Path(__file__).resolve()), "--steps", str(args.steps), "--budget", str(args.budget),
            "--worker", str(plan_file), str(out_file)]
@@ -205,6 +211,9 @@ def main(argv=None) -> int:
     measured = json.loads(out_file.read_text())
     print(f"measured {len(measured)} of {len(result.ranked)} layouts within --budget {args.budget:.0f} s "
           f"(kept in {work}: --rescore it after changing the model)")
+    again = json.loads((work / "again.json").read_text())["step_s"]
+    print(f"drift: the first layout ({chosen[0].layout.name(args.nproc)}) measured again after the last: {again:.3f} s "
+          f"vs {measured[0]['step_s']:.3f} s at the start ({100 * (again / measured[0]['step_s'] - 1):+.0f}%)")
     report([(p.layout.name(args.nproc), p.cfg) for p in chosen], measured, profile, args.nproc)
     return 0
 

@@ -5,8 +5,9 @@ Each layout trains --verify-steps steps (default 4; the first is not timed) from
 the layout's overrides, checkpoints and evaluation off, synthetic data unless the configuration reads its own,
 in a run directory of its own. Measured: rank 0's median step_time_s and its peak_memory_gb (CUDA: the
 allocator's peak; CPU: the process's peak resident set) from metrics.jsonl; predicted: the time model's step
-and the memory estimate of pipeline stage 0 (where rank 0 sits), plus the profile's memory_base_bytes (the
-process before the model, on CPU) and engine_memory_bytes (what a rank holds beyond the estimate's tensors).
+and the memory estimate's peak (held tensors and the loss's transients) of pipeline stage 0 (where rank 0
+sits), plus the profile's memory_base_bytes (the process before the model, on CPU) and engine_memory_bytes
+(what a rank holds beyond the estimate's tensors).
 Only a world that fits this machine runs (--nodes 1); across nodes the tool prints each layout's launch line
 to run under the cluster's launcher instead.
 """
@@ -64,7 +65,7 @@ def verify(config: str, user_overrides: list, ranked: list, world: int, profile,
             failed = True
             continue
         pt, mt = planned.prediction.total, got["step_s"]
-        pm = estimate(planned.cfg, world)[0].total + profile.memory_base_bytes + profile.engine_memory_bytes
+        pm = estimate(planned.cfg, world)[0].peak + profile.memory_base_bytes + profile.engine_memory_bytes
         mm = got["peak_bytes"]
         print(f"| {name} | {pt:.3g} | {mt:.3g} | {100 * (pt - mt) / mt:+.0f}% | {pm / 2**30:.2f} | {mm / 2**30:.2f} | "
               f"{100 * (pm - mm) / mm:+.0f}% |", flush=True)

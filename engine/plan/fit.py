@@ -1,9 +1,10 @@
-"""The fit filter: a layout fits when the memory estimate's fullest rank (engine/memory_estimate.py, counted
-tensor by tensor as the engine allocates) stays below the device's memory less a margin.
+"""The fit filter: a layout fits when the memory estimate's fullest rank at its peak (engine/memory_estimate.py:
+the tensors held, counted tensor by tensor as the engine allocates, and the loss's transients) stays below the
+device's memory less a margin.
 
 The margin (MARGIN, 10% by default) covers what the estimate does not count: the CUDA context and the
 libraries' workspaces (cuBLAS, NCCL: several hundred MiB), the caching allocator's fragmentation, and the
-temporaries of a kernel that live only inside it.
+temporaries of other kernels that live only inside them.
 """
 from __future__ import annotations
 
@@ -14,13 +15,13 @@ MARGIN = 0.10
 
 
 def fullest_stage(cfg: Config, world_size: int) -> StageMemory:
-    """The memory estimate of the pipeline stage whose ranks hold the most."""
-    return max(estimate(cfg, world_size), key=lambda stage: stage.total)
+    """The memory estimate of the pipeline stage whose ranks reach the highest peak."""
+    return max(estimate(cfg, world_size), key=lambda stage: stage.peak)
 
 
 def peak_bytes(cfg: Config, world_size: int) -> int:
-    """Bytes on the fullest rank (the largest pipeline stage total)."""
-    return fullest_stage(cfg, world_size).total
+    """Most live tensor bytes on the fullest rank (the largest pipeline stage peak)."""
+    return fullest_stage(cfg, world_size).peak
 
 
 def usable_bytes(device_memory: int, margin: float = MARGIN) -> int:

@@ -25,7 +25,7 @@ class Planned:
 
     @property
     def peak_bytes(self) -> int:
-        return self.memory.total
+        return self.memory.peak
 
 
 @dataclass
@@ -44,7 +44,7 @@ def plan(cfg: Config, world_size: int, profile: DeviceProfile, device_memory: in
     ranked = []
     for layout, changed in valid:
         memory = fullest_stage(changed, world_size)
-        if limit is None or memory.total <= limit:
+        if limit is None or memory.peak <= limit:
             ranked.append(Planned(layout, changed, memory, predict(changed, world_size, profile, gpus_per_node)))
     ranked.sort(key=lambda p: p.prediction.total)
     return Plan(ranked, len(valid), len(ranked))
@@ -54,10 +54,11 @@ def describe(planned: Planned, world_size: int, rank: int) -> str:
     tokens = planned.cfg.train.global_batch_size * planned.cfg.model.seq_length
     pred, mem = planned.prediction, planned.memory
     return (f"{rank}. {planned.layout.name(world_size)}: step {pred.total:.3g} s ({tokens / pred.total:,.0f} tok/s), "
-            f"memory {gib(mem.total)} per rank\n     time: {pred.summary()}\n     memory (stage {mem.stage}): "
+            f"memory {gib(mem.peak)} per rank at its peak\n     time: {pred.summary()}\n"
+            f"     memory (stage {mem.stage}): "
             f"parameters {gib(mem.parameters)}, gradients {gib(mem.gradients)}, optimizer {gib(mem.optimizer)}, "
             f"activations {gib(mem.activations)} ({mem.in_flight:g} in flight), comm buffers "
-            f"{gib(mem.comm_buffers)}")
+            f"{gib(mem.comm_buffers)}, loss transients {gib(mem.transient)}")
 
 
 def warning(cfg: Config, world_size: int, profile: DeviceProfile, device_memory: int, gpus_per_node: int,
