@@ -17,7 +17,8 @@ boundaries (data/offline/chunk_rules.py says where, and why). Each chunk costs o
 also collects the misses; those are encoded many at a time, as the words of a pre-tokenized input (each
 encoded as a text of its own) or, for Metaspace, joined into one text whose pre-tokenizer cuts it back at
 the chunks' spaces, or (vocabularies with whitespace runs) that is one word no token of which spans two
-chunks, where an even run leading a chunk may stand as two spaces.
+chunks, where an even run leading a chunk may stand as two spaces; those new chunks are cut again into pieces
+no token spans (data/offline/pieces.py), each distinct piece encoded once in a second cache.
 
 The argument needs: a pre-tokenizer of those families, a model without dropout, a post-processor
 that only puts fixed tokens around a document (read off two probes and added back), whitespace on

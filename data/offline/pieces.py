@@ -54,7 +54,6 @@ class PieceCutter:
         codes = self._code[points].astype(np.int64)
         cut = np.ones(len(points), bool)
         cut[1:] = ~self._spans[codes[:-1] * self._width + codes[1:]]
-        cut[0] = True
         if not cut[starts].all():
             raise RuntimeError("preprocess: a token spans two chunks of the Metaspace cache (a merge joins their "
                                "characters); the cut rule is wrong")
