@@ -471,8 +471,9 @@ def test_metaspace_split_true_cuts_at_every_space_whatever_the_vocabulary(llama2
 
 
 def test_wrong_piece_cuts_are_caught(llama2_code):
-    """The exactness checks above have teeth: cutting pieces where a token spans (everywhere), or between two
-    characters outside the vocabulary (fused into one unknown token without byte fallback), changes the ids."""
+    """New pieces give the same ids joined by the separator or encoded as texts of their own. And the exactness
+    checks above have teeth: cutting pieces where a token spans (everywhere), or between two characters outside
+    the vocabulary (fused into one unknown token without byte fallback), changes the ids."""
     from tokenizers import Tokenizer
     from data.offline import chunk_rules
     path, _, held_out = llama2_code
@@ -484,6 +485,9 @@ def test_wrong_piece_cuts_are_caught(llama2_code):
         encoder = load_encoder(("hf", json.dumps(config)))
         encoder.verify_first = 0
         assert encoder.cutter is not None, encoder.piece_reason
+        assert [ids.tolist() for ids in encoder.encode_batch(texts)] == [reference.encode(t).ids for t in texts]
+        encoder._reset_cache()
+        encoder.cutter.separator = None  # new pieces encoded as texts of their own rather than joined: same ids
         assert [ids.tolist() for ids in encoder.encode_batch(texts)] == [reference.encode(t).ids for t in texts]
         encoder._reset_cache()
         encoder.rule = chunk_rules.METASPACE_RUNS  # whole runs: the even-run check would catch cuts inside "▁▁"
