@@ -352,7 +352,7 @@ def test_llama2_layout_cache_is_exact_on_source_code(tmp_path, llama2_code, caps
     spaces, and source code with runs of spaces everywhere gives the ids of the whole-document encoder,
     in-process and through --workers 2.
     Without byte fallback, characters outside the vocabulary are unknown tokens of unknown length: their
-    chunks are encoded one at a time."""
+    chunks are encoded one at a time. The new chunks are cut into pieces no token spans, each encoded once."""
     from tokenizers import Tokenizer
     from data.offline import chunk_rules
     path, eod_token, held_out = llama2_code
@@ -376,6 +376,7 @@ def test_llama2_layout_cache_is_exact_on_source_code(tmp_path, llama2_code, caps
     for t, ids in zip(texts, out):
         assert ids.tolist() == reference.encode(t).ids, repr(t)
     assert encoder.cached and len(encoder._index) > 100
+    assert 0 < len(encoder._pieces) < len(encoder._index)  # new chunks went through the piece cache
     assert (reference.token_to_id("<unk>") in np.concatenate(out)) != byte_fallback
     docs = [t for t in texts if t.strip()]
     prefix = run(tmp_path, path, [write_jsonl(tmp_path / "a.jsonl", [{"text": t} for t in docs])],
@@ -383,7 +384,8 @@ def test_llama2_layout_cache_is_exact_on_source_code(tmp_path, llama2_code, caps
     eod = reference.token_to_id(eod_token)
     ds = IndexedDataset(prefix)
     assert [ds[i].tolist() for i in range(len(ds))] == [reference.encode(t).ids + [eod] for t in docs]
-    assert "; cache on (Metaspace whitespace-run, even-run cuts) in all " in capsys.readouterr().out
+    assert ("; cache on (Metaspace whitespace-run, even-run cuts, new chunks in pieces) in all "
+            in capsys.readouterr().out)
 
 
 def test_metaspace_vocabulary_the_rule_cannot_cover_keeps_the_cache_off(tmp_path, llama2_code, monkeypatch,
@@ -466,3 +468,58 @@ def test_metaspace_split_true_cuts_at_every_space_whatever_the_vocabulary(llama2
     texts = held_out + _source_code(np.random.RandomState(4), 100)
     for t, ids in zip(texts, encoder.encode_batch(texts)):
         assert ids.tolist() == reference.encode(t).ids, repr(t)
+
+
+def test_wrong_piece_cuts_are_caught(llama2_code):
+    """New pieces give the same ids joined by the separator or encoded as texts of their own. And the exactness
+    checks above have teeth: cutting pieces where a token spans (everywhere), or between two characters outside
+    the vocabulary (fused into one unknown token without byte fallback), changes the ids."""
+    from tokenizers import Tokenizer
+    from data.offline import chunk_rules
+    path, _, held_out = llama2_code
+    config = json.load(open(path))
+    config["model"]["byte_fallback"] = False
+    reference = Tokenizer.from_str(json.dumps(config))
+    texts = [held_out[0][:3000], "x = '日本'  # 😀\n"]
+    for wrong in ("everywhere", "between unknowns"):
+        encoder = load_encoder(("hf", json.dumps(config)))
+        encoder.verify_first = 0
+        assert encoder.cutter is not None, encoder.piece_reason
+        assert [ids.tolist() for ids in encoder.encode_batch(texts)] == [reference.encode(t).ids for t in texts]
+        encoder._reset_cache()
+        encoder.cutter.separator = None  # new pieces encoded as texts of their own rather than joined: same ids
+        assert [ids.tolist() for ids in encoder.encode_batch(texts)] == [reference.encode(t).ids for t in texts]
+        encoder._reset_cache()
+        encoder.rule = chunk_rules.METASPACE_RUNS  # whole runs: the even-run check would catch cuts inside "▁▁"
+        spans = encoder.cutter._spans.reshape(encoder.cutter._width, -1)
+        if wrong == "everywhere":
+            spans[:] = False
+        else:
+            spans[-1, -1] = False
+        got = [ids.tolist() for ids in encoder.encode_batch(texts)]
+        assert got[wrong == "between unknowns"] != reference.encode(texts[wrong == "between unknowns"]).ids
+
+
+def test_merge_of_a_byte_token_keeps_whole_chunks(tmp_path, llama2_code, capsys):
+    """A merge whose part is a byte-fallback token (its text "<0xE6>" is not the character it covers) voids the
+    piece proof: misses stay whole chunks, the summary says why, and the output is still exact."""
+    from tokenizers import Tokenizer
+    path, eod_token, held_out = llama2_code
+    config = json.load(open(path))
+    model = config["model"]
+    model["vocab"]["<0xE6><0x97>"] = max(model["vocab"].values()) + 1
+    model["merges"].insert(0, ["<0xE6>", "<0x97>"])
+    merged = str(tmp_path / "merged.json")
+    with open(merged, "w") as f:
+        json.dump(config, f)
+    reference = Tokenizer.from_file(merged)
+    encoder = load_encoder(tokenizer_spec(None, merged))
+    assert encoder.cached and encoder.cutter is None and "'<0xE6>'" in encoder.piece_reason
+    texts = ["x = '日本'  # 日\n    return 日\n", held_out[0][:2000]]
+    assert "<0xE6><0x97>" in [reference.id_to_token(i) for i in reference.encode(texts[0]).ids]
+    prefix = run(tmp_path, merged, [write_jsonl(tmp_path / "a.jsonl", [{"text": t} for t in texts])],
+                 "--append-eod", "--eod-token", eod_token)
+    ds = IndexedDataset(prefix)
+    eod = reference.token_to_id(eod_token)
+    assert [ds[i].tolist() for i in range(len(ds))] == [reference.encode(t).ids + [eod] for t in texts]
+    assert "even-run cuts; no pieces: a merge joins '<0xE6>'" in capsys.readouterr().out

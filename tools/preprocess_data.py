@@ -417,6 +417,14 @@ def _run(args, files, spec, encoder, eod):
     return stats, rejects_path
 
 
+def _cuts(encoder):
+    """The cut rule the workers used, and for the whitespace-run layout whether new chunks were cut into pieces."""
+    cuts = f"{encoder.rule.name if encoder.rule else 'chunk'} cuts"
+    if encoder.rule is None or not encoder.rule.runs:
+        return cuts
+    return cuts + (", new chunks in pieces" if encoder.cutter is not None else f"; no pieces: {encoder.piece_reason}")
+
+
 def _cache_use(stats, encoder):
     """Whether the workers encoded through the chunk cache, from their own reports per batch."""
     off = sorted(key.split(":", 1)[1] for key in stats if key.startswith("cache_off:") and stats[key])
@@ -424,7 +432,7 @@ def _cache_use(stats, encoder):
     if not batches:
         return f"cache {'on' if encoder.cached else 'off: ' + str(encoder.cache_reason)} (no documents)"
     if cached == batches:
-        return f"cache on ({encoder.rule.name if encoder.rule else 'chunk'} cuts) in all {batches:,} batches"
+        return f"cache on ({_cuts(encoder)}) in all {batches:,} batches"
     if not cached:
         return f"cache off: {'; '.join(off)}"
     return f"cache on in {cached:,} of {batches:,} batches, off in the others: {'; '.join(off)}"

@@ -52,6 +52,20 @@ first documents of every process are checked against the plain encoder.
   lowest rank of all, as in converted Llama 2 vocabularies ("▁▁" is Llama 2's best-scored piece), the
   condition holds; a vocabulary where it fails keeps whole whitespace-run chunks. Python code indents by even runs, so the misses hold far fewer characters.
 
+  Pieces. The new chunks (after the even-run shortening, spaces written "▁", as the model sees them) are cut
+  again wherever no token can span, and each distinct piece is encoded once, as a text of its own
+  (data/offline/pieces.py). With the model as above, and when no merge has a part that is a byte token
+  "<0xNN>" (with byte fallback) or the unknown token, every symbol is a vocabulary entry whose text is the
+  substring it covers: true of the first symbols (one per character) other than byte and unknown tokens, which
+  no merge then takes, and kept by every merge, whose result is its parts' texts joined. Take characters a, b
+  adjacent in the text such that no merge's result holds "ab", and not both outside the vocabulary (fused
+  unknowns form one symbol over such a run). Their first symbols are distinct, and a symbol spanning the place
+  between them would be a merge's result holding "ab": none ever does. So the merges on either side never
+  meet, each side makes the merges it would make alone (lowest rank, then leftmost, in the order that side
+  alone would), and the text's ids are its pieces' ids in order. Chunk boundaries are such places (no merge
+  makes a character other than "▁" followed by "▁"), so a chunk's ids are its pieces'. A vocabulary with a merge
+  of a byte or unknown token keeps whole chunks, and the summary says why.
+
 Documents holding whitespace that Python's `re` and the tokenizer's regex engine may classify differently
 (OTHER_SPACES in _encoder.py) go to the plain encoder.
 """

@@ -17,7 +17,8 @@ boundaries (data/offline/chunk_rules.py says where, and why). Each chunk costs o
 also collects the misses; those are encoded many at a time, as the words of a pre-tokenized input (each
 encoded as a text of its own) or, for Metaspace, joined into one text whose pre-tokenizer cuts it back at
 the chunks' spaces, or (vocabularies with whitespace runs) that is one word no token of which spans two
-chunks, where an even run leading a chunk may stand as two spaces.
+chunks, where an even run leading a chunk may stand as two spaces; those new chunks are cut again into pieces
+no token spans (data/offline/pieces.py), each distinct piece encoded once in a second cache.
 
 The argument needs: a pre-tokenizer of those families, a model without dropout, a post-processor
 that only puts fixed tokens around a document (read off two probes and added back), whitespace on
@@ -37,6 +38,7 @@ import numpy as np
 
 from data.eod import eod_id_from_tokenizer
 from data.offline.chunk_rules import OTHER_SPACES, SAFE_SPACES, cut_rule  # noqa: F401 (the spaces: re-exported)
+from data.offline.pieces import piece_cutter
 
 _OTHER_SPACE_RE = re.compile("[" + re.escape(OTHER_SPACES) + "]")
 _strip_run = operator.methodcaller("lstrip", " \u2581")
@@ -95,6 +97,10 @@ class HFEncoder:
             config, self.tokenizer.get_vocab(with_added_tokens=False))
         if self.rule is not None:
             self.cache_reason = self._find_template()
+        # The Llama 2 layout's new chunks are cut again, into pieces no token spans, each encoded once.
+        self.cutter, self.piece_reason = None, "not the Metaspace whitespace-run layout"
+        if self.rule is not None and self.rule.runs:
+            self.cutter, self.piece_reason = piece_cutter(config["model"], self.tokenizer.get_vocab(False))
         self.cached = self.cache_reason is None
         if self.cached:
             # The tokenizers that encode misses are built at the first miss: the main process never needs them.
@@ -132,6 +138,10 @@ class HFEncoder:
         self._flat = _Growable(np.int32)
         self._starts = _Growable(np.int64)
         self._lens = _Growable(np.int64)
+        self._pieces = _Index()
+        self._piece_flat = _Growable(np.int32)
+        self._piece_starts = _Growable(np.int64)
+        self._piece_lens = _Growable(np.int64)
 
     def _plain(self, texts):
         return [np.asarray(e.ids, dtype=np.int64) for e in self.tokenizer.encode_batch(texts)]
@@ -173,6 +183,14 @@ class HFEncoder:
                 self._token_chars[i] = len(token) if byte is None else not 0x80 <= int(byte.group(1), 16) <= 0xBF
             if model.get("unk_token") in vocab:
                 self._token_chars[vocab[model["unk_token"]]] = -1
+            # A merge's result covers its parts' characters, not its text's where a part is a byte token.
+            chars = self._token_chars.tolist()
+            for merge in model.get("merges") or ():
+                left, right = merge if isinstance(merge, list) else merge.split(" ", 1)
+                made, a, b = vocab.get(left + right), vocab.get(left), vocab.get(right)
+                if None not in (made, a, b):
+                    chars[made] = -1 if min(chars[a], chars[b]) < 0 else chars[a] + chars[b]
+            self._token_chars = np.asarray(chars, np.int64)
 
     def _add_chunks(self, chunks, first):
         """Encode the chunks that just got the cache slots first, first + 1, ...: each as if on its own."""
@@ -198,6 +216,12 @@ class HFEncoder:
             words, runs = self._shorten_even_runs(words, runs[slots])
         else:
             runs = None
+        if self.cutter is not None and words:
+            ids, counts = self._encode_by_pieces(words)
+            if runs is not None:
+                ids, counts = self._restore_even_runs(ids, counts, runs)
+            self._store(first + (np.arange(len(words)) if slots is None else slots), [ids], counts)
+            return
         # Many chunks to one input: the tokenizer encodes each word as a text of its own.
         groups = [words[k:k + _GROUP_CHUNKS] for k in range(0, len(words), _GROUP_CHUNKS)]
         if self._joined is not None:
@@ -225,6 +249,7 @@ class HFEncoder:
             counts = np.concatenate(counts)
             if runs is not None:
                 ids, counts = self._restore_even_runs(np.concatenate(ids), counts, runs)
+                ids = [ids]
             self._store(first + (np.arange(len(words)) if slots is None else slots), ids, counts)
 
     def _joined_texts(self, texts):
@@ -262,7 +287,31 @@ class HFEncoder:
                                "the even-run rule is wrong")
         lens[1::2] = counts - short
         ends = np.cumsum(lens)
-        return [pool[np.repeat(starts - (ends - lens), lens) + np.arange(int(ends[-1]))]], lens[0::2] + lens[1::2]
+        return pool[np.repeat(starts - (ends - lens), lens) + np.arange(int(ends[-1]))], lens[0::2] + lens[1::2]
+
+    def _encode_by_pieces(self, chunks):
+        """(ids, tokens per chunk) of chunks joined into one word, from their pieces' ids: the pieces not cached
+        yet are encoded each as a text of its own."""
+        text = self.rule.joined_text("".join(chunks))
+        lengths = np.fromiter(map(len, chunks), np.int64, len(chunks))
+        starts = np.cumsum(lengths) - lengths
+        pieces, first = self.cutter.cut(text, starts)
+        index = self._pieces
+        pid = np.fromiter(map(index.__getitem__, pieces), np.int64, len(pieces))
+        if index.new:
+            new, index.new = index.new, []
+            ids, counts = self._encode_apart(new)
+            slots = np.arange(len(index) - len(new), len(index))
+            self._piece_starts.resize(len(index))
+            self._piece_lens.resize(len(index))
+            base = self._piece_flat.size
+            self._piece_flat.extend(ids)
+            self._piece_starts.data[slots] = base + np.cumsum(counts) - counts
+            self._piece_lens.data[slots] = counts
+        n = self._piece_lens.data[pid]
+        ends = np.cumsum(n)
+        ids = self._piece_flat.data[np.repeat(self._piece_starts.data[pid] - (ends - n), n) + np.arange(int(ends[-1]))]
+        return ids, np.add.reduceat(n, first)
 
     def _counts_by_length(self, chunks, ids):
         """(ids, tokens per chunk) of chunks joined into one word, from the tokens' lengths."""
@@ -279,6 +328,20 @@ class HFEncoder:
             raise RuntimeError("preprocess: a token spans two chunks of the Metaspace cache; the cut rule is wrong")
         return ids, np.diff(last, prepend=-1)
 
+    def _encode_apart(self, pieces):
+        """(ids, tokens per piece) of pieces each encoded alone: as one text, the cutter's separator between them
+        (one token each, dropped), else as a batch of texts."""
+        sep = self.cutter.separator
+        if sep is None:
+            encodings = self._joined.encode_batch_fast(pieces, add_special_tokens=False)
+            counts = np.fromiter((len(e.ids) for e in encodings), np.int64, len(pieces))
+            return np.fromiter((i for e in encodings for i in e.ids), np.int32, int(counts.sum())), counts
+        items = [sep] * (2 * len(pieces) - 1)
+        items[0::2] = pieces
+        (encoding,) = self._joined.encode_batch_fast([sep.join(pieces)], add_special_tokens=False)
+        ids, counts = self._counts_by_length(items, np.asarray(encoding.ids, np.int32))
+        return ids[np.repeat(np.arange(len(items)) % 2 == 0, counts)], counts[0::2]
+
     def _store(self, slots, ids, counts):
         """Append the chunks' ids (a list of arrays, the chunks' in order) and point their slots at them."""
         counts = np.asarray(counts, np.int64)
@@ -290,7 +353,7 @@ class HFEncoder:
     def encode_batch(self, texts):
         if not self.cached:
             return self._plain(texts)
-        if self._flat.size > self.max_cached_tokens:
+        if self._flat.size + self._piece_flat.size > self.max_cached_tokens:
             self._reset_cache()
         out = [None] * len(texts)
         plain, chunked = [], []
