@@ -345,6 +345,28 @@ def llama2_code(tmp_path_factory):
     return path, eod_token, texts[:1]
 
 
+def _with_first_merge(tmp_path, path, left, right):
+    """(a copy of the tokenizer.json at `path` whose first merge joins `left` and `right`, its Tokenizer)."""
+    from tokenizers import Tokenizer
+    config = json.load(open(path))
+    model = config["model"]
+    model["vocab"][left + right] = max(model["vocab"].values()) + 1
+    model["merges"].insert(0, [left, right])
+    changed = str(tmp_path / "changed.json")
+    with open(changed, "w") as f:
+        json.dump(config, f)
+    return changed, Tokenizer.from_file(changed)
+
+
+def _exact_through_the_tool(tmp_path, tokenizer_path, reference, texts, eod_token, *options):
+    """Run tools/preprocess_data.py on `texts`; assert its shards hold the reference's ids and EOD."""
+    prefix = run(tmp_path, tokenizer_path, [write_jsonl(tmp_path / "a.jsonl", [{"text": t} for t in texts])],
+                 "--append-eod", "--eod-token", eod_token, *options)
+    ds = IndexedDataset(prefix)
+    eod = reference.token_to_id(eod_token)
+    assert [ds[i].tolist() for i in range(len(ds))] == [reference.encode(t).ids + [eod] for t in texts]
+
+
 @pytest.mark.parametrize("byte_fallback", [True, False])
 def test_llama2_layout_cache_is_exact_on_source_code(tmp_path, llama2_code, capsys, byte_fallback):
     """Whitespace-run tokens, byte fallback and split false, as converted Llama 2 and Mistral tokenizers have
@@ -393,26 +415,14 @@ def test_metaspace_vocabulary_the_rule_cannot_cover_keeps_the_cache_off(tmp_path
     """A merge that makes a token with "▁" after another character ('e▁') can join text across a space: the
     cache stays off, the summary names the token, and the output is still the whole-document encoding. Cutting
     anyway would be wrong, which is why the rule refuses it (the encoder finds the token spanning two chunks)."""
-    from tokenizers import Tokenizer
     from data.offline import chunk_rules
     path, eod_token, held_out = llama2_code
-    config = json.load(open(path))
-    model = config["model"]
-    model["vocab"]["e\u2581"] = max(model["vocab"].values()) + 1
-    model["merges"].insert(0, ["e", "\u2581"])
-    crossing = str(tmp_path / "crossing.json")
-    with open(crossing, "w") as f:
-        json.dump(config, f)
-    reference = Tokenizer.from_file(crossing)
+    crossing, reference = _with_first_merge(tmp_path, path, "e", "\u2581")
     encoder = load_encoder(tokenizer_spec(None, crossing))
     assert not encoder.cached and "'e\u2581'" in encoder.cache_reason
     texts = ["the cat\n    we see\n", held_out[0][:2000]]
     assert "e\u2581" in [reference.id_to_token(i) for i in reference.encode(texts[0]).ids]
-    prefix = run(tmp_path, crossing, [write_jsonl(tmp_path / "a.jsonl", [{"text": t} for t in texts])],
-                 "--append-eod", "--eod-token", eod_token, "--workers", "2")
-    ds = IndexedDataset(prefix)
-    eod = reference.token_to_id(eod_token)
-    assert [ds[i].tolist() for i in range(len(ds))] == [reference.encode(t).ids + [eod] for t in texts]
+    _exact_through_the_tool(tmp_path, crossing, reference, texts, eod_token, "--workers", "2")
     assert "; cache off: Metaspace merges make 'e\u2581'" in capsys.readouterr().out
     monkeypatch.setattr(chunk_rules, "_metaspace_rule", lambda *args: (chunk_rules.METASPACE_RUNS, None))
     forced = load_encoder(tokenizer_spec(None, crossing))
@@ -503,23 +513,11 @@ def test_wrong_piece_cuts_are_caught(llama2_code):
 def test_merge_of_a_byte_token_keeps_whole_chunks(tmp_path, llama2_code, capsys):
     """A merge whose part is a byte-fallback token (its text "<0xE6>" is not the character it covers) voids the
     piece proof: misses stay whole chunks, the summary says why, and the output is still exact."""
-    from tokenizers import Tokenizer
     path, eod_token, held_out = llama2_code
-    config = json.load(open(path))
-    model = config["model"]
-    model["vocab"]["<0xE6><0x97>"] = max(model["vocab"].values()) + 1
-    model["merges"].insert(0, ["<0xE6>", "<0x97>"])
-    merged = str(tmp_path / "merged.json")
-    with open(merged, "w") as f:
-        json.dump(config, f)
-    reference = Tokenizer.from_file(merged)
+    merged, reference = _with_first_merge(tmp_path, path, "<0xE6>", "<0x97>")
     encoder = load_encoder(tokenizer_spec(None, merged))
     assert encoder.cached and encoder.cutter is None and "'<0xE6>'" in encoder.piece_reason
     texts = ["x = '日本'  # 日\n    return 日\n", held_out[0][:2000]]
     assert "<0xE6><0x97>" in [reference.id_to_token(i) for i in reference.encode(texts[0]).ids]
-    prefix = run(tmp_path, merged, [write_jsonl(tmp_path / "a.jsonl", [{"text": t} for t in texts])],
-                 "--append-eod", "--eod-token", eod_token)
-    ds = IndexedDataset(prefix)
-    eod = reference.token_to_id(eod_token)
-    assert [ds[i].tolist() for i in range(len(ds))] == [reference.encode(t).ids + [eod] for t in texts]
+    _exact_through_the_tool(tmp_path, merged, reference, texts, eod_token)
     assert "even-run cuts; no pieces: a merge joins '<0xE6>'" in capsys.readouterr().out
