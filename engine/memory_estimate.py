@@ -213,14 +213,20 @@ def layer_activation(cfg: Config, tokens: int, recompute: str) -> int:
     return saved
 
 
+def unsplit_loss(cfg: Config, tokens: int) -> bool:
+    """Whether the loss of `tokens` tokens is torch's log-softmax over one unsplit chunk (not fused, no TP, eager)."""
+    m = cfg.model
+    return (not m.fused_lm_head_loss and cfg.parallel.tensor == 1 and not cfg.train.compile
+            and (m.loss_chunk_tokens == 0 or tokens <= m.loss_chunk_tokens))
+
+
 def loss_activation(cfg: Config, tokens: int) -> int:
     m, t = cfg.model, cfg.parallel.tensor
     e, vocab = DTYPE_BYTES[cfg.train.precision], padded_vocab_size(m.vocab_size, t) // t
     per_token = INDEX + FP32  # labels, log-sum-exp
     if m.fused_lm_head_loss:
         return per_token * tokens
-    one_chunk = t == 1 and not cfg.train.compile and (m.loss_chunk_tokens == 0 or tokens <= m.loss_chunk_tokens)
-    if one_chunk:  # torch's log-softmax keeps fp32 log-probabilities
+    if unsplit_loss(cfg, tokens):  # torch's log-softmax keeps fp32 log-probabilities
         return (FP32 * vocab + INDEX) * tokens
     return (e * vocab + per_token + 1) * tokens
 
@@ -234,7 +240,7 @@ def loss_transient(cfg: Config, tokens: int, queued_logits_grad: bool) -> tuple[
     e, padded = DTYPE_BYTES[cfg.train.precision], padded_vocab_size(m.vocab_size, t)
     vocab = padded // t
     logits_grad = 0 if queued_logits_grad else e * tokens * vocab
-    if not m.fused_lm_head_loss and loss_activation(cfg, tokens) == (FP32 * vocab + INDEX) * tokens:
+    if unsplit_loss(cfg, tokens):
         # torch's log-softmax: forward the logits (and their fp32 copy) beside the fp32 log-probabilities;
         # backward the fp32 gradients of the log-probabilities and of the logits (the latter cast to e)
         forward = (e + (FP32 if e != FP32 else 0)) * tokens * vocab

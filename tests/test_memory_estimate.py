@@ -239,18 +239,20 @@ def test_the_tensor_peak_replays_allocations_and_frees_in_time_order():
     # free of a block allocated before the events (skipped)
     events = [(1, 0xA, 100), (2, 0xB, 50), (3, 0xA, -100), (3, 0xA, 30), (4, 0xC, -999), (5, 0xB, -50)]
     assert replay_peak(events) == 150 and replay_peak(events, since_ns=3) == 80
+    assert replay_peak(events, until_ns=1) == 100
 
 
-def test_the_tensor_peak_counts_live_tensor_bytes_since_its_reset():
+def test_the_tensor_peak_counts_live_tensor_bytes_within_its_measured_block():
     with TensorPeak() as peak:
-        del_before = torch.empty(2**21)  # 8 MiB, freed before the reset: not in the peak
+        del_before = torch.empty(2**21)  # 8 MiB, freed before the block: not in the peak
         del del_before
-        kept = torch.empty(2**18)  # 1 MiB, alive across the reset: counted
-        peak.reset()
-        temporary = torch.empty(2**20)  # 4 MiB at once with `kept`
-        del temporary
-        later = torch.empty(2**19)  # 2 MiB, after the temporary is gone
-    assert peak.bytes == 5 * 2**20 and kept.numel() + later.numel() > 0
+        kept = torch.empty(2**18)  # 1 MiB, alive across the block: counted
+        with peak.measuring():
+            temporary = torch.empty(2**20)  # 4 MiB at once with `kept`
+            del temporary
+            later = torch.empty(2**19)  # 2 MiB, after the temporary is gone
+        after = torch.empty(2**22)  # 16 MiB after the block: not in the peak
+    assert peak.bytes == 5 * 2**20 and kept.numel() + later.numel() + after.numel() > 0
 
 
 PEAK_SHAPE = ["model.vocab_size=4096", "model.seq_length=64", "train.global_batch_size=4", "train.micro_batch_size=1"]
@@ -262,8 +264,8 @@ def measured_peak(rank, world, *overrides) -> tuple:
     with TensorPeak() as peak:
         trainer = Trainer(cfg, DistEnv(rank, world))
         trainer.train_step()  # creates the optimizer state
-        peak.reset()
-        trainer.train_step()
+        with peak.measuring():
+            trainer.train_step()
     stage = trainer.topo.pp_rank
     return stage, peak.bytes, estimate(cfg, world)[stage].peak
 

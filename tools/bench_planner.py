@@ -94,8 +94,8 @@ def measure(base: Config, lines: list, run_dir: str, env, steps: int) -> dict:
     with TensorPeak() as peak:  # the first step creates the optimizer state: the second is the steady peak
         trainer = Trainer(cfg, env)
         trainer.train_step()
-        peak.reset()
-        trainer.train_step()
+        with peak.measuring():
+            trainer.train_step()
     try:
         times = [trainer.train_step()["step_time_s"] for _ in range(steps)]
     finally:
