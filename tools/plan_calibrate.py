@@ -6,7 +6,9 @@
 
 Starts --nproc ranks on this machine (gloo on CPU, NCCL on CUDA, one GPU each) that measure at the same time
 (engine/plan/calibrate.py): one transformer layer and the output layer at the --config model's widths divided
-by each TP size in --tensor and each micro batch in --micro-batches, one AdamW step, and all-reduce /
+by each TP size in --tensor and each micro batch in --micro-batches; the same two as each TP × CP layout of
+--tensor × --context runs them on its own groups (sequence parallel under TP, as the planner lays out), with
+their collectives; one AdamW step, and all-reduce /
 all-gather / reduce-scatter over groups of 2 ... --nproc ranks, fit as latency + seconds per byte (the
 "intra" link). Across nodes ("inter") nothing is measured: the profile keeps --inter-from's link, and says so.
 Compute rows are the median over ranks. On a GPU node run it once per device type and precision; the planner
@@ -39,12 +41,24 @@ def shapes(args):
     return [(t, b) for t in args.tensor if heads % t == 0 for b in args.micro_batches]
 
 
+def parallel_shapes(args) -> list:
+    """(tensor, context, micro batch) of the TP × CP layouts measured on their groups: every pair but (1, 1)
+    that fits in --nproc ranks and divides the heads and the sequence."""
+    from engine.config.schema import load_config
+    cfg = load_config(args.config) if args.config else None
+    heads = cfg.model.num_attention_heads if cfg else 8
+    seq = cfg.model.seq_length if cfg else 256
+    return [(t, c, b) for t in args.tensor for c in args.context if t * c > 1 and t * c <= args.nproc
+            and heads % t == 0 and seq % (2 * c * t) == 0 for b in args.micro_batches]
+
+
 def worker(rank: int, args, port: int, results) -> None:
     import torch
     import torch.distributed as dist
 
     from engine.config.schema import load_config
     from engine.plan import calibrate
+    from engine.plan.profile import parallel_key
     from engine.preflight import memory_mb  # imports engine.train: a training rank's modules, in the base below
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     device = torch.device(f"cuda:{rank}") if args.device == "cuda" else torch.device("cpu")
@@ -62,11 +76,23 @@ def worker(rank: int, args, port: int, results) -> None:
             row_layer, row_head = calibrate.measure_compute(cfg, device)
             layer.append(row_layer)
             head.append(row_head)
+        parallel: dict = {}
+        for t, c, b in parallel_shapes(args):
+            cfg = load_config(args.config, [f"parallel.tensor={t}", f"parallel.context={c}",
+                                            f"parallel.sequence_parallel={str(t > 1).lower()}",
+                                            f"train.micro_batch_size={b}", f"train.precision={args.precision}"])
+            groups = calibrate.parallel_groups(args.nproc, rank, t, c, cfg.parallel.context_attention)
+            dist.barrier()
+            if groups:
+                tables = parallel.setdefault(parallel_key(cfg), {"layer": [], "head": []})
+                row_layer, row_head = calibrate.measure_parallel(cfg, *groups, device)
+                tables["layer"].append(row_layer)
+                tables["head"].append(row_head)
         dist.barrier()
         optimizer = calibrate.measure_optimizer(device)
         links = calibrate.measure_links(args.nproc, rank, device, LINK_SIZES)
         overhead = calibrate.measure_overhead(rank, args.nproc, device, tempfile.gettempdir() + "/trilith-calibrate")
-        results.put((rank, layer, head, optimizer, links, base, overhead))
+        results.put((rank, layer, head, optimizer, links, base, overhead, parallel))
     finally:
         dist.destroy_process_group()
 
@@ -85,6 +111,9 @@ def main(argv=None) -> int:
                     "defaults, the peer benchmark's shape)")
     ap.add_argument("--tensor", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8],
                     help="TP sizes whose local widths are measured (comma-separated)")
+    ap.add_argument("--context", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2],
+                    help="CP sizes whose layouts are measured on their groups with each --tensor size "
+                         "(comma-separated)")
     ap.add_argument("--micro-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4],
                     help="micro batch sizes measured (comma-separated)")
     ap.add_argument("--inter-from", default="h200_bf16_assumed", help="profile whose across-node link is kept")
@@ -121,11 +150,14 @@ def main(argv=None) -> int:
         links={"intra": fit_link([p for g in gathered for p in g[4]]), "inter": vars(inter)},
         ranks=args.nproc, shared_cores=cores if args.device == "cpu" else 0,
         memory_base_bytes=int(statistics.median(g[5] for g in gathered)),
-        engine_memory_bytes=int(statistics.median(g[6][1] for g in gathered)))
+        engine_memory_bytes=int(statistics.median(g[6][1] for g in gathered)),
+        parallel={key: {kind: median_rows([g[7][key][kind] for g in gathered if key in g[7]]) for kind in tables}
+                  for key, tables in gathered[0][7].items()})
     times = [statistics.median(step) for step in zip(*(g[6][0] for g in gathered))]
     profile.step_overhead_s, profile.micro_batch_overhead_s = engine_overhead(profile, times, args.nproc, args.device)
     profile.save(args.out)
-    print(f"wrote {args.out}: {len(profile.layer)} compute shapes, link intra {profile.links['intra']}, "
+    print(f"wrote {args.out}: {len(profile.layer)} compute shapes, {len(profile.parallel)} TP × CP layouts on "
+          f"their groups ({', '.join(profile.parallel)}), link intra {profile.links['intra']}, "
           f"AdamW {profile.optimizer_s_per_element * 1e9:.2f} ns/element, engine overhead "
           f"{profile.step_overhead_s * 1e3:.1f} ms per step + {profile.micro_batch_overhead_s * 1e3:.1f} ms per "
           f"micro-batch, engine memory {profile.engine_memory_bytes / 2**20:.0f} MiB")

@@ -3,6 +3,10 @@ that ranks sharing a machine's cores (CPU runs) are measured as they will run.
 
 - compute: one transformer layer (engine/model.py's, at this rank's TP-local widths) forward and backward, and
   the final norm + output layer + cross-entropy, at each shape asked for;
+- the same layer and output layer as a layout runs them: built from parallel/'s layers on their own tensor- and
+  context-parallel groups (the world cut into such groups, all busy at once), so that they include each
+  collective between its compute slices, where ranks sharing cores, or a device's kernel queue, make it cost
+  more than the same collective among ranks doing nothing else;
 - the optimizer: one AdamW step (kernels/adamw.py's choice) per fp32 element;
 - links: all-reduce, all-gather and reduce-scatter through parallel/comm.py at a few sizes over groups of 2, 4,
   ... ranks (the world cut into such groups, all busy at once), fit as latency per ring step + seconds per byte
@@ -30,8 +34,9 @@ from engine.train import Trainer
 from engine.plan.volumes import STEPS, WIRE
 from kernels.adamw import adamw
 from parallel import comm
+from parallel.context import ContextParallel
 from parallel.distributed import DistEnv
-from parallel.tensor import padded_vocab_size
+from parallel.tensor import TensorParallel, padded_vocab_size
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -82,6 +87,45 @@ def measure_compute(cfg: Config, device: torch.device, repeats: int = 3) -> tupl
     layer = CausalLM(local, pre_process=False, post_process=False).to(device, dtype)
     head = CausalLM(local, layer_ids=[], pre_process=False, post_process=True).to(device, dtype)
     labels = torch.randint(0, cfg.model.vocab_size // cfg.parallel.tensor, (1, tokens), device=device)
+    layer_row = [layer_flops(cfg)[0], *forward_backward(layer, x, None, device, repeats)]
+    head_row = [head_flops(cfg), *forward_backward(head, x, labels, device, repeats)]
+    return layer_row, head_row
+
+
+def parallel_groups(world_size: int, rank: int, tensor: int, context: int, strategy: str) \
+        -> tuple[TensorParallel, ContextParallel] | None:
+    """This rank's TP and CP groups with the world cut into blocks of tensor × context ranks (TP neighbours
+    adjacent, CP ones `tensor` apart, as parallel/topology orders them); None on ranks left over. Every rank
+    creates every group, as torch.distributed requires."""
+    block = tensor * context
+    mine = None
+    for start in range(0, world_size - world_size % block, block):
+        tp_groups = {r: dist.new_group(list(range(r, r + tensor))) for r in range(start, start + block, tensor)}
+        cp_ranks = {i: list(range(start + i, start + block, tensor)) for i in range(tensor)}
+        cp_groups = {i: dist.new_group(ranks) for i, ranks in cp_ranks.items()}
+        if start <= rank < start + block:
+            i = (rank - start) % tensor
+            tp = TensorParallel(tp_groups[rank - i], tensor, i, sequence_parallel=tensor > 1)
+            cp = ContextParallel(cp_groups[i], context, (rank - start) // tensor, strategy, tuple(cp_ranks[i]))
+            mine = tp, cp
+    return mine
+
+
+def measure_parallel(cfg: Config, tp: TensorParallel, cp: ContextParallel, device: torch.device,
+                     repeats: int = 3) -> tuple[list, list]:
+    """measure_compute's rows for the layer and the output layer built on `tp` and `cp` (cfg.parallel.tensor
+    and .context must be their sizes): [forward FLOPs, forward s, backward s], collectives included."""
+    dtype = DTYPES[cfg.train.precision]
+    model_cfg = cfg.model
+    tokens = cfg.train.micro_batch_size * model_cfg.seq_length // cp.size
+    x = torch.randn(1, tokens // (tp.size if tp.sequence_parallel else 1), model_cfg.hidden_size, device=device,
+                    dtype=dtype, requires_grad=True)
+    layer = CausalLM(model_cfg, tp, layer_ids=[0], pre_process=False, post_process=False, cp=cp)
+    head = CausalLM(model_cfg, tp, layer_ids=[], pre_process=False, post_process=True, cp=cp)
+    for model in (layer, head):
+        model.init_weights(0)
+        model.to(device, dtype)
+    labels = torch.randint(0, model_cfg.vocab_size, (1, tokens), device=device)
     layer_row = [layer_flops(cfg)[0], *forward_backward(layer, x, None, device, repeats)]
     head_row = [head_flops(cfg), *forward_backward(head, x, labels, device, repeats)]
     return layer_row, head_row

@@ -6,6 +6,10 @@ and every number says where it came from).
 Compute is a table of (forward FLOPs of one call, forward seconds, backward seconds) at a few shapes; a call of
 any other size runs at the FLOP rate interpolated between the two nearest measured sizes (linear in log FLOPs,
 held constant beyond the ends), because a device's efficiency grows with the size of its matrix products.
+Beside the plain layer at TP-local widths, `parallel` holds the same tables for the layer and the output layer
+as a tensor- or context-parallel layout runs them, on their groups with their collectives (keyed by
+engine/plan/calibrate.parallel_key: "tp2+sp", "cp2", ...); where a layout's key is measured, its layers cost
+that, and the difference from the plain layer is their communication.
 A link type (intra = within a node, inter = across nodes) is a latency per ring step (an all-reduce over n ranks
 takes 2(n−1) steps, an all-gather or reduce-scatter n−1, a send one) + seconds per byte on the wire, fit by
 least squares. The engine's own cost per step and per micro-batch (Python, the loader, the step's bookkeeping)
@@ -49,11 +53,15 @@ class DeviceProfile:
     # groups' buffers, the loader, allocator slack), measured on a tiny model
     step_overhead_s: float = 0.0  # the engine's own cost per step, beyond layers and collectives
     micro_batch_overhead_s: float = 0.0  # ... and per micro-batch (per model chunk)
+    parallel: dict = field(default_factory=dict)  # {parallel key: {"layer": rows, "head": rows}} measured on
+    # the layout's own groups, collectives included
     notes: list = field(default_factory=list)
 
     def __post_init__(self):
         self.links = {k: v if isinstance(v, Link) else Link(**v) for k, v in self.links.items()}
         self.layer, self.head = sorted(map(list, self.layer)), sorted(map(list, self.head))
+        self.parallel = {key: {kind: sorted(map(list, rows)) for kind, rows in tables.items()}
+                         for key, tables in self.parallel.items()}
 
     def link(self, kind: str) -> Link:
         return self.links.get(kind) or self.links["intra"]
@@ -72,12 +80,30 @@ class DeviceProfile:
     def head_time(self, flops: float, ranks_per_node: int) -> tuple[float, float]:
         return tuple(x * self.contention(ranks_per_node) for x in interpolate(self.head, flops))
 
+    def parallel_time(self, kind: str, key: str, flops: float, ranks_per_node: int) -> tuple[float, float] | None:
+        """(forward, backward) seconds of the `kind` ("layer" or "head") call as layout `key` runs it on its
+        groups, or None where that was not measured."""
+        rows = self.parallel.get(key, {}).get(kind)
+        if not rows:
+            return None
+        return tuple(x * self.contention(ranks_per_node) for x in interpolate(rows, flops))
+
     def save(self, path: str | Path) -> None:
         text = json.dumps(asdict(self), indent=1)
         # one line per measured row: the innermost lists of numbers
         text = re.sub(r"\[\s+([^\[\]{}\"]*?)\s+\]",
                       lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]", text)
         Path(path).write_text(text + "\n")
+
+
+def parallel_key(cfg) -> str:
+    """The name of a layout's measured rows in DeviceProfile.parallel, from its tensor and context sizes,
+    sequence parallelism and context-attention strategy: "tp2+sp", "cp2", "tp4+sp/cp2:ring"; "" for neither."""
+    p = cfg.parallel
+    parts = [f"tp{p.tensor}" + ("+sp" if p.sequence_parallel else "")] if p.tensor > 1 else []
+    if p.context > 1:
+        parts.append(f"cp{p.context}" + ("" if p.context_attention == "allgather" else f":{p.context_attention}"))
+    return "/".join(parts)
 
 
 def interpolate(table: list, flops: float) -> tuple[float, float]:

@@ -6,7 +6,10 @@ forward and backward times from the profile at this layout's FLOPs per call (tok
 sequence / CP, widths / TP; on a CPU, scaled by how many ranks share its cores against the calibration's).
 Full recomputation adds a layer forward to its backward, selective recomputation
 the attention core's share of it. Tensor-parallel, context-parallel and pipeline transfers sit on the critical
-path of every micro-batch: they are counted as exposed. The slowest stage sets the pace: busy = m × its slot,
+path of every micro-batch: they are counted as exposed. Where the profile timed the layer and the output layer
+on this layout's own TP / CP groups (profile.parallel), those times stand for the calls, and what they take
+beyond the plain layer is the TP / CP communication: a collective between compute slices costs more than the
+link fit (measured among ranks doing nothing else) says, by how much depends on the device and the group. The slowest stage sets the pace: busy = m × its slot,
 and the schedule's bubble (engine/plan/bubble.py) adds its idle share. Data-parallel gradient reduction
 overlaps the backward it follows: a reduction hides behind one micro-batch's backward except the last unit's
 (a ZeRO 0 bucket, else one block), so exposed = max(time − that backward, time of the last piece); ZeRO 3's
@@ -24,8 +27,11 @@ from engine.config.schema import Config, data_parallel_size
 from engine.model import layer_parameters
 from engine.plan import volumes
 from engine.plan.bubble import bubble_time
-from engine.plan.profile import DeviceProfile
+from engine.plan.profile import DeviceProfile, parallel_key
 from parallel.tensor import padded_vocab_size
+
+
+PER_MICRO_BATCH = ("tp", "cp", "tp/cp", "pp")  # groups whose collectives sit in every micro-batch's span
 
 
 @dataclass
@@ -40,12 +46,12 @@ class Prediction:
 
     @property
     def pipeline_span(self) -> float:
-        per_micro_batch = sum(v for k, v in self.exposed.items() if k in ("tp", "cp", "pp"))
+        per_micro_batch = sum(v for k, v in self.exposed.items() if k in PER_MICRO_BATCH)
         return (self.compute + per_micro_batch + self.bubble) * self.shared_cores_factor
 
     @property
     def total(self) -> float:
-        rest = sum(v for k, v in self.exposed.items() if k not in ("tp", "cp", "pp"))
+        rest = sum(v for k, v in self.exposed.items() if k not in PER_MICRO_BATCH)
         return self.pipeline_span + rest + self.optimizer + self.overhead
 
     def summary(self) -> str:
@@ -73,18 +79,35 @@ def head_flops(cfg: Config) -> float:
     return 2 * volumes.tokens(cfg) * m.hidden_size * padded_vocab_size(m.vocab_size, t) / t
 
 
-def stage_compute(cfg: Config, stage: int, profile: DeviceProfile, ranks_per_node: int) -> tuple[float, float, float]:
-    """(forward, backward, recomputation) seconds of one micro-batch on `stage`."""
+def measured_split(plain: tuple, real: tuple | None) -> tuple[tuple, tuple]:
+    """((forward, backward) compute, (forward, backward) communication) of a call whose plain compute is `plain`
+    and which the profile timed as `real` on the layout's groups (None: not timed, no communication inside)."""
+    if real is None:
+        return plain, (0.0, 0.0)
+    compute = tuple(min(p, r) for p, r in zip(plain, real))
+    return compute, tuple(r - c for r, c in zip(real, compute))
+
+
+def stage_compute(cfg: Config, stage: int, profile: DeviceProfile, ranks_per_node: int) \
+        -> tuple[float, float, float, float]:
+    """(forward, backward, recomputation, communication) seconds of one micro-batch on `stage`: the last is what
+    the TP / CP collectives inside its layers and output layer add where the profile timed those on this
+    layout's groups (profile.parallel), else 0 (volumes.per_micro_batch counts them instead)."""
     flops, attention = layer_flops(cfg)
-    fwd, bwd = profile.layer_time(flops, ranks_per_node)
-    recompute = {"none": 0.0, "selective": fwd * attention / flops, "full": fwd}[cfg.train.recompute]
+    key = parallel_key(cfg)
+    (fwd, bwd), (fwd_comm, bwd_comm) = measured_split(
+        profile.layer_time(flops, ranks_per_node), profile.parallel_time("layer", key, flops, ranks_per_node))
+    recompute, recompute_comm = {"none": (0.0, 0.0), "selective": (fwd * attention / flops, 0.0),
+                                 "full": (fwd, fwd_comm)}[cfg.train.recompute]
     chunks = volumes.stage_chunks(cfg, stage)
     layers = sum(n for n, _, _ in chunks)
-    forward, backward = layers * fwd, layers * bwd
+    forward, backward, comm = layers * fwd, layers * bwd, layers * (fwd_comm + bwd_comm + recompute_comm)
     if any(post for _, _, post in chunks):
-        head_fwd, head_bwd = profile.head_time(head_flops(cfg), ranks_per_node)
-        forward, backward = forward + head_fwd, backward + head_bwd
-    return forward, backward, layers * recompute
+        flops = head_flops(cfg)
+        (head_fwd, head_bwd), head_comm = measured_split(
+            profile.head_time(flops, ranks_per_node), profile.parallel_time("head", key, flops, ranks_per_node))
+        forward, backward, comm = forward + head_fwd, backward + head_bwd, comm + sum(head_comm)
+    return forward, backward, layers * recompute, comm
 
 
 def comm_time(collectives: list, profile: DeviceProfile) -> dict:
@@ -100,10 +123,14 @@ def predict(cfg: Config, world_size: int, profile: DeviceProfile, gpus_per_node:
     dp = data_parallel_size(cfg, world_size)
     micro_batches = t.global_batch_size // (t.micro_batch_size * dp)
     ranks = min(world_size, gpus_per_node)  # on one machine: sharing its cores, on a CPU
+    measured = parallel_key(cfg) in profile.parallel  # the layers' TP / CP collectives timed with them
     slots = []
     for stage in range(p.pipeline):
-        forward, backward, recompute = stage_compute(cfg, stage, profile, ranks)
-        comm = comm_time(volumes.per_micro_batch(cfg, stage, world_size, gpus_per_node), profile)
+        forward, backward, recompute, inside = stage_compute(cfg, stage, profile, ranks)
+        comm = comm_time(volumes.per_micro_batch(cfg, stage, world_size, gpus_per_node, measured), profile)
+        if measured:
+            label = "/".join(g for g, size in (("tp", p.tensor), ("cp", p.context)) if size > 1)
+            comm[label] = comm.get(label, 0.0) + inside
         slots.append((forward + backward + recompute + sum(comm.values()), stage, forward, backward + recompute,
                       comm))
     slot, stage, forward, backward, comm = max(slots, key=lambda s: s[0])

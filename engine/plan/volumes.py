@@ -79,17 +79,21 @@ def tokens(cfg: Config) -> int:
     return cfg.train.micro_batch_size * cfg.model.seq_length // cfg.parallel.context
 
 
-def per_micro_batch(cfg: Config, stage: int, world_size: int, gpus_per_node: int) -> list[Collective]:
-    """TP, CP and pipeline collectives of one micro-batch on `stage` (all on the critical path)."""
+def per_micro_batch(cfg: Config, stage: int, world_size: int, gpus_per_node: int,
+                    layers_measured: bool = False) -> list[Collective]:
+    """TP, CP and pipeline collectives of one micro-batch on `stage` (all on the critical path). With
+    `layers_measured` (the device profile timed the layers and the output layer on this layout's own groups,
+    collectives included) only the embedding's TP collectives and the pipeline's are left to count."""
     m, p = cfg.model, cfg.parallel
     e, t, c = DTYPE_BYTES[cfg.train.precision], p.tensor, p.context
     full = cfg.train.recompute == "full"
     out = []
     chunks = stage_chunks(cfg, stage)
-    layers = sum(n for n, _, _ in chunks)
-    pre, post = sum(1 for _, first, _ in chunks if first), sum(1 for _, _, last in chunks if last)
+    layers = 0 if layers_measured else sum(n for n, _, _ in chunks)
+    pre = sum(1 for _, first, _ in chunks if first)
+    post = 0 if layers_measured else sum(1 for _, _, last in chunks if last)
     activation = tokens(cfg) * m.hidden_size * e
-    if t > 1:
+    if t > 1 and layers + pre + post:
         tp_link = link_of(t, gpus_per_node)
         if p.sequence_parallel:  # every gather has its reduce-scatter in backward and the reverse
             out += [Collective("tp", "all_gather", activation, (6 if full else 4) * layers + pre + post, t, tp_link),
@@ -100,7 +104,7 @@ def per_micro_batch(cfg: Config, stage: int, world_size: int, gpus_per_node: int
                                   tp_link))
         if post:
             out.append(Collective("tp", "all_reduce", tokens(cfg) * 4, 3 * post, t, tp_link))
-    if c > 1:
+    if c > 1 and layers:
         kv = (m.kv_heads // t if m.kv_heads >= t else 1) * m.head_dim
         gathered = c * tokens(cfg) * 2 * kv * e
         cp_link = link_of(t * c, gpus_per_node)
