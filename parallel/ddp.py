@@ -35,6 +35,7 @@ from parallel.embedding_rows import EmbeddingRows, rows_worth_it
 from parallel.stage_layers import tied_embedding_weights
 from parallel.staged_reduction import StagedReduction
 from parallel.tensor import TensorParallel, allreduce_replicated_grads
+from parallel.weak_hooks import weak_method
 
 
 def reduces_in_fp32(name: str, fp32_names) -> bool:
@@ -120,9 +121,10 @@ class BucketedDDP:
         self.persistent_grads = [p for b in self.buckets if b.in_place for p in b.params] + \
             ([self.embedding_rows.weight] if self.embedding_rows else [])
         if self.dp_size > 1:
+            on_grad = weak_method(self._on_grad)
             for p in self.calls:
-                p.register_post_accumulate_grad_hook(self._on_grad)
-                p.on_deferred_grad = self._on_grad  # when a WeightGradQueue completes its gradient later
+                p.register_post_accumulate_grad_hook(on_grad)
+                p.on_deferred_grad = on_grad  # when a WeightGradQueue completes its gradient later
 
     def _row_exchange(self, chunks: list, fp32_names, tokens: int) -> EmbeddingRows | None:
         """The untied input embedding of this rank's first chunk, its gradient exchanged by rows

@@ -37,6 +37,7 @@ from parallel.embedding_shards import ShardedEmbeddingLookup, lookup_worth_it
 from parallel.fsdp_units import BufferPool, ShardRange, Unit, unit_plan
 from parallel.stage_layers import tied_embedding_weights
 from parallel.staged_reduction import StagedReduction
+from parallel.weak_hooks import weak_method
 
 
 def hierarchical_reduce_scatter(out: torch.Tensor, flat: torch.Tensor, intra, inter) -> list:
@@ -126,10 +127,11 @@ class ShardedDataParallel:
 
     # -- hooks ---------------------------------------------------------------------------------------
     def _install_hooks(self, unit: Unit, plan: dict, chunk_units: list, final_exit) -> None:
+        on_grad = weak_method(self._on_unit_grad)  # by index: a unit holds its group and parameters
         for p in unit.params:
-            p.register_post_accumulate_grad_hook(lambda param, u=unit: self._on_grad(u, param))
+            p.register_post_accumulate_grad_hook(lambda param, i=unit.index: on_grad(i, param))
             # when a pipeline's WeightGradQueue completes its gradient after the hook ran
-            p.on_deferred_grad = lambda param, u=unit: self._on_grad(u, param)
+            p.on_deferred_grad = lambda param, i=unit.index: on_grad(i, param)
         if self.stage != 3:
             return
         position = len(chunk_units) - 1
@@ -190,6 +192,9 @@ class ShardedDataParallel:
         if self.fusing:  # stage 3
             unit.borrow_full_grad(self.pool)
             unit.attach_grads()
+
+    def _on_unit_grad(self, index: int, param: torch.Tensor) -> None:
+        self._on_grad(self.units[index], param)
 
     def _on_grad(self, unit: Unit, param: torch.Tensor) -> None:
         if param.grad is None and unit.row_lookup is not None:  # its lookup reduced it (_take_rows)

@@ -481,3 +481,33 @@ def test_launcher_runs_zero3(tmp_path):
     single = losses(tmp_path / "single", 1)
     sharded = losses(tmp_path / "zero3", 2, "parallel.zero_stage=3")
     assert sharded == pytest.approx(single, abs=1e-4)
+
+
+def dropped_trainers_are_freed(rank, world, stage):
+    """Build, step and drop three Trainers in turn: (parameters of the dropped ones still alive, process
+    groups and threads of this process after each drop)."""
+    import gc
+    import threading
+    import weakref
+    before = comm.registered_groups()
+    alive, counts = [], []
+    for _ in range(3):
+        trainer = make_trainer(rank, world, CURVE, zero_stage=stage)
+        trainer.train_step()
+        alive.append(weakref.ref(next(iter(dict(trainer.named_params).values()))))
+        trainer.loader.close()
+        del trainer
+        gc.collect()
+        comm.destroy_groups_since(before)
+        counts.append((len(dist.distributed_c10d._world.pg_map), len(os.listdir("/proc/self/task")),
+                       threading.active_count()))
+    return sum(ref() is not None for ref in alive), counts
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_dropped_trainer_frees_its_model_and_process_groups(pools, stage):
+    # gradient hooks live in C++, out of the garbage collector's sight: hooks bound to their DDP / FSDP owner
+    # once kept every dropped Trainer's model, and its groups' threads and sockets, to the end of the process
+    for alive, counts in pools[2].run(dropped_trainers_are_freed, stage):
+        assert alive == 0
+        assert counts[0] == counts[1] == counts[2], counts

@@ -92,6 +92,18 @@ def _resume_point(roots: list[Path]) -> Path | None:
     return found[0] if found else None
 
 
+_HOST_GROUP: list = [None, None]  # [the world's process group, a gloo group over the same ranks]
+
+
+def host_group():
+    """A gloo group over every rank for the checkpointer's small objects (agreement, barriers), which a
+    background save exchanges while training uses the world group (NCCL on GPUs): one per process and world,
+    shared by every Checkpointer, so that a process building Trainer after Trainer does not add a group each."""
+    if _HOST_GROUP[0] is not dist.group.WORLD:
+        _HOST_GROUP[:] = [dist.group.WORLD, dist.new_group(backend="gloo")]
+    return _HOST_GROUP[1]
+
+
 class Checkpointer:
     """Saves and loads the checkpoints of one run (`run.dir/checkpoints`); every rank constructs one."""
 
@@ -102,7 +114,7 @@ class Checkpointer:
         self.mirror = Path(self.ck.mirror_dir) if self.ck.mirror_dir else None
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.group = dist.new_group(backend="gloo") if self.world > 1 else None
+        self.group = host_group() if self.world > 1 else None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.saved: list[str] = []  # this run's saves, oldest first: the order retention prunes by
