@@ -2,6 +2,7 @@
 against hand-worked bytes, the override text reproducing each layout through the launcher's parser, the
 communication volumes against what parallel/comm.py records in a real step, the time model's bubble and
 interpolation, and the pre-flight's warning on a deliberately poor layout."""
+import os
 import subprocess
 import sys
 
@@ -15,7 +16,7 @@ from engine.plan.fit import MARGIN, fits, peak_bytes
 from engine.plan.layouts import Layout, Space, apply, configure, enumerate_layouts, overrides
 from engine.plan.planner import plan, warning
 from engine.plan.calibrate import fit_link
-from engine.plan.profile import DeviceProfile, interpolate, load_profile
+from engine.plan.profile import DeviceProfile, Link, interpolate, load_profile, parallel_key
 from engine.plan.time_model import head_flops, layer_flops, predict
 from engine.preflight import layout_advice
 from engine.train import Trainer
@@ -194,6 +195,49 @@ def test_gradient_reduction_hides_behind_backward_but_its_last_bucket():
     five = predict(small_config("parallel.bucket_mb=5", one), 8, profile, 8)  # 5 buckets behind seconds of backward
     assert five.exposed["dp"] == pytest.approx(all_reduce / 5 + rows)
     assert five.overlapped["dp"] == pytest.approx(all_reduce * 4 / 5)
+
+
+def test_layers_timed_on_their_groups_stand_for_compute_and_their_collectives():
+    profile = flat_profile()
+    profile.links["intra"] = Link(latency_s=1e-3, seconds_per_byte=0.0)  # 1 ms a ring step
+    cfg = configure(small_config(), Layout(tensor=2, micro_batch_size=1), 8)  # SP on, DP 4: 2 micro-batches
+    flops, head = layer_flops(cfg)[0], head_flops(cfg)
+    plain = predict(cfg, 8, profile, 8)
+    # the layer timed on its TP group takes 1.5× the plain one, the output layer 2×
+    profile.parallel = {"tp2+sp": {"layer": [[r[0], 1.5 * r[1], 1.5 * r[2]] for r in profile.layer],
+                                   "head": [[r[0], 2 * r[1], 2 * r[2]] for r in profile.head]}}
+    timed = predict(cfg, 8, profile, 8)
+    layer_s, head_s = flops * 5e-9, head * 5e-9  # forward + backward of the plain calls: 1 + 4 ns per FLOP
+    assert timed.compute == pytest.approx(plain.compute) == pytest.approx(2 * (4 * layer_s + head_s))
+    # the embedding's gather and reduce-scatter (one ring step each) are the only TP calls still counted apart
+    embedding = 2 * 2 * 1e-3
+    assert timed.exposed["tp"] == pytest.approx(2 * (4 * 0.5 * layer_s + head_s) + embedding)
+    left = volumes.per_micro_batch(cfg, 0, 8, 8, layers_measured=True)
+    assert sorted((c.group, c.op, c.count) for c in left) == [("tp", "all_gather", 1), ("tp", "reduce_scatter", 1)]
+    untimed = flat_profile()
+    untimed.links = profile.links
+    other = configure(small_config(), Layout(tensor=4, micro_batch_size=1), 8)  # not timed: the link counts it
+    assert predict(other, 8, profile, 8).exposed["tp"] == predict(other, 8, untimed, 8).exposed["tp"] > 0
+    assert parallel_key(configure(small_config(), Layout(tensor=4, context=2), 8)) == "tp4+sp/cp2"
+    assert parallel_key(small_config("parallel.context=2", "parallel.context_attention=ring")) == "cp2:ring"
+    assert parallel_key(small_config()) == ""
+
+
+def test_calibration_times_each_tp_and_cp_layout_on_its_groups(tmp_path):
+    out = tmp_path / "profile.json"
+    done = subprocess.run([sys.executable, "tools/plan_layout.py", "--calibrate", "--nproc", "2", "--config",
+                           "launch/configs/tiny.yaml", "--tensor", "1,2", "--context", "1,2", "--micro-batches", "1",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    profile = load_profile(str(out))
+    assert profile.measured and sorted(profile.parallel) == ["cp2", "tp2+sp"]
+    cfg = load_config("launch/configs/tiny.yaml", ["parallel.tensor=2", "parallel.sequence_parallel=true",
+                                                   "train.micro_batch_size=1"])
+    for kind, flops in (("layer", layer_flops(cfg)[0]), ("head", head_flops(cfg))):
+        (row,) = profile.parallel["tp2+sp"][kind]
+        assert row[0] == flops and row[1] > 0 and row[2] > 0
+    assert predict(cfg, 2, profile, 2).exposed["tp"] > 0
 
 
 def test_the_pre_flight_warns_on_a_deliberately_poor_layout():
