@@ -31,6 +31,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 LINK_SIZES = (1 << 16, 1 << 20, 1 << 23)  # bytes per collective buffer: latency- to bandwidth-bound
+CALIBRATION_REPEATS = 5  # timed calls per compute shape (the median): ranks sharing cores measure in bursts
 
 
 def shapes(args):
@@ -73,7 +74,7 @@ def worker(rank: int, args, port: int, results) -> None:
             cfg = load_config(args.config, [f"parallel.tensor={t}", f"train.micro_batch_size={b}",
                                             f"train.precision={args.precision}"])
             dist.barrier()
-            row_layer, row_head = calibrate.measure_compute(cfg, device)
+            row_layer, row_head = calibrate.measure_compute(cfg, device, CALIBRATION_REPEATS)
             layer.append(row_layer)
             head.append(row_head)
         parallel: dict = {}
@@ -85,7 +86,7 @@ def worker(rank: int, args, port: int, results) -> None:
             dist.barrier()
             if groups:
                 tables = parallel.setdefault(parallel_key(cfg), {"layer": [], "head": []})
-                row_layer, row_head = calibrate.measure_parallel(cfg, *groups, device)
+                row_layer, row_head = calibrate.measure_parallel(cfg, *groups, device, CALIBRATION_REPEATS)
                 tables["layer"].append(row_layer)
                 tables["head"].append(row_head)
         dist.barrier()
