@@ -65,6 +65,17 @@ def timed(run, repeats: int, device: torch.device) -> float:
     return statistics.median(times)
 
 
+@torch.no_grad()
+def filled(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """`model` on `device` in `dtype`, every weight drawn from normal(0, 0.02) on this rank alone: the values do
+    not matter to the speed, but uninitialised memory may hold denormals, which slow a CPU's matrix products,
+    and the engine's own initialisation (init_weights) builds each full, unsplit tensor first."""
+    model.to(device, dtype)
+    for p in model.parameters():
+        p.normal_(0.0, 0.02)
+    return model
+
+
 def forward_backward(model, inputs, labels, device, repeats: int) -> tuple[float, float]:
     """(forward, backward) seconds of `model` on `inputs` (hidden states, so backward reaches the input)."""
     def forward():
@@ -84,8 +95,8 @@ def measure_compute(cfg: Config, device: torch.device, repeats: int = 3) -> tupl
     local = local_model_config(cfg)
     tokens = cfg.train.micro_batch_size * cfg.model.seq_length // cfg.parallel.context
     x = torch.randn(1, tokens, local.hidden_size, device=device, dtype=dtype, requires_grad=True)
-    layer = CausalLM(local, pre_process=False, post_process=False).to(device, dtype)
-    head = CausalLM(local, layer_ids=[], pre_process=False, post_process=True).to(device, dtype)
+    layer = filled(CausalLM(local, pre_process=False, post_process=False), device, dtype)
+    head = filled(CausalLM(local, layer_ids=[], pre_process=False, post_process=True), device, dtype)
     labels = torch.randint(0, cfg.model.vocab_size // cfg.parallel.tensor, (1, tokens), device=device)
     layer_row = [layer_flops(cfg)[0], *forward_backward(layer, x, None, device, repeats)]
     head_row = [head_flops(cfg), *forward_backward(head, x, labels, device, repeats)]
@@ -120,11 +131,8 @@ def measure_parallel(cfg: Config, tp: TensorParallel, cp: ContextParallel, devic
     tokens = cfg.train.micro_batch_size * model_cfg.seq_length // cp.size
     x = torch.randn(1, tokens // (tp.size if tp.sequence_parallel else 1), model_cfg.hidden_size, device=device,
                     dtype=dtype, requires_grad=True)
-    layer = CausalLM(model_cfg, tp, layer_ids=[0], pre_process=False, post_process=False, cp=cp)
-    head = CausalLM(model_cfg, tp, layer_ids=[], pre_process=False, post_process=True, cp=cp)
-    for model in (layer, head):
-        model.init_weights(0)
-        model.to(device, dtype)
+    layer = filled(CausalLM(model_cfg, tp, layer_ids=[0], pre_process=False, post_process=False, cp=cp), device, dtype)
+    head = filled(CausalLM(model_cfg, tp, layer_ids=[], pre_process=False, post_process=True, cp=cp), device, dtype)
     labels = torch.randint(0, model_cfg.vocab_size, (1, tokens), device=device)
     layer_row = [layer_flops(cfg)[0], *forward_backward(layer, x, None, device, repeats)]
     head_row = [head_flops(cfg), *forward_backward(head, x, labels, device, repeats)]
