@@ -82,11 +82,12 @@ def worker(rank: int, args, port: int, results) -> None:
             cfg = load_config(args.config, [f"parallel.tensor={t}", f"parallel.context={c}",
                                             f"parallel.sequence_parallel={str(t > 1).lower()}",
                                             f"train.micro_batch_size={b}", f"train.precision={args.precision}"])
-            groups = calibrate.parallel_groups(args.nproc, rank, t, c, cfg.parallel.context_attention)
+            groups = calibrate.parallel_groups(cfg, args.nproc, rank)
             dist.barrier()
             if groups:
                 tables = parallel.setdefault(parallel_key(cfg), {"layer": [], "head": []})
-                row_layer, row_head = calibrate.measure_parallel(cfg, *groups, device, CALIBRATION_REPEATS)
+                row_layer, row_head = calibrate.measure_calls(cfg, cfg.model, *groups, device,
+                                                              CALIBRATION_REPEATS)
                 tables["layer"].append(row_layer)
                 tables["head"].append(row_head)
         dist.barrier()

@@ -88,47 +88,13 @@ def forward_backward(model, inputs, labels, device, repeats: int) -> tuple[float
     return fwd, max(timed(both, repeats, device) - fwd, 1e-9)
 
 
-def measure_compute(cfg: Config, device: torch.device, repeats: int = 3) -> tuple[list, list]:
-    """([forward FLOPs, forward s, backward s] of one layer, the same of the output layer) at `cfg`'s shape
-    (parallel.tensor, train.micro_batch_size, parallel.context give the local size)."""
+def measure_calls(cfg: Config, model_cfg: ModelConfig, tp: TensorParallel, cp: ContextParallel,
+                  device: torch.device, repeats: int) -> tuple[list, list]:
+    """([forward FLOPs, forward s, backward s] of one layer, the same of the output layer) of `model_cfg`'s
+    layer and output layer built on `tp` and `cp`, at `cfg`'s shape (parallel.tensor, train.micro_batch_size,
+    parallel.context give the FLOPs and the local size)."""
     dtype = DTYPES[cfg.train.precision]
-    local = local_model_config(cfg)
     tokens = cfg.train.micro_batch_size * cfg.model.seq_length // cfg.parallel.context
-    x = torch.randn(1, tokens, local.hidden_size, device=device, dtype=dtype, requires_grad=True)
-    layer = filled(CausalLM(local, pre_process=False, post_process=False), device, dtype)
-    head = filled(CausalLM(local, layer_ids=[], pre_process=False, post_process=True), device, dtype)
-    labels = torch.randint(0, cfg.model.vocab_size // cfg.parallel.tensor, (1, tokens), device=device)
-    layer_row = [layer_flops(cfg)[0], *forward_backward(layer, x, None, device, repeats)]
-    head_row = [head_flops(cfg), *forward_backward(head, x, labels, device, repeats)]
-    return layer_row, head_row
-
-
-def parallel_groups(world_size: int, rank: int, tensor: int, context: int, strategy: str) \
-        -> tuple[TensorParallel, ContextParallel] | None:
-    """This rank's TP and CP groups with the world cut into blocks of tensor × context ranks (TP neighbours
-    adjacent, CP ones `tensor` apart, as parallel/topology orders them); None on ranks left over. Every rank
-    creates every group, as torch.distributed requires."""
-    block = tensor * context
-    mine = None
-    for start in range(0, world_size - world_size % block, block):
-        tp_groups = {r: dist.new_group(list(range(r, r + tensor))) for r in range(start, start + block, tensor)}
-        cp_ranks = {i: list(range(start + i, start + block, tensor)) for i in range(tensor)}
-        cp_groups = {i: dist.new_group(ranks) for i, ranks in cp_ranks.items()}
-        if start <= rank < start + block:
-            i = (rank - start) % tensor
-            tp = TensorParallel(tp_groups[rank - i], tensor, i, sequence_parallel=tensor > 1)
-            cp = ContextParallel(cp_groups[i], context, (rank - start) // tensor, strategy, tuple(cp_ranks[i]))
-            mine = tp, cp
-    return mine
-
-
-def measure_parallel(cfg: Config, tp: TensorParallel, cp: ContextParallel, device: torch.device,
-                     repeats: int = 3) -> tuple[list, list]:
-    """measure_compute's rows for the layer and the output layer built on `tp` and `cp` (cfg.parallel.tensor
-    and .context must be their sizes): [forward FLOPs, forward s, backward s], collectives included."""
-    dtype = DTYPES[cfg.train.precision]
-    model_cfg = cfg.model
-    tokens = cfg.train.micro_batch_size * model_cfg.seq_length // cp.size
     x = torch.randn(1, tokens // (tp.size if tp.sequence_parallel else 1), model_cfg.hidden_size, device=device,
                     dtype=dtype, requires_grad=True)
     layer = filled(CausalLM(model_cfg, tp, layer_ids=[0], pre_process=False, post_process=False, cp=cp), device, dtype)
@@ -137,6 +103,32 @@ def measure_parallel(cfg: Config, tp: TensorParallel, cp: ContextParallel, devic
     layer_row = [layer_flops(cfg)[0], *forward_backward(layer, x, None, device, repeats)]
     head_row = [head_flops(cfg), *forward_backward(head, x, labels, device, repeats)]
     return layer_row, head_row
+
+
+def measure_compute(cfg: Config, device: torch.device, repeats: int = 3) -> tuple[list, list]:
+    """measure_calls of the plain layer and output layer at this rank's TP-local widths, without collectives."""
+    return measure_calls(cfg, local_model_config(cfg), TensorParallel(), ContextParallel(), device, repeats)
+
+
+def parallel_groups(cfg: Config, world_size: int, rank: int) -> tuple[TensorParallel, ContextParallel] | None:
+    """This rank's TP and CP groups of `cfg`'s sizes (with its sequence parallelism and context-attention
+    strategy), for measure_calls of the whole-width layer: the world cut into blocks of TP × CP ranks (TP
+    neighbours adjacent, CP ones TP apart, as parallel/topology orders them); None on ranks left over. Every
+    rank creates every group, as torch.distributed requires."""
+    p = cfg.parallel
+    block = p.tensor * p.context
+    mine = None
+    for start in range(0, world_size - world_size % block, block):
+        tp_groups = {r: dist.new_group(list(range(r, r + p.tensor))) for r in range(start, start + block, p.tensor)}
+        cp_ranks = {i: list(range(start + i, start + block, p.tensor)) for i in range(p.tensor)}
+        cp_groups = {i: dist.new_group(ranks) for i, ranks in cp_ranks.items()}
+        if start <= rank < start + block:
+            i = (rank - start) % p.tensor
+            tp = TensorParallel(tp_groups[rank - i], p.tensor, i, p.sequence_parallel and p.tensor > 1)
+            cp = ContextParallel(cp_groups[i], p.context, (rank - start) // p.tensor, p.context_attention,
+                                 tuple(cp_ranks[i]))
+            mine = tp, cp
+    return mine
 
 
 def measure_optimizer(device: torch.device, elements: int = 1 << 22, repeats: int = 3) -> float:

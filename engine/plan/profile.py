@@ -8,7 +8,7 @@ any other size runs at the FLOP rate interpolated between the two nearest measur
 held constant beyond the ends), because a device's efficiency grows with the size of its matrix products.
 Beside the plain layer at TP-local widths, `parallel` holds the same tables for the layer and the output layer
 as a tensor- or context-parallel layout runs them, on their groups with their collectives (keyed by
-engine/plan/calibrate.parallel_key: "tp2+sp", "cp2", ...); where a layout's key is measured, its layers cost
+parallel_key below: "tp2+sp", "cp2", ...); where a layout's key is measured, its layers cost
 that, and the difference from the plain layer is their communication.
 A link type (intra = within a node, inter = across nodes) is a latency per ring step (an all-reduce over n ranks
 takes 2(n−1) steps, an all-gather or reduce-scatter n−1, a send one) + seconds per byte on the wire, fit by

@@ -9,8 +9,9 @@ the attention core's share of it. Tensor-parallel, context-parallel and pipeline
 path of every micro-batch: they are counted as exposed. Where the profile timed the layer and the output layer
 on this layout's own TP / CP groups (profile.parallel), those times stand for the calls, and what they take
 beyond the plain layer is the TP / CP communication: a collective between compute slices costs more than the
-link fit (measured among ranks doing nothing else) says, by how much depends on the device and the group. The slowest stage sets the pace: busy = m × its slot,
-and the schedule's bubble (engine/plan/bubble.py) adds its idle share. Data-parallel gradient reduction
+link fit (measured among ranks doing nothing else) says, by how much depends on the device and the group.
+The slowest stage sets the pace: busy = m × its slot, and the schedule's bubble (engine/plan/bubble.py) adds
+its idle share. Data-parallel gradient reduction
 overlaps the backward it follows: a reduction hides behind one micro-batch's backward except the last unit's
 (a ZeRO 0 bucket, else one block), so exposed = max(time − that backward, time of the last piece); ZeRO 3's
 parameter gathers are prefetched the same way behind the forward and backward; the all-gather of updated
