@@ -282,6 +282,20 @@ def test_the_tool_prints_five_layouts_with_breakdowns_for_the_7b_recipe():
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
 
 
+def test_verify_runs_the_best_layouts_as_docs_planner_shows():
+    # the command exactly as docs/planner.md gives it: 4 local CPU ranks, the 2 best layouts trained for a few steps
+    done = subprocess.run([sys.executable, "tools/plan_layout.py", "--config", "launch/configs/tiny.yaml", "--nodes",
+                           "1", "--gpus-per-node", "4", "train.device=cpu", "--verify", "2"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    ranked = [line.split(":")[0].split(". ", 1)[1] for line in lines if line[:3] in ("1. ", "2. ")]
+    table = lines[lines.index("| layout | predicted s | measured s | error | predicted GiB | measured GiB | error |") + 2:]
+    rows = [[cell.strip() for cell in row.strip("|").split("|")] for row in table if row.startswith("| TP")]
+    assert [row[0] for row in rows] == ranked and len(rows) == 2
+    assert all(float(row[2]) > 0 and float(row[5]) > 0 for row in rows)  # measured step time and peak
+
+
 def test_profiles_load_and_name_their_source():
     for name in ("cpu_fp32", "h200_bf16_assumed"):
         profile = load_profile(name)
