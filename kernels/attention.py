@@ -234,47 +234,8 @@ def position_mask(q_positions, k_positions, window: int = 0, q_segments=None, k_
     return allowed
 
 
-def accumulation_dtype(t: torch.Tensor) -> torch.dtype:
-    """fp32 for half-precision tensors, else their own (fp64 stays fp64: gradient checks)."""
-    return torch.promote_types(t.dtype, torch.float32)
-
-
 def position_bias(slopes: torch.Tensor, q_positions, k_positions) -> torch.Tensor:
     """ALiBi's additive bias [h, sq, sk] for queries and keys at these sequence indices: −slope · distance
     (fp32; `position_mask` hides the keys ahead)."""
     distance = (q_positions[:, None] - k_positions[None, :]).clamp(min=0).float()
     return -slopes.float()[:, None, None] * distance
-
-
-def attention_with_lse(q, k, v, allowed: torch.Tensor, dropout: torch.Tensor | None = None, bias=None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q [b, hq, sq, d] over one block of keys k, v [b, hkv, sk, d] under the boolean mask
-    `allowed` [b or 1, 1, sq, sk]: (output [b, hq, sq, d], log-sum-exp of the scores [b, hq, sq], fp32 or fp64).
-    A query that sees no key of the block gets output 0 and log-sum-exp -inf, so that `merge_attention` gives
-    the block no weight. `dropout` [b, hq, sq, sk]: the factor each probability is multiplied by (0 where dropped,
-    1/(1−p) where kept); the log-sum-exp is of the scores before it. `bias` [h, sq, sk] is added to the scores
-    (ALiBi's `position_bias`). Pure PyTorch; autograd gives its backward."""
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scores = ((q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])).to(accumulation_dtype(q))
-    if bias is not None:
-        scores = scores + bias
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    seen = allowed.any(-1)
-    # rows with no visible key get a finite stand-in, so that neither the value nor its gradient is NaN
-    lse = torch.logsumexp(scores.masked_fill(~seen[..., None], 0.0), dim=-1)
-    probs = torch.exp(scores - lse[..., None])
-    if dropout is not None:
-        probs = probs * dropout
-    out = probs.to(v.dtype) @ v
-    return out, lse.masked_fill(~seen, float("-inf"))
-
-
-def merge_attention(out_a, lse_a, out_b, lse_b) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention over the union of two disjoint key blocks from each block's output and log-sum-exp (the
-    online-softmax rescaling): each output is weighted by its share of the total exponential mass. `lse_a` must
-    be finite (a block every query sees something of)."""
-    lse = torch.logaddexp(lse_a, lse_b)
-    out = out_a * torch.exp(lse_a - lse)[..., None].to(out_a.dtype) + \
-        out_b * torch.exp(lse_b - lse)[..., None].to(out_b.dtype)
-    return out, lse

@@ -32,9 +32,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention import attention_entropy, causal_attention, position_bias, position_mask
+from kernels.attention import attention_entropy, causal_attention, position_bias, position_mask, select_backend
+from kernels.attention_blocks import fused_kernel
 from parallel import comm
-from parallel.context_ring import RingAttention, ring_masks
+from parallel.context_ring import RingAttention, RingPlan
 
 STRATEGIES = ("allgather", "ring", "alltoall")
 
@@ -97,10 +98,11 @@ class ContextParallel:
         Attention dropout draws from the current RNG stream, which is each CP rank's own (parallel/random.py),
         so every rank drops its own queries' probabilities independently."""
         s = q.shape[2] * self.size
+        select_backend(backend, q)  # an explicit backend is honoured or refused as without CP
         if self.strategy == "allgather":
             return self._allgather(q, k, v, s, window, segment_ids, dropout_p, slopes)
         if self.strategy == "ring":
-            return self._ring(q, k, v, s, window, segment_ids, dropout_p, slopes)
+            return self._ring(q, k, v, s, window, segment_ids, dropout_p, slopes, backend)
         return self._alltoall(q, k, v, s, window, segment_ids, backend, dropout_p, slopes)
 
     @torch.no_grad()
@@ -162,19 +164,16 @@ class ContextParallel:
                 q_chunk, k_sel, v_sel, attn_mask=allowed, dropout_p=dropout_p, enable_gqa=heads != q.shape[1]))
         return torch.cat(outputs, dim=2)
 
-    def _ring(self, q, k, v, s, window, segment_ids, dropout_p, slopes):
+    def _ring(self, q, k, v, s, window, segment_ids, dropout_p, slopes, backend):
         n = s // (2 * self.size)
         visible = self.visible_chunks(s, window, segment_ids)
         mine = self.chunk_ids()
-
-        def block_chunks(step):  # block `step` is the K/V of the rank that far back
-            return self.chunk_ids((self.rank - step) % self.size)
-        pairs = [[[j for j, kc in enumerate(block_chunks(step)) if visible[qc][kc]] for qc in mine]
-                 for step in range(self.size)]
+        block_chunks = [self.chunk_ids((self.rank - step) % self.size) for step in range(self.size)]
+        pairs = [[[j for j, kc in enumerate(theirs) if visible[qc][kc]] for qc in mine] for theirs in block_chunks]
         self.blocks_computed += sum(len(p) for per_query in pairs for p in per_query)
-        masks, biases = ring_masks(pairs, block_chunks, mine, n, window, segment_ids, q.device, slopes)
         ring = (self.group, self.ranks[(self.rank + 1) % self.size], self.ranks[(self.rank - 1) % self.size])
-        return RingAttention.apply(q, torch.cat((k, v), dim=1), pairs, masks, ring, dropout_p, biases)
+        plan = RingPlan(pairs, mine, block_chunks, n, ring, window, fused_kernel(q, backend), dropout_p)
+        return RingAttention.apply(q, torch.cat((k, v), dim=1), segment_ids, slopes, plan)
 
     def _alltoall(self, q, k, v, s, window, segment_ids, backend, dropout_p, slopes):
         c, hq, hkv = self.size, q.shape[1], k.shape[1]
