@@ -424,6 +424,7 @@ def test_checkpoint_saved_at_cp2_resumes_at_cp4(pools, reference):
     ({"model": {"seq_length": 18}}, "parallel.context=2 splits model.seq_length=18 into 2×2 = 4 chunks"),
     ({"parallel": {"context_attention": "alltoall", "tensor": 4}, "model": {"num_kv_heads": 4}},
      "parallel.context_attention=alltoall scatters the 1 query heads"),
+    ({"train": {"compile": True}}, "parallel.context=2 cannot serve train.compile=true yet"),
 ])
 def test_context_parallel_refusals_name_the_key(change, message):
     raw = {k: dict(v) for k, v in CURVE.items()}
