@@ -38,6 +38,7 @@ from parallel import comm
 from parallel.context_ring import RingAttention, RingPlan
 
 STRATEGIES = ("allgather", "ring", "alltoall")
+_host_meet: dict = {}  # id(segment_ids) -> (chunks, _documents_meet), from the host copy (remember_documents)
 
 
 @dataclass
@@ -48,7 +49,7 @@ class ContextParallel:
     strategy: str = "allgather"
     ranks: tuple = ()  # global ranks of the CP group in CP-rank order (the ring)
     blocks_computed: int = 0  # (query chunk, key chunk) pairs attended so far by allgather and ring (tests)
-    _visible_cache: tuple = (None, None, None)  # (weak reference to segment_ids, key, visible_chunks)
+    _visible_cache: tuple = (None, None, None)  # (weak reference to segment_ids, its key, _documents_meet)
 
     @classmethod
     def from_topology(cls, topo, strategy: str = "allgather") -> "ContextParallel":
@@ -119,25 +120,34 @@ class ContextParallel:
         return attention_entropy(q, k_all, bias, allowed=position_mask(q_pos, k_pos, window, q_seg, k_seg))
 
     # -- which chunk pairs are computed ---------------------------------------------------------------
+    def remember_documents(self, segment_ids: torch.Tensor, host_segment_ids: torch.Tensor) -> None:
+        """Which chunks documents let meet, from the host copy of `segment_ids` before the device has it:
+        `visible_chunks` then reads nothing back from the device (as kernels.attention.remember_offsets does for
+        the varlen kernel's offsets). Forgotten with the tensor."""
+        if self.size == 1:
+            return
+        key = id(segment_ids)
+        _host_meet[key] = (2 * self.size, _documents_meet(host_segment_ids, 2 * self.size))
+        weakref.finalize(segment_ids, _host_meet.pop, key, None)
+
     def visible_chunks(self, seq_length: int, window: int, segment_ids=None) -> list[list[bool]]:
         """[2c][2c]: whether any query of chunk i may attend any key of chunk j (of n = s/2c tokens). Causality
         and the window decide by the chunks' places; documents by their segment-id ranges per row (a pair is
         skipped when no row's ranges meet, exact for the increasing ids of packed documents and never wrong
-        for any ids). One host read per micro-batch: the result is kept for the segment_ids tensor."""
+        for any ids), read from the host copy `remember_documents` saw, else once per segment_ids tensor."""
         n, chunks = seq_length // (2 * self.size), 2 * self.size
-        key = (seq_length, window, None if segment_ids is None else segment_ids._version)
-        ref, cached_key, cached = self._visible_cache
-        if segment_ids is not None and ref is not None and ref() is segment_ids and cached_key == key:
-            return cached
         meet = [[True] * chunks for _ in range(chunks)]
         if segment_ids is not None:
-            ids = segment_ids.reshape(segment_ids.shape[0], chunks, n)
-            low, high = ids.amin(-1), ids.amax(-1)  # [b, 2c]
-            meet = ((low[:, None, :] <= high[:, :, None]) & (low[:, :, None] <= high[:, None, :])).any(0).tolist()
-        out = [[meet[i][j] and _chunk_visible(i, j, n, window) for j in range(chunks)] for i in range(chunks)]
-        if segment_ids is not None:
-            self._visible_cache = (weakref.ref(segment_ids), key, out)
-        return out
+            remembered = _host_meet.get(id(segment_ids))
+            if remembered is not None and remembered[0] == chunks:
+                meet = remembered[1]
+            else:  # a device tensor: one host read, kept for the tensor (every layer sees the same one)
+                ref, version, cached = self._visible_cache
+                if ref is None or ref() is not segment_ids or version != (chunks, segment_ids._version):
+                    cached = _documents_meet(segment_ids, chunks)
+                    self._visible_cache = (weakref.ref(segment_ids), (chunks, segment_ids._version), cached)
+                meet = cached
+        return [[meet[i][j] and _chunk_visible(i, j, n, window) for j in range(chunks)] for i in range(chunks)]
 
     def _allgather(self, q, k, v, s, window, segment_ids, dropout_p, slopes):
         heads, n = k.shape[1], s // (2 * self.size)
@@ -201,3 +211,10 @@ def _chunk_visible(q_chunk: int, k_chunk: int, n: int, window: int) -> bool:
         return False
     nearest = 0 if k_chunk == q_chunk else q_chunk * n - ((k_chunk + 1) * n - 1)
     return window == 0 or nearest < window
+
+
+def _documents_meet(segment_ids: torch.Tensor, chunks: int) -> list[list[bool]]:
+    """[chunks][chunks]: whether chunks i and j of some row share a segment-id range."""
+    ids = segment_ids.reshape(segment_ids.shape[0], chunks, -1)
+    low, high = ids.amin(-1), ids.amax(-1)  # [b, chunks]
+    return ((low[:, None, :] <= high[:, :, None]) & (low[:, :, None] <= high[:, None, :])).any(0).tolist()

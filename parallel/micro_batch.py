@@ -22,13 +22,16 @@ class MicroBatch:
 
     def to(self, device: torch.device) -> MicroBatch:
         """This micro-batch on `device`, copied without waiting. When flash-attn's varlen kernel will read the
-        documents, their offsets are computed here from the host copy, so that no layer reads them back."""
+        documents, their offsets are computed here from the host copy, so that no layer reads them back; so are
+        the chunk pairs context parallelism skips."""
         def moved(t):
             return None if t is None else t.to(device, non_blocking=True)
         out = MicroBatch(moved(self.tokens), moved(self.segment_ids), moved(self.position_ids), moved(self.loss_mask),
                          self.context)
         if self.segment_ids is not None and flash_varlen_in_use():
             remember_offsets(out.segment_ids, self.segment_ids)
+        if self.segment_ids is not None and self.context is not None:
+            self.context.remember_documents(out.segment_ids, self.segment_ids)
         return out
 
     @staticmethod

@@ -479,3 +479,17 @@ def test_bf16_error_of_every_strategy_is_allgathers(pools):
     for key, values in errors.items():
         for name, got, base in zip(("out", "dq", "dk", "dv"), values, errors["allgather", "auto"]):
             assert got <= 1.3 * base, (key, name, got, base, errors)
+
+
+def test_visible_chunks_read_the_host_copy():
+    """MicroBatch.to hands the host copy of the segment ids to remember_documents: visible_chunks then never reads
+    the device tensor (here a stand-in holding other ids, so that reading it would show)."""
+    from parallel.micro_batch import MicroBatch
+    cp = ContextParallel(size=2, rank=0)
+    host = torch.tensor([[0] * 8 + [1] * 8])  # two documents of two chunks each: chunks 2, 3 never see 0, 1
+    device = MicroBatch(torch.zeros(1, 17, dtype=torch.long), host, context=cp).to(torch.device("cpu")).segment_ids
+    stand_in = torch.zeros_like(host)  # one document: every causal pair visible
+    cp.remember_documents(stand_in, host)
+    assert cp.visible_chunks(16, 0, stand_in) == cp.visible_chunks(16, 0, device)
+    assert cp.visible_chunks(16, 0, stand_in)[2] == [False, False, True, False]
+    assert ContextParallel(size=2, rank=0).visible_chunks(16, 0, torch.zeros_like(host))[2] == [True] * 3 + [False]
