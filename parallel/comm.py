@@ -134,7 +134,10 @@ def _issue_flat(op: str, group, launch, inputs: list, outputs: list, async_op: b
     private buffers and its outputs (and `in_place` tensors, read and written) hold poison until waited for."""
     if async_op and nccl.ENABLED:
         return issue(op, group, lambda: nccl.deferred(
-            _name(op, group), lambda inp, out: [launch(inp, out, True)], inputs, outputs, list(in_place)), True)
+            _name(op, group), lambda inp, out: [launch(inp, out, True)], inputs, outputs, list(in_place),
+            _stream(group)), True)
+    if nccl.ENABLED:
+        nccl.drain_stream(_stream(group))
     return issue(op, group, lambda: launch(inputs, [*outputs, *in_place], async_op), async_op)
 
 
@@ -252,6 +255,7 @@ def batch_isend_irecv(ops: list[tuple[str, torch.Tensor, int, int]], group) -> l
 
     if not nccl.ENABLED:
         return issue("send/recv", group, lambda: _Works(post([t for _, t, _, _ in ops])), async_op=True).works
+    ops = [(kind, tensor, peer, 0) for kind, tensor, peer, _ in ops]  # NCCL ignores tags: only the order matches
     sends = [t for kind, t, _, _ in ops if kind == "send"]
     recvs = [t for kind, t, _, _ in ops if kind == "recv"]
 
@@ -259,8 +263,13 @@ def batch_isend_irecv(ops: list[tuple[str, torch.Tensor, int, int]], group) -> l
         sent, received = iter(sent), iter(received)
         return post([next(sent) if kind == "send" else next(received) for kind, _, _, _ in ops])
 
-    return [issue("send/recv", group, lambda: nccl.deferred(_name("send/recv", group), post_private, sends, recvs),
-                  async_op=True)]
+    return [issue("send/recv", group, lambda: nccl.deferred(_name("send/recv", group), post_private, sends, recvs,
+                                                            stream=_stream(group)), async_op=True)]
+
+
+def _stream(group):
+    """The key of `group`'s communicator (one NCCL stream each) for the NCCL-semantics mode."""
+    return id(group) if group is not None else None
 
 
 class _Once:

@@ -9,7 +9,12 @@ or freeing it before the wait corrupts what the peers receive.
 
 With TRILITH_COMM_SEMANTICS=nccl (the multi-process tests set it), parallel/comm.py runs every operation
 through this module, which makes each of those rules fail loudly on the CPU:
-- a batch of sends and receives returns one handle;
+- a batch of sends and receives returns one handle, and its tags are zeroed: NCCL ignores them
+  (`ProcessGroupNCCL::send(..., int /* unused */)`) and matches a pair's sends and receives by order alone, so
+  gloo must too;
+- the async operations on one communicator complete in the order they were posted (NCCL's one stream per
+  communicator): waiting for a later one completes the earlier ones first, and a synchronous operation on it
+  waits for them;
 - an async operation runs on private copies of its tensors: its outputs hold poison (NaN, or the integer
   type's largest value) until its handle is waited for, and the wait raises if an input was written or
   resized, or a poisoned output written, while it was in flight;
@@ -35,6 +40,7 @@ NCCL_REFUSED_OPS = {dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR}
 
 _bound_device: torch.device | None = None
 _pending: dict[int, "Deferred"] = {}
+_streams: dict = {}  # communicator key -> its async operations posted so far, in order (some perhaps done)
 
 
 def bind_device(device: torch.device) -> None:
@@ -80,21 +86,40 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 class Deferred:
-    """One async operation (or coalesced batch) under NCCL's rules: `wait` checks the inputs were left alone,
-    then writes the outputs. Waiting twice is harmless, as with a CUDA work handle."""
+    """One async operation (or coalesced batch) under NCCL's rules: `wait` first completes the operations posted
+    before it on the same communicator (`stream`: NCCL runs them in order on one stream, so a later batch never
+    finishes before an earlier one), checks the inputs were left alone, then writes the outputs. Waiting twice is
+    harmless, as with a CUDA work handle."""
 
-    def __init__(self, name: str, works: list, inputs: list, outputs: list):
-        self.name, self.works = name, works
+    def __init__(self, name: str, works: list, inputs: list, outputs: list, stream=None):
+        self.name, self.works, self.done = name, works, False
         self.inputs = inputs  # (live tensor, its bytes when posted, its snapshot the operation really reads)
         self.outputs = outputs  # (live tensor now poisoned, the private tensor the operation really writes)
         _pending[id(self)] = self
+        self.stream, self.earlier = stream, []
+        if stream is not None:
+            queue = _streams.setdefault(stream, [])
+            self.earlier = list(queue)
+            queue.append(self)
 
-    def wait(self, timeout=None) -> bool:
-        if self.works is None:
-            return True
+    def transfer(self) -> None:
+        """The transfer itself, after every earlier one on the communicator; the outputs stay poisoned until
+        `wait` (NCCL has written them by then, but only a wait makes reading them right)."""
+        for earlier in self.earlier:
+            earlier.transfer()
+        self.earlier = []
         for work in self.works:
             work.wait()
-        self.works = None
+        self.works = []
+        queue = _streams.get(self.stream, [])
+        if self in queue:  # done: later operations need not wait for it, nor hold on to its copies
+            queue.remove(self)
+
+    def wait(self, timeout=None) -> bool:
+        if self.done:
+            return True
+        self.transfer()
+        self.done = True
         _pending.pop(id(self), None)
         for live, nbytes, snapshot in self.inputs:
             if live.untyped_storage().nbytes() < nbytes or not _same_bits(live, snapshot):
@@ -110,13 +135,21 @@ class Deferred:
         return True
 
     def is_completed(self) -> bool:
-        return self.works is None
+        return self.done
 
 
-def deferred(name: str, call, inputs: list, outputs: list, in_place: list | None = None) -> Deferred:
+def drain_stream(stream) -> None:
+    """Complete the transfers still in flight on a communicator before a synchronous operation on it (which NCCL
+    orders after them on the same stream)."""
+    for pending in _streams.pop(stream, []):
+        pending.transfer()
+
+
+def deferred(name: str, call, inputs: list, outputs: list, in_place: list | None = None, stream=None) -> Deferred:
     """Start `call(private_inputs, private_outputs)` (which returns a list of works) on copies of `inputs` and
     fresh buffers for `outputs`, poison `outputs` and return the handle. `in_place` tensors are both read and
-    written (an in-place all-reduce): the operation gets a copy, the live tensor is poisoned."""
+    written (an in-place all-reduce): the operation gets a copy, the live tensor is poisoned. `stream`: a key of
+    the communicator (its operations complete in posting order)."""
     in_place = in_place or []
     snapshots = [t.detach().clone() for t in inputs]
     private_out = [torch.empty_like(t) for t in outputs] + [t.detach().clone() for t in in_place]
@@ -125,7 +158,7 @@ def deferred(name: str, call, inputs: list, outputs: list, in_place: list | None
     for t in live_out:
         poison(t)
     return Deferred(name, works, [(t, t.untyped_storage().nbytes(), s) for t, s in zip(inputs, snapshots)],
-                    list(zip(live_out, private_out)))
+                    list(zip(live_out, private_out)), stream)
 
 
 def assert_drained(where: str) -> None:

@@ -35,9 +35,10 @@ import torch.distributed as dist
 from parallel import comm
 from parallel import nccl_semantics
 
-# With two stages in an interleaved ring the next and the previous stage are the same rank: the tags keep
-# activations (forward direction) and gradients (backward direction) from matching each other's receives,
-# and each batch lists forward-direction ops before backward-direction ops so the order agrees on both sides.
+# With two stages in an interleaved ring the next and the previous stage are the same rank. NCCL ignores tags and
+# matches a pair's sends and receives by order alone: each batch lists forward-direction ops (activations) before
+# backward-direction ops (gradients) on both sides, and that order is what keeps them apart. The tags only label
+# the directions for gloo; the NCCL-semantics mode zeroes them, so the CPU tests match by order as NCCL does.
 FORWARD_TAG, BACKWARD_TAG = 0, 1
 # The waits happen after comm.issue's range (the posting) has closed: a profile shows them under this name.
 WAIT_RANGE = "comm:wait[pp]"

@@ -114,3 +114,44 @@ def async_rules(rank, world):
 def test_async_outputs_are_poison_until_waited_and_misuse_is_named(pool):
     for seen in pool.run(async_rules):
         assert seen == {"poisoned_before_wait": True, "sum_after_wait": [3.0] * 4}
+
+
+def tags_and_order(rank, world):
+    """Rank 0 sends a then b to rank 1 with tags 1 and 2, in two batches; rank 1 receives tag 2 first. gloo
+    would match by tag (the first receive gets b); NCCL ignores tags and matches by order (it gets a), and so
+    does this mode. Then one communicator's batches complete in posting order: rank 0 posts a receive, then a
+    send, and waits for the send alone; the earlier receive has completed under it (its buffer still poisoned
+    until its own wait, which reads rank 1's value)."""
+    group = dist.group.WORLD
+    comm.register_group(group, "world")
+    if rank == 0:
+        a, b = torch.full((3,), 1.0), torch.full((3,), 2.0)
+        works = comm.batch_isend_irecv([("send", a, 1, 1)], group) + comm.batch_isend_irecv([("send", b, 1, 2)], group)
+        for work in works:
+            work.wait()
+        first = None
+    else:
+        got = [torch.empty(3), torch.empty(3)]
+        works = comm.batch_isend_irecv([("recv", got[0], 0, 2)], group) + \
+            comm.batch_isend_irecv([("recv", got[1], 0, 1)], group)
+        for work in works:
+            work.wait()
+        first = got[0].tolist()
+    if rank == 0:
+        received = torch.empty(2)
+        [earlier] = comm.batch_isend_irecv([("recv", received, 1, 0)], group)
+        [later] = comm.batch_isend_irecv([("send", torch.full((2,), 5.0), 1, 0)], group)
+        later.wait()
+        order = (earlier.works == [], bool(torch.isnan(received).all()))
+        earlier.wait()
+        order += (received.tolist(),)
+    else:
+        sent, received = torch.full((2,), 7.0), torch.empty(2)
+        for work in comm.batch_isend_irecv([("send", sent, 0, 0), ("recv", received, 0, 0)], group):
+            work.wait()
+        order = received.tolist()
+    return first, order
+
+
+def test_tags_are_ignored_and_one_communicators_batches_complete_in_order(pool):
+    assert pool.run(tags_and_order) == [(None, (True, True, [7.0, 7.0])), ([1.0] * 3, [5.0, 5.0])]
