@@ -213,6 +213,22 @@ def layer_activation(cfg: Config, tokens: int, recompute: str) -> int:
     return saved
 
 
+def ring_attention_saved(cfg: Config, micro_batch: int) -> int:
+    """Bytes one layer's ring attention (parallel/context_ring.py) saves for backward on a CP rank: its queries
+    and output, their fp32 log-sum-exp, the c K/V blocks it attended (its own among them), and the document ids
+    [b, s] and ALiBi slopes when used. No mask, bias or dropout mask: those are rebuilt per block."""
+    m, p = cfg.model, cfg.parallel
+    e, c, t = DTYPE_BYTES[cfg.train.precision], p.context, p.tensor
+    local = micro_batch * m.seq_length // c
+    heads, kv = m.num_attention_heads // t, (m.kv_heads // t if m.kv_heads >= t else 1)
+    saved = 2 * e * local * heads * m.head_dim + FP32 * local * heads + c * e * local * 2 * kv * m.head_dim
+    if cfg.data.reset_attention_mask:
+        saved += INDEX * micro_batch * m.seq_length
+    if m.position_embedding == "alibi":
+        saved += FP32 * heads
+    return saved
+
+
 def unsplit_loss(cfg: Config, tokens: int) -> bool:
     """Whether the loss of `tokens` tokens is torch's log-softmax over one unsplit chunk (not fused, no TP, eager)."""
     m = cfg.model

@@ -4,8 +4,9 @@
 Two ways, the same arithmetic in fp32 (fp64 stays fp64):
   fused      the pair needs no mask beyond causality on the diagonal: a fused kernel that returns the
              log-sum-exp and whose backward takes the final output and log-sum-exp (`fused_kernel` names it):
-             on CPU aten's flash kernel for CPU (`_scaled_dot_product_flash_attention_for_cpu`), on CUDA
-             aten's FlashAttention-2 (bf16/fp16, head dim ≤ 256). GQA is native to both.
+             on CPU aten's flash kernel for CPU (`_scaled_dot_product_flash_attention_for_cpu`, run in fp32:
+             its bf16 path is slower), on CUDA aten's FlashAttention-2 (bf16/fp16, head dim ≤ 256, a multiple
+             of 8). GQA is native to both.
   reference  any mask (documents, window), ALiBi's bias, dropout: the scores formed in fp32 from fp32 copies
              of q and k, so that the saved log-sum-exp is that of the scores the backward recomputes; the
              output in fp32.
@@ -37,9 +38,11 @@ def fused_kernel(q: torch.Tensor, requested: str = "auto") -> str | None:
 
 def block_fused(kernel: str, q, k, v, causal: bool) -> tuple:
     """(output in fp32, log-sum-exp [b, hq, sq] in fp32, what the backward needs from the kernel)."""
-    if kernel == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
-        return out.to(accumulation_dtype(q)), lse.to(accumulation_dtype(q)), None
+    if kernel == "cpu":  # in fp32: the CPU kernel's bf16 path is ~5× slower than its fp32 one (no bf16 matmul)
+        acc = accumulation_dtype(q)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q.to(acc), k.to(acc), v.to(acc), 0.0,
+                                                                              causal)
+        return out, lse, None
     # not run here (no GPU in this project's CI): the op's own outputs, as its autograd formula passes them on
     out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
         q, k, v, 0.0, causal)
@@ -50,8 +53,9 @@ def block_fused_backward(kernel: str, state, grad_out, q, k, v, out, lse, causal
     """(dq, dk, dv) of one block given the FINAL output and log-sum-exp of the queries (over every block): the
     kernel then computes this block's share of the gradient. `grad_out`, `out` in q's dtype."""
     if kernel == "cpu":
+        acc = accumulation_dtype(q)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, q, k, v, out, lse.to(accumulation_dtype(q)), 0.0, causal)
+            *(t.to(acc) for t in (grad_out, q, k, v, out)), lse, 0.0, causal)
     cum_q, cum_k, max_q, max_k, seed, offset = state
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
         grad_out, q, k, v, out, lse.float().contiguous(), cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset)

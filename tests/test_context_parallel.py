@@ -493,3 +493,52 @@ def test_visible_chunks_read_the_host_copy():
     assert cp.visible_chunks(16, 0, stand_in) == cp.visible_chunks(16, 0, device)
     assert cp.visible_chunks(16, 0, stand_in)[2] == [False, False, True, False]
     assert ContextParallel(size=2, rank=0).visible_chunks(16, 0, torch.zeros_like(host))[2] == [True] * 3 + [False]
+
+
+def ring_node_holdings(rank, world):
+    """(bytes of the distinct storages each ring attention node of the model holds, whether any of its other
+    attributes holds a tensor, engine/memory_estimate's ring_attention_saved): CP2, tiny.yaml at s = 256, b = 2,
+    with documents, ALiBi and attention dropout, the case whose masks and biases the ring used to keep."""
+    from engine.memory_estimate import ring_attention_saved
+    from tests.test_memory_estimate import config, storages
+    cfg = config(world, f"parallel.context={world}", "model.seq_length=256", "model.vocab_size=1000",
+                 "parallel.context_attention=ring", "model.position_embedding=alibi", "model.attention_dropout=0.1",
+                 "data.reset_attention_mask=true", f"data.eod_token_id={EOD}")
+    from parallel.random import seed_all
+    cp = ContextParallel.from_topology(Topology(Layout(cp=world), rank), "ring")
+    seed_all(1, cp_rank=rank)
+    model = CausalLM(cfg.model, cp=cp)
+    model.init_weights(1)
+    tokens = torch.randint(4, 1000, (cfg.train.micro_batch_size, 257), generator=torch.Generator().manual_seed(0))
+    tokens[:, 50::60] = EOD
+    args, kwargs = with_document_extras(tokens, EOD, cfg.data, cp).forward_args(first=True, last=True)
+    loss = model(*args, **kwargs)
+    nodes, seen, stack = [], set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "RingAttentionBackward":
+            nodes.append(node)
+        stack.extend(next_fn for next_fn, _ in node.next_functions)
+
+    def tensors_in(value) -> bool:
+        if isinstance(value, torch.Tensor):
+            return True
+        if isinstance(value, dict):
+            return any(tensors_in(v) for v in (*value.keys(), *value.values()))
+        if isinstance(value, (list, tuple)):
+            return any(tensors_in(v) for v in value)
+        return hasattr(value, "__dataclass_fields__") and tensors_in(list(vars(value).values()))
+    held = [(storages(node.saved_tensors), tensors_in([node.plan, node.seeds, node.states])) for node in nodes]
+    return held, ring_attention_saved(cfg, cfg.train.micro_batch_size)
+
+
+def test_a_ring_node_holds_what_the_memory_estimate_counts(pools):
+    """Every ring attention node saves exactly engine/memory_estimate.ring_attention_saved's bytes, through
+    save_for_backward (which saved_tensors_hooks, the planner and recomputation see), and keeps no other
+    tensor: no masks, ALiBi biases or dropout masks (rebuilt per block from positions, document ids, seeds)."""
+    for held, want in pools[2].run(ring_node_holdings):
+        assert len(held) == 4  # tiny.yaml's layers
+        assert all(nbytes == want and not hidden for nbytes, hidden in held), (held, want)
