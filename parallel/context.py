@@ -138,16 +138,21 @@ class ContextParallel:
         n, chunks = seq_length // (2 * self.size), 2 * self.size
         meet = [[True] * chunks for _ in range(chunks)]
         if segment_ids is not None:
-            remembered = _host_meet.get(id(segment_ids))
-            if remembered is not None and remembered[0] == chunks:
-                meet = remembered[1]
-            else:  # a device tensor: one host read, kept for the tensor (every layer sees the same one)
-                ref, version, cached = self._visible_cache
-                if ref is None or ref() is not segment_ids or version != (chunks, segment_ids._version):
-                    cached = _documents_meet(segment_ids, chunks)
-                    self._visible_cache = (weakref.ref(segment_ids), (chunks, segment_ids._version), cached)
-                meet = cached
+            meet = self._documents(segment_ids)[0]
         return [[meet[i][j] and _chunk_visible(i, j, n, window) for j in range(chunks)] for i in range(chunks)]
+
+    def _documents(self, segment_ids: torch.Tensor) -> tuple[list, list]:
+        """`_documents_meet` of `segment_ids`: from the host copy when remembered, else one host read kept for
+        the tensor (every layer sees the same one)."""
+        chunks = 2 * self.size
+        remembered = _host_meet.get(id(segment_ids))
+        if remembered is not None and remembered[0] == chunks:
+            return remembered[1]
+        ref, version, cached = self._visible_cache
+        if ref is None or ref() is not segment_ids or version != (chunks, segment_ids._version):
+            cached = _documents_meet(segment_ids, chunks)
+            self._visible_cache = (weakref.ref(segment_ids), (chunks, segment_ids._version), cached)
+        return cached
 
     def _allgather(self, q, k, v, s, window, segment_ids, dropout_p, slopes):
         heads, n = k.shape[1], s // (2 * self.size)
@@ -182,7 +187,8 @@ class ContextParallel:
         pairs = [[[j for j, kc in enumerate(theirs) if visible[qc][kc]] for qc in mine] for theirs in block_chunks]
         self.blocks_computed += sum(len(p) for per_query in pairs for p in per_query)
         ring = (self.group, self.ranks[(self.rank + 1) % self.size], self.ranks[(self.rank - 1) % self.size])
-        plan = RingPlan(pairs, mine, block_chunks, n, ring, window, fused_kernel(q, backend), dropout_p)
+        whole = None if segment_ids is None else self._documents(segment_ids)[1]
+        plan = RingPlan(pairs, mine, block_chunks, n, ring, window, fused_kernel(q, backend), dropout_p, whole)
         return RingAttention.apply(q, torch.cat((k, v), dim=1), segment_ids, slopes, plan)
 
     def _alltoall(self, q, k, v, s, window, segment_ids, backend, dropout_p, slopes):
@@ -213,8 +219,12 @@ def _chunk_visible(q_chunk: int, k_chunk: int, n: int, window: int) -> bool:
     return window == 0 or nearest < window
 
 
-def _documents_meet(segment_ids: torch.Tensor, chunks: int) -> list[list[bool]]:
-    """[chunks][chunks]: whether chunks i and j of some row share a segment-id range."""
+def _documents_meet(segment_ids: torch.Tensor, chunks: int) -> tuple[list, list]:
+    """([chunks][chunks] whether chunks i and j of some row share a segment-id range, the same for whether on
+    every row both lie inside one document: their pair then needs no document mask)."""
     ids = segment_ids.reshape(segment_ids.shape[0], chunks, -1)
     low, high = ids.amin(-1), ids.amax(-1)  # [b, chunks]
-    return ((low[:, None, :] <= high[:, :, None]) & (low[:, :, None] <= high[:, None, :])).any(0).tolist()
+    meet = ((low[:, None, :] <= high[:, :, None]) & (low[:, :, None] <= high[:, None, :])).any(0)
+    single = low == high
+    whole = (single[:, :, None] & single[:, None, :] & (low[:, :, None] == low[:, None, :])).all(0)
+    return meet.tolist(), whole.tolist()

@@ -34,7 +34,8 @@ class RingPlan:
     the chunk ids of step t's block; chunks of `n` tokens. `ring`: (group, next rank, previous rank) in global
     ranks. `kernel`: kernels.attention_blocks.fused_kernel's choice for unmasked pairs (None: every pair by the
     reference path). `dropout_p` > 0: attention dropout, each pair's kept probabilities drawn from a seed taken
-    from the current CPU RNG stream (each CP rank its own), drawn again in backward."""
+    from the current CPU RNG stream (each CP rank its own), drawn again in backward. `whole`: which chunk pairs
+    documents leave uncut (ContextParallel's host copy), so that they too take the fused kernel."""
     pairs: list
     q_chunks: tuple
     block_chunks: list
@@ -43,11 +44,15 @@ class RingPlan:
     window: int = 0
     kernel: str | None = None
     dropout_p: float = 0.0
+    whole: list | None = None  # with documents, whole[qc][kc]: both chunks inside one document on every row
 
     def fused(self, step: int, i: int, j: int, documents: bool, alibi: bool) -> bool:
-        """Whether the pair needs no mask but causality on its diagonal (the window reaches past all of it)."""
-        farthest = (self.q_chunks[i] + 1) * self.n - 1 - self.block_chunks[step][j] * self.n
-        return (self.kernel is not None and not documents and not alibi and self.dropout_p == 0
+        """Whether the pair needs no mask but causality on its diagonal (the window reaches past all of it, no
+        document boundary crosses it)."""
+        qc, kc = self.q_chunks[i], self.block_chunks[step][j]
+        farthest = (qc + 1) * self.n - 1 - kc * self.n
+        uncut = not documents or (self.whole is not None and self.whole[qc][kc])
+        return (self.kernel is not None and uncut and not alibi and self.dropout_p == 0
                 and (self.window == 0 or farthest < self.window))
 
     def masks(self, step, i, j, segment_ids, slopes, seed, shape, device):
