@@ -542,3 +542,13 @@ def test_a_ring_node_holds_what_the_memory_estimate_counts(pools):
     for held, want in pools[2].run(ring_node_holdings):
         assert len(held) == 4  # tiny.yaml's layers
         assert all(nbytes == want and not hidden for nbytes, hidden in held), (held, want)
+
+
+def test_bench_context_prints_its_rows():
+    """tools/bench_context.py runs end to end at a tiny shape (speed is never asserted: docs/benchmarks.md)."""
+    import re
+    from tests.helpers import tool
+    out = tool("tools/bench_context.py", "--contexts", "2", "--seq-per-rank", "64", "--heads", "2", "--kv-heads", "1",
+               "--head-dim", "8", "--rounds", "1", "--dtype", "fp32")
+    assert re.search(r"^\| 2 \| 64 \| 2 \(1\) × 8 \| fp32 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+× \| [\d.]+× \|$", out,
+                     re.M), out
