@@ -91,6 +91,9 @@ class ContextParallel:
         return comm.sum_over_context(local, self.group)
 
     # -- attention -------------------------------------------------------------------------------
+    # Eager under train.compile: Dynamo would break the graph at the ring's batch_isend_irecv and rewrite the other
+    # collectives into functional ones; the compiled block runs around it (test_compiled_blocks_equal_eager_under_cp).
+    @torch.compiler.disable
     def attention(self, q, k, v, window: int = 0, segment_ids=None, backend: str = "auto", dropout_p: float = 0.0,
                   slopes=None):
         """Causal attention of the local queries q [b, hq, s/c, d] over the whole sequence's keys, whose local
@@ -106,6 +109,7 @@ class ContextParallel:
             return self._ring(q, k, v, s, window, segment_ids, dropout_p, slopes, backend)
         return self._alltoall(q, k, v, s, window, segment_ids, backend, dropout_p, slopes)
 
+    @torch.compiler.disable
     @torch.no_grad()
     def attention_entropy(self, q, k, window: int = 0, segment_ids=None, slopes=None) -> tuple[float, int]:
         """kernels.attention.attention_entropy of this rank's queries over the whole sequence's keys (gathered

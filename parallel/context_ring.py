@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import attention_blocks as blocks_
+from kernels import attention_blocks
 from kernels.attention import position_bias, position_mask
 from parallel import comm
 
@@ -89,17 +89,17 @@ class RingAttention(torch.autograd.Function):
             for i, visible in enumerate(plan.pairs[step]):
                 for j in visible:
                     if plan.fused(step, i, j, segment_ids is not None, slopes is not None):
-                        *part, states[step, i, j] = blocks_.block_fused(
+                        *part, states[step, i, j] = attention_blocks.block_fused(
                             plan.kernel, q_chunks[i], k[j], v[j], plan.q_chunks[i] == plan.block_chunks[step][j])
                     else:
                         if plan.dropout_p > 0:
                             seeds[step, i, j] = int(torch.randint(2 ** 62, (1,)))
                         allowed, bias, factor = plan.masks(step, i, j, segment_ids, slopes, seeds.get((step, i, j)),
                                                            q_chunks[i].shape[:3], q.device)
-                        part = blocks_.block_reference(q_chunks[i], k[j], v[j], allowed, factor, bias)
+                        part = attention_blocks.block_reference(q_chunks[i], k[j], v[j], allowed, factor, bias)
                     # step 0 holds each query chunk's diagonal, where every query sees at least itself: the first
                     # partial result has a finite log-sum-exp, as merge_attention wants
-                    merged[i] = part if merged[i] is None else blocks_.merge_attention(*merged[i], *part)
+                    merged[i] = part if merged[i] is None else attention_blocks.merge_attention(*merged[i], *part)
             if pending is not None:
                 blocks.append(comm.finish_ring_shift(pending))
         out = torch.cat([o for o, _ in merged], dim=2).to(q.dtype)
@@ -115,7 +115,7 @@ class RingAttention(torch.autograd.Function):
         c, n, heads = len(blocks), plan.n, blocks[0].shape[1] // 2
         q_chunks, outs, grads = q.split(n, dim=2), out.split(n, dim=2), grad_out.contiguous().split(n, dim=2)
         lses = (lse0, lse1)
-        acc = blocks_.accumulation_dtype(q)
+        acc = attention_blocks.accumulation_dtype(q)
         deltas = [None, None]  # the softmax's backward term rowsum(dO ∘ O) per query, for the reference path
         dq = [torch.zeros_like(qc, dtype=acc) for qc in q_chunks]
         total, pending = None, None
@@ -126,7 +126,7 @@ class RingAttention(torch.autograd.Function):
             for i, visible in enumerate(plan.pairs[step]):
                 for j in visible:
                     if (step, i, j) in ctx.states:
-                        grads_ = blocks_.block_fused_backward(
+                        shares = attention_blocks.block_fused_backward(
                             plan.kernel, ctx.states[step, i, j], grads[i], q_chunks[i], k[j], v[j], outs[i],
                             lses[i], plan.q_chunks[i] == plan.block_chunks[step][j])
                     else:
@@ -135,11 +135,11 @@ class RingAttention(torch.autograd.Function):
                         allowed, bias, factor = plan.masks(step, i, j, segment_ids, slopes,
                                                            ctx.seeds.get((step, i, j)), q_chunks[i].shape[:3],
                                                            q.device)
-                        grads_ = blocks_.block_reference_backward(q_chunks[i], k[j], v[j], allowed, lses[i],
-                                                                  grads[i], deltas[i], factor, bias)
-                    dq[i].add_(grads_[0])
-                    dk[j].add_(grads_[1])  # views of dkv
-                    dv[j].add_(grads_[2])
+                        shares = attention_blocks.block_reference_backward(
+                            q_chunks[i], k[j], v[j], allowed, lses[i], grads[i], deltas[i], factor, bias)
+                    dq[i].add_(shares[0])
+                    dk[j].add_(shares[1])  # views of dkv
+                    dv[j].add_(shares[2])
             # what came back from the rank one further on (the gradients of this block's later travels) plus
             # this rank's own share; the sum goes back one more rank, to where the block came from
             total = dkv if pending is None else comm.finish_ring_shift(pending) + dkv

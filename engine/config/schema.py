@@ -595,8 +595,7 @@ def validate(cfg: Config, world_size: int) -> None:
 
 
 def validate_context(cfg: Config) -> None:
-    """Context parallelism: the sequence must split into 2c equal chunks, and what CP cannot serve yet is
-    refused by name."""
+    """Context parallelism: the sequence must split into 2c equal chunks (and alltoall's heads over c)."""
     m, p = cfg.model, cfg.parallel
     c = p.context
     if c == 1:
@@ -612,10 +611,6 @@ def validate_context(cfg: Config) -> None:
         raise ConfigError(f"parallel.context_attention=alltoall scatters the {m.num_attention_heads // p.tensor} query "
                           f"heads per tensor-parallel rank over parallel.context={c} ranks; use a context size that "
                           f"divides them, or parallel.context_attention=allgather or ring")
-    if cfg.train.compile:  # not measured against eager under CP: refused rather than trusted
-        raise ConfigError(f"parallel.context={c} cannot serve train.compile=true yet: Dynamo breaks the graph at the "
-                          f"ring's batch_isend_irecv and rewrites the other CP collectives into functional ones, "
-                          f"untested against eager; set train.compile=false or parallel.context=1")
 
 
 def validate_data_parallel(p: ParallelConfig, dp: int) -> None:
