@@ -57,7 +57,8 @@ class ModelConfig:
     attention_dropout: float = 0.0  # dropout on the attention probabilities
     hidden_dropout: float = 0.0  # dropout on the embedding output and on each residual branch
     attention_backend: str = "auto"  # auto: in bf16/fp16 on CUDA cudnn (Hopper, plain causal attention), else
-        # flash-attn when installed, else sdpa; sdpa on CPU (kernels/attention.select_backend)
+        # flash-attn when installed, else sdpa; sdpa on CPU (kernels/attention.select_backend); under
+        # parallel.context_attention=ring, reference also sends every ring block through the reference path
     attention_window: int = 0  # sliding-window attention: tokens each query sees (itself included); 0 = all
     norm_backend: str = "auto"  # auto: apex's fused RMSNorm on CUDA when installed, else PyTorch
     loss_chunk_tokens: int = 4096  # cross-entropy rows per fp32 chunk, so full fp32 logits never exist
