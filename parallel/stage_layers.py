@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from parallel import comm
 
 
 def chunk_layer_counts(num_layers: int, num_chunks: int, explicit: list[int] | None = None) -> list[int]:
@@ -103,3 +104,15 @@ def tied_embedding_weights(chunks) -> list[torch.nn.Parameter]:
             out.append(chunk.lm_head.weight)
     return out
 
+
+
+def sum_tied_gradients(grads: list, group) -> None:
+    """Sum the tied embedding's gradient over its copies (`grads`: this rank's copies' gradients): over
+    `group` (the first and last stage) when each holds one, or here when this rank holds both (rank 0 of the
+    V placement); then every copy holds the sum."""
+    if len(grads) == 2:
+        grads[0].add_(grads[1])
+        grads[1].copy_(grads[0])
+        return
+    for grad in grads:
+        comm.all_reduce(grad, group)

@@ -30,12 +30,14 @@ def _merged(results):
     return {n: g for r in results for n, g in r["grads"].items() if n not in r["duplicate"]}
 
 
-@pytest.mark.parametrize("pp", [2, 4])
-def test_zero_bubble_gradients_equal_1f1b_bit_for_bit(pool, pp):
-    reference = _merged(pool.run(pipeline_step, pp, "1f1b"))
+@pytest.mark.parametrize("pp, tie", [(2, True), (4, False)], ids=["pp2-dp2-tied", "pp4"])
+def test_zero_bubble_gradients_equal_1f1b_bit_for_bit(pool, pp, tie):
+    """The schedules alone (no data-parallel wrapper: plain autograd accumulation, nothing queued); under the
+    V with tied embeddings rank 0 holds both copies and sums them itself."""
+    reference = _merged(pool.run(pipeline_step, pp, "1f1b", tie=tie))
     for schedule, v in (("zb-h1", 1), ("zbv", 2)):
-        results = pool.run(pipeline_step, pp, schedule, virtual=v)
-        _check_against_reference(results, tie=False)
+        results = pool.run(pipeline_step, pp, schedule, virtual=v, tie=tie)
+        _check_against_reference(results, tie=tie)
         got = _merged(results)
         assert got.keys() == reference.keys()
         for name, grad in reference.items():
@@ -55,11 +57,12 @@ def named_after_steps(rank, world, overrides):
                    for n, p in c.named_parameters()}
 
 
-@pytest.mark.parametrize("layout", [["parallel.pipeline=2"], ["parallel.pipeline=4", "train.recompute=full"],
+@pytest.mark.parametrize("layout", [["parallel.pipeline=2", "model.tie_embeddings=true"],
+                                    ["parallel.pipeline=4", "train.recompute=full"],
                                     ["parallel.pipeline=2", "parallel.tensor=2", "parallel.sequence_parallel=true"],
                                     ["parallel.pipeline=2", "parallel.context=2"],
-                                    ["parallel.pipeline=2", "parallel.zero_stage=1"]],
-                         ids=["pp2-dp2", "pp4-recompute", "tp2-sp-pp2", "pp2-cp2", "pp2-dp2-zero1"])
+                                    ["parallel.pipeline=2", "parallel.zero_stage=1", "model.tie_embeddings=true"]],
+                         ids=["pp2-dp2-tied", "pp4-recompute", "tp2-sp-pp2", "pp2-cp2", "pp2-dp2-zero1-tied"])
 def test_trained_parameters_equal_1f1b_bit_for_bit(pool, layout):
     """Through the Trainer (DP buckets or ZeRO-1 units, whose fused layers queue their weight gradients):
     every stage runs W slots, and two steps leave every parameter bit-equal to 1F1B's."""
