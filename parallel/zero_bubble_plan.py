@@ -102,7 +102,7 @@ def critical_order(schedule: str, p: int, m: int, rank: int) -> list[tuple[str, 
     return [slot for slot in order if slot[2] < m]
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=256)
 def plan(schedule: str, p: int, m: int) -> tuple[RankPlan, ...]:
     """Every rank's plan of one step; raises if the scheduler ever stalls (a bug, never a hang later)."""
     v = chunks_per_rank(schedule)
@@ -177,7 +177,23 @@ def _add_messages(schedule, p, stages, plans, rank, tick, kind, chunk, mb) -> No
 
 
 def idle_fraction(schedule: str, p: int, m: int) -> float:
-    """The plan's idle fraction per rank with unit slots and free transfers (the same on every rank)."""
+    """The plan's idle fraction per rank with unit slots and free transfers (the same on every rank). From
+    m = 2p on, both plans idle p − 1 ticks of a step whatever m (tests/test_zero_bubble.py checks it up to
+    5p): (p−1)/(3m+p−1) for ZB-H1, (p−1)/(6m+p−1) for ZBV, whose ticks are half-stage chunks; beyond 4p that
+    closed form is used, as the planner asks for m in the hundreds."""
+    busy = 3 * chunks_per_rank(schedule) * m
+    if m > 4 * p:
+        return (p - 1) / (busy + p - 1)
     plans = plan(schedule, p, m)
-    span = max(t for r in plans for t, *_ in r.slots) + 1
-    return 1 - 3 * chunks_per_rank(schedule) * m / span
+    return 1 - busy / (max(t for r in plans for t, *_ in r.slots) + 1)
+
+
+def peaks(schedule: str, p: int, m: int, rank: int) -> tuple[int, int]:
+    """(most chunk activations held at once, from F to W; most chunk backwards between their B and W at once)
+    on `rank`: what engine/memory_estimate.py counts."""
+    held = waiting = peak_held = peak_waiting = 0
+    for _, kind, _, _ in plan(schedule, p, min(m, 4 * p))[rank].slots:  # the same from m = 2p on
+        held += {"F": 1, "W": -1}.get(kind, 0)
+        waiting += {"B": 1, "W": -1}.get(kind, 0)
+        peak_held, peak_waiting = max(peak_held, held), max(peak_waiting, waiting)
+    return peak_held, peak_waiting

@@ -12,7 +12,7 @@ import torch
 from engine.config.schema import ConfigError, load_config, validate
 from engine.stage_balance import chunk_layers
 from parallel.stage_layers import balanced_v_layer_counts, chunk_roles, stage_layer_ids
-from parallel.zero_bubble_plan import critical_order, idle_fraction, plan
+from parallel.zero_bubble_plan import critical_order, idle_fraction, peaks, plan
 from tests.distributed import WorkerPool
 from tests.helpers import TINY
 from engine.train import Trainer
@@ -46,19 +46,21 @@ def test_zero_bubble_gradients_equal_1f1b_bit_for_bit(pool, pp, tie):
             assert torch.equal(got[name], grad), (schedule, name, (got[name] - grad).abs().max())
         m = 8 // (4 // pp)  # micro-batches per DP rank
         # held from F to W: p micro-batches on every rank (1F1B's peak, on its rank 0), 2p half-stage chunks
-        assert [r["peak_live"] for r in results] == [peak_held(schedule, pp, m, rank) for rank in range(4)]
+        assert [r["peak_live"] for r in results] == [plan_peaks(schedule, pp, m, rank)[0] for rank in range(4)]
         assert max(r["peak_live"] for r in results) == pp * v
         crossings = pp - 1 if schedule == "zb-h1" else 2 * pp - 2  # the V's turn stays on rank p − 1
         assert sum(r["sends"] for r in results) == 2 * m * crossings * (4 // pp)
 
 
-def peak_held(schedule: str, p: int, m: int, rank: int) -> int:
-    """The plan's most chunk activations held at once (F done, W not) on `rank` of a PP × DP pool of 4."""
-    held = peak = 0
+def plan_peaks(schedule: str, p: int, m: int, rank: int) -> tuple[int, int]:
+    """From the plan of exactly m: the most chunk activations held at once (F done, W not) and the most
+    backwards waiting for their W, on `rank` of a PP × DP pool."""
+    held = waiting = peak = peak_waiting = 0
     for _, kind, _, _ in plan(schedule, p, m)[rank % p].slots:
         held += {"F": 1, "W": -1}.get(kind, 0)
-        peak = max(peak, held)
-    return peak
+        waiting += {"B": 1, "W": -1}.get(kind, 0)
+        peak, peak_waiting = max(peak, held), max(peak_waiting, waiting)
+    return peak, peak_waiting
 
 
 def trainer_evaluations(rank, world, overrides):
@@ -94,6 +96,13 @@ def test_plans_complete_for_any_micro_batch_count_and_beat_1f1b():
             assert idle_fraction("zb-h1", p, m) == pytest.approx((p - 1) / (3 * m + p - 1))
         if m >= 2 * p:
             assert idle_fraction("zbv", p, m) < idle_fraction("zb-h1", p, m)
+    for p, schedule in itertools.product(range(2, 7), ("zb-h1", "zbv")):  # what the closed forms beyond 4p rest on
+        v = 1 + (schedule == "zbv")
+        for m in range(2 * p, 5 * p + 1):
+            plans = plan(schedule, p, m)
+            assert max(t for r in plans for t, *_ in r.slots) + 1 - 3 * v * m == p - 1
+            assert [plan_peaks(schedule, p, m, r) for r in range(p)] == [peaks(schedule, p, m, r) for r in range(p)]
+        assert idle_fraction(schedule, p, 4 * p + 1) == pytest.approx((p - 1) / (3 * v * (4 * p + 1) + p - 1))
     assert critical_order("zb-h1", 4, 8, 3)[:4] == [("F", 0, 0), ("B", 0, 0), ("F", 0, 1), ("B", 0, 1)]
 
 
