@@ -14,7 +14,7 @@ from engine.stage_balance import chunk_layers
 from parallel.stage_layers import balanced_v_layer_counts, chunk_roles, stage_layer_ids
 from parallel.zero_bubble_plan import critical_order, idle_fraction, peaks, plan
 from tests.distributed import WorkerPool
-from tests.helpers import TINY
+from tests.helpers import TINY, launch
 from engine.train import Trainer
 from parallel.distributed import DistEnv
 from parallel.pipeline_schedules import ScheduleTrace
@@ -172,3 +172,15 @@ def test_trained_parameters_equal_1f1b_bit_for_bit(pool, layout):
         assert merged.keys() == reference.keys()
         for key, value in reference.items():
             assert torch.equal(merged[key], value), (schedule, key, (merged[key] - value).abs().max())
+
+
+def test_launched_zero_bubble_runs_follow_one_process(tmp_path):
+    """launch/run_pretrain.sh, 20 steps: ZBV at PP 2 × DP 2 and ZB-H1 at PP 4, each loss within 1e-4 of one
+    process."""
+    common = ["train.steps=20", "model.num_layers=8"]
+    single = [r["loss"] for r in launch(tmp_path / "single", *common)]
+    for name, layout in (("zbv", ["parallel.pipeline=2", "parallel.schedule=zbv", "parallel.virtual_stages=2"]),
+                         ("zbh1", ["parallel.pipeline=4", "parallel.schedule=zb-h1"])):
+        losses = [r["loss"] for r in launch(tmp_path / name, *common, *layout, nproc=4)]
+        assert len(losses) == len(single) == 20
+        assert max(abs(a - b) for a, b in zip(single, losses)) <= 1e-4, (name, single, losses)
