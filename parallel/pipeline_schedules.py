@@ -1,4 +1,5 @@
-"""Schedules of one step's micro-batches: without a pipeline, GPipe, 1F1B and interleaved 1F1B.
+"""Schedules of one step's micro-batches: without a pipeline, GPipe, 1F1B and interleaved 1F1B; the zero-bubble
+ZB-H1 and ZBV run from their plan in parallel/zero_bubble.py.
 
 Each rank runs its own model chunks; `PipelineComm` moves activations forward and gradients backward.
 Every micro-batch's mean token loss is backpropagated with weight loss_scale / m, exactly as
