@@ -23,9 +23,11 @@ this rank's heads) and the log-sum-exp (4·T per head, not under selective recom
 and product (3e·T·f/TP); under full recomputation only each block's input (e·h·Ts). The loss keeps fp32
 log-probabilities when one unsplit chunk holds every token, else the logits (e·T·V/TP), and nothing of size V
 when fused with the output layer. Times the micro-batches a schedule holds at once: one without a pipeline, all under GPipe,
-min(PP - stage, m) under 1F1B, and the interleaved schedule's warm-up (of one chunk each). Stages after the first
+min(PP - stage, m) under 1F1B, the interleaved schedule's warm-up (of one chunk each), and under ZB-H1 / ZBV the
+plan's most chunk activations held from F to W (parallel/zero_bubble_plan.py). Stages after the first
 that defer weight gradients (parallel.defer_weight_grads) also hold, for one backward, the output gradient of
-every linear layer of their chunk, the output layer's included.
+every linear layer of their chunk, the output layer's included (the zero-bubble schedules: every stage, for as many
+backwards as the plan holds between their B and W).
 
 Transients (`StageMemory.transient`, not part of `total`, which stays the held tensors): what the loss allocates
 and frees within a step on a stage that computes it, counted at the worst of its forward (chunk fp32 copies, or
@@ -48,6 +50,7 @@ from engine.stage_balance import chunk_layers
 from parallel.ddp import reduces_in_fp32
 from parallel.stage_layers import chunk_roles, stage_layer_ids
 from parallel.tensor import padded_vocab_size
+from parallel.zero_bubble_plan import ZERO_BUBBLE, peaks
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 FP32 = 4
@@ -121,8 +124,10 @@ def stage_chunks(cfg: Config, stage: int) -> list[tuple[int, bool, bool]]:
     p = cfg.parallel
     if p.pipeline == 1:
         return [(cfg.model.num_layers, True, True)]
-    ids = stage_layer_ids(cfg.model.num_layers, p.pipeline, p.virtual_stages, chunk_layers(cfg))[stage]
-    return [(len(ids[j]), *chunk_roles(stage, p.pipeline, p.virtual_stages, j)) for j in range(p.virtual_stages)]
+    v_shape = p.schedule == "zbv"
+    ids = stage_layer_ids(cfg.model.num_layers, p.pipeline, p.virtual_stages, chunk_layers(cfg), v_shape)[stage]
+    return [(len(ids[j]), *chunk_roles(stage, p.pipeline, p.virtual_stages, j, v_shape))
+            for j in range(p.virtual_stages)]
 
 
 def state_bytes(cfg: Config, units: list, shard_size: int, shard_rank: int | None = None
@@ -286,7 +291,18 @@ def defers_weight_grads(cfg: Config, stage: int) -> bool:
     """Whether `stage` queues weight gradients behind its input gradient (parallel/pipeline_schedules.py)."""
     p = cfg.parallel
     # ZeRO-2's gradients are not `.grad` views while a backward runs: nothing is queued
+    if p.schedule in ZERO_BUBBLE:  # every stage, always: the split is the schedule
+        return p.pipeline > 1
     return p.defer_weight_grads and stage > 0 and p.schedule in ("gpipe", "1f1b") and p.zero_stage != 2
+
+
+def queued_backwards(cfg: Config, stage: int, micro_batches: int) -> float:
+    """Backwards (of a whole stage) whose output gradients wait for their W at once: one where a W follows
+    its B directly (gpipe, 1f1b), the plan's most for the zero-bubble schedules."""
+    p = cfg.parallel
+    if p.schedule not in ZERO_BUBBLE:
+        return 1
+    return peaks(p.schedule, p.pipeline, micro_batches, stage)[1] / p.virtual_stages
 
 
 def queued_output_gradients(cfg: Config, layers: int, post: bool, micro_batch: int) -> int:
@@ -311,6 +327,8 @@ def in_flight(cfg: Config, stage: int, micro_batches: int) -> float:
         return micro_batches
     if p.schedule == "1f1b":
         return min(p.pipeline - stage, micro_batches)
+    if p.schedule in ZERO_BUBBLE:  # held from F until W (an upper bound: B frees the layers' internals)
+        return peaks(p.schedule, p.pipeline, micro_batches, stage)[0] / p.virtual_stages
     total, v = micro_batches * p.virtual_stages, p.virtual_stages
     warmup = total if micro_batches == p.pipeline else min((p.pipeline - stage - 1) * 2 + (v - 1) * p.pipeline,
                                                           total)
@@ -342,7 +360,8 @@ def estimate(cfg: Config, world_size: int, shard_rank: int | None = None) -> lis
         flight = in_flight(cfg, stage, micro_batches)
         activations = int(per_mb * flight) + per_mb_constant
         if defers_weight_grads(cfg, stage):
-            activations += sum(queued_output_gradients(cfg, layers, post, micro) for layers, _, post in chunks)
+            activations += sum(queued_output_gradients(cfg, layers, post, micro) for layers, _, post in chunks) * \
+                queued_backwards(cfg, stage, micro_batches)
         if t.recompute_switch_step > 0:  # the larger of the two phases
             after = dataclasses.replace(cfg, train=dataclasses.replace(
                 t, recompute=t.recompute_after_switch, micro_batch_size=micro))

@@ -151,12 +151,13 @@ def build_model_chunks(cfg: Config, topo: Topology, tp: TensorParallel,
     """This rank's model chunks: the whole model, one pipeline stage, or its v interleaved chunks."""
     if topo.pp_size == 1:
         return [CausalLM(cfg.model, tp, cp=cp)]
-    v = cfg.parallel.virtual_stages
-    layer_ids = stage_layer_ids(cfg.model.num_layers, topo.pp_size, v, chunk_layers(cfg))[topo.pp_rank]
+    v, v_shape = cfg.parallel.virtual_stages, cfg.parallel.schedule == "zbv"
+    layer_ids = stage_layer_ids(cfg.model.num_layers, topo.pp_size, v, chunk_layers(cfg), v_shape)[topo.pp_rank]
     chunks = []
     for j in range(v):
-        pre, post = chunk_roles(topo.pp_rank, topo.pp_size, v, j)
+        pre, post = chunk_roles(topo.pp_rank, topo.pp_size, v, j, v_shape)
         chunks.append(CausalLM(cfg.model, tp, layer_ids=layer_ids[j], pre_process=pre, post_process=post, cp=cp))
+        chunks[-1].v_placement = v_shape  # read by forward_only_pipeline
     return chunks
 
 

@@ -32,7 +32,7 @@ import torch
 from kernels import grad_accumulation
 from parallel import comm
 from parallel.embedding_rows import EmbeddingRows, rows_worth_it
-from parallel.stage_layers import tied_embedding_weights
+from parallel.stage_layers import sum_tied_gradients, tied_embedding_weights
 from parallel.staged_reduction import StagedReduction
 from parallel.tensor import TensorParallel, allreduce_replicated_grads
 from parallel.weak_hooks import weak_method
@@ -251,8 +251,7 @@ class BucketedDDP:
                 self.embedding_rows.reduce()
         for chunk in self.chunks:
             allreduce_replicated_grads(chunk, self.tp, frozenset(summed))
-        for p in self.tied:  # the embedding and its output-layer copy on the last pipeline stage
-            comm.all_reduce(p.grad, self.tied_group)
+        sum_tied_gradients([p.grad for p in self.tied], self.tied_group)  # the embedding and its output-layer copy
 
     def owned_gradients(self):
         """(name, parameter, 0, flat reduced gradient) after finish_gradients, from DP rank 0 only: the

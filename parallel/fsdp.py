@@ -35,7 +35,7 @@ from kernels import grad_accumulation
 from parallel import comm
 from parallel.embedding_shards import ShardedEmbeddingLookup, lookup_worth_it
 from parallel.fsdp_units import BufferPool, ShardRange, Unit, unit_plan
-from parallel.stage_layers import tied_embedding_weights
+from parallel.stage_layers import sum_tied_gradients, tied_embedding_weights
 from parallel.staged_reduction import StagedReduction
 from parallel.weak_hooks import weak_method
 
@@ -282,11 +282,14 @@ class ShardedDataParallel:
         self._fuse_accumulation(False)
         for unit in self.units:
             unit.detach_grads()
+        tied = [unit for unit in self.units if unit.tied]
+        for unit in tied:
+            unit.borrow_full_grad(self.pool)
+        # full gradients, so the two ends' different unit layouts do not matter
+        sum_tied_gradients([unit.full_grad_view(p) for unit in tied for p in unit.tied], self.tied_group)
         for unit in self.units:
             if unit.tied or not unit.reduced:
                 unit.borrow_full_grad(self.pool)
-                for p in unit.tied:  # full gradients, so the two ends' different unit layouts do not matter
-                    comm.all_reduce(unit.full_grad_view(p), self.tied_group)
                 self._reduce(unit, final=True)
         while self.pending:
             self._complete(self.pending.popleft())

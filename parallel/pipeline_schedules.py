@@ -1,4 +1,5 @@
-"""Schedules of one step's micro-batches: without a pipeline, GPipe, 1F1B and interleaved 1F1B.
+"""Schedules of one step's micro-batches: without a pipeline, GPipe, 1F1B and interleaved 1F1B; the zero-bubble
+ZB-H1 and ZBV run from their plan in parallel/zero_bubble.py.
 
 Each rank runs its own model chunks; `PipelineComm` moves activations forward and gradients backward.
 Every micro-batch's mean token loss is backpropagated with weight loss_scale / m, exactly as
@@ -23,6 +24,7 @@ evaluation pass.
 """
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 
@@ -33,6 +35,8 @@ from kernels.grad_accumulation import WeightGradQueue
 from parallel import comm
 from parallel.comm import named_range
 from parallel.micro_batch import MicroBatch
+from parallel.zero_bubble import forward_only_v, loss_rank, run_zero_bubble
+from parallel.zero_bubble_plan import ZERO_BUBBLE, chunks_per_rank
 
 
 def forward_backward_no_pipeline(model, micro_batches: list, loss_scale: float = 1.0) -> torch.Tensor:
@@ -72,6 +76,7 @@ class ScheduleTrace:
         self._origin = None  # (wall-clock seconds, CUDA event) of the first mark, on CUDA
         self.live = 0
         self.peak_live = 0
+        self._kept: set = set()  # (chunk, micro-batch) whose B ran with its W still to come
 
     def mark(self):
         """A point in the compute stream's time, to give `add`."""
@@ -86,9 +91,17 @@ class ScheduleTrace:
             event.record()
         return event
 
-    def add(self, kind: str, micro_batch: int, chunk: int, start, end) -> None:
+    def add(self, kind: str, micro_batch: int, chunk: int, start, end, keep: bool = False) -> None:
+        """`keep`: a B whose W runs later, in another slot (the zero-bubble schedules): its micro-batch's
+        activation counts as live until that W, which still needs the layers' inputs."""
         self._slots.append((kind, micro_batch, chunk, start, end))
-        self.live += {"F": 1, "B": -1}.get(kind, 0)  # W: the weight gradients of a micro-batch already done
+        if kind == "F":
+            self.live += 1
+        elif kind == "B" and keep:
+            self._kept.add((chunk, micro_batch))
+        elif kind == "B" or (chunk, micro_batch) in self._kept:
+            self._kept.discard((chunk, micro_batch))
+            self.live -= 1
         self.peak_live = max(self.peak_live, self.live)
 
     @property
@@ -132,7 +145,8 @@ class _Steps:
         if output is not None and not self.chunks[chunk_id].post_process and output._base is None:
             output.data = torch.empty(1, dtype=output.dtype, device=output.device)
 
-    def backward(self, chunk_id: int, mb: int, received, output, output_grad):
+    def backward(self, chunk_id: int, mb: int, received, output, output_grad, keep: bool = False):
+        """`keep`: its W runs in a later slot (ScheduleTrace.add)."""
         start = self.trace.mark() if self.trace is not None else None
         with named_range("backward"):
             if output_grad is None:  # the last chunk: the output is the scaled loss
@@ -142,7 +156,7 @@ class _Steps:
                                                        keep_graph=False, create_graph=False, inputs=(),
                                                        allow_unreachable=True, accumulate_grad=True)
         if self.trace is not None:
-            self.trace.add("B", mb, chunk_id, start, self.trace.mark())
+            self.trace.add("B", mb, chunk_id, start, self.trace.mark(), keep)
         return None if received is None else received.grad
 
     def backward_and_send(self, pipe, mb: int, received, output, output_grad) -> None:
@@ -314,7 +328,8 @@ def interleaved(steps: _Steps, pipe) -> None:
             grads[nxt_b].append(grad)
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved}
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved,
+             **{name: functools.partial(run_zero_bubble, name) for name in ZERO_BUBBLE}}
 
 
 def forward_backward_pipeline(schedule: str, chunks, micro_batches: list, pipe, loss_scale: float = 1.0,
@@ -326,15 +341,16 @@ def forward_backward_pipeline(schedule: str, chunks, micro_batches: list, pipe, 
     before computing its weight gradients (parallel.defer_weight_grads)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
-    if schedule != "interleaved" and len(chunks) != 1:
-        raise ValueError(f"{len(chunks)} model chunks per rank need the interleaved schedule, not {schedule!r}")
+    if len(chunks) != (1 if schedule in ("gpipe", "1f1b") else chunks_per_rank(schedule)) and \
+            schedule != "interleaved":
+        raise ValueError(f"{len(chunks)} model chunks per rank do not fit the {schedule!r} schedule")
     micro_batches = [MicroBatch.of(mb) for mb in micro_batches]
     steps = _Steps(chunks, micro_batches, loss_scale, trace, defer_weight_grads)
     SCHEDULES[schedule](steps, pipe)
     pipe.finish()
     device = micro_batches[0].tokens.device
     losses = torch.stack(steps.losses) if steps.losses else torch.zeros(len(micro_batches), device=device)
-    comm.broadcast(losses, src=pipe.last_rank, group=pipe.group)
+    comm.broadcast(losses, src=loss_rank(schedule, pipe), group=pipe.group)
     return losses
 
 
@@ -345,10 +361,12 @@ def forward_only_pipeline(chunks, micro_batches: list, pipe) -> torch.Tensor:
     Each micro-batch runs through this rank's chunks in model order, receiving from the previous stage and
     sending to the next. Every rank's operations follow one global chain (micro-batch, chunk, stage), so the
     blocking exchanges cannot deadlock, and without an interleaved ring the stages overlap across
-    micro-batches as in GPipe's forward half."""
+    micro-batches as in GPipe's forward half. Under the V placement (parallel.schedule=zbv) the chain goes
+    down the ranks and back up (`forward_only_v`)."""
     micro_batches = [MicroBatch.of(mb) for mb in micro_batches]
-    losses = []
-    for mb in micro_batches:
+    schedule = "zbv" if getattr(chunks[0], "v_placement", False) else "1f1b"  # set by build_model_chunks
+    losses = forward_only_v(chunks, micro_batches, pipe) if schedule == "zbv" else []
+    for mb in micro_batches if schedule != "zbv" else ():
         for chunk in chunks:
             received = None if chunk.pre_process else pipe.communicate(recv_prev=True)[0]
             args, kwargs = mb.forward_args(chunk.pre_process, chunk.post_process, received)
@@ -360,5 +378,5 @@ def forward_only_pipeline(chunks, micro_batches: list, pipe) -> torch.Tensor:
     pipe.finish()
     device = micro_batches[0].tokens.device
     loss = torch.stack(losses).mean() if losses else torch.zeros((), device=device)
-    comm.broadcast(loss, src=pipe.last_rank, group=pipe.group)
+    comm.broadcast(loss, src=loss_rank(schedule, pipe), group=pipe.group)
     return loss

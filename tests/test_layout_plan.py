@@ -27,7 +27,7 @@ from tests.helpers import ROOT
 
 RECIPE_7B = "launch/configs/llama_7b_64gpu.yaml"
 SMALL = Space(tensor=(1, 2, 4), context=(1,), pipeline=(1, 2), virtual_stages=(1, 2), stage_balance=("layers",),
-              zero_stage=(0, 3), hsdp=False, recompute=("none",), micro_batch_size=(1, 2))
+              zero_bubble=(), zero_stage=(0, 3), hsdp=False, recompute=("none",), micro_batch_size=(1, 2))
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +52,12 @@ def test_enumeration_matches_the_hand_count_and_drops_what_the_validator_refuses
     # both stage balances: the 16 pipelined layouts twice, the 12 others once
     both = enumerate_layouts(small_config(), 4, Space(**{**vars(SMALL), "stage_balance": ("layers", "compute")}))
     assert len(both) == 44 and sum(cfg.parallel.stage_balance == "compute" for _, cfg in both) == 16
+    # the zero-bubble schedules: the 8 pipelined ZeRO-0 layouts again, as zb-h1 (v = 1) or zbv (v = 2); ZeRO-3
+    # refuses them, and 3 layers cannot fill zbv's 4 chunks
+    zero_bubble = Space(**{**vars(SMALL), "zero_bubble": ("zb-h1", "zbv")})
+    with_zb = enumerate_layouts(small_config(), 4, zero_bubble)
+    assert len(with_zb) == 36 and sorted(cfg.parallel.schedule for _, cfg in with_zb).count("zbv") == 4
+    assert len(enumerate_layouts(small_config("model.num_layers=3"), 4, zero_bubble)) == 24
 
 
 def test_the_override_text_reproduces_each_layout_through_the_launchers_parser(tmp_path):

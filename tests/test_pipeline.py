@@ -26,7 +26,7 @@ from parallel.distributed import DistEnv
 from parallel.p2p import PipelineComm
 from parallel.pipeline_schedules import ScheduleTrace, forward_backward_no_pipeline, forward_backward_pipeline
 from parallel.stage_layers import (balanced_layer_counts, chunk_layer_counts, stage_layer_ids,
-                                   tied_embedding_weights)
+                                   sum_tied_gradients, tied_embedding_weights)
 from parallel.tensor import TensorParallel
 from parallel.topology import Layout, Topology
 from tests.distributed import WorkerPool, gloo_semantics
@@ -60,8 +60,7 @@ def _samples() -> torch.Tensor:
 
 def _sync_gradients(chunks, named, topo):
     """What the data-parallel wrapper does after backward: tied copies summed, then averaged over DP."""
-    for weight in tied_embedding_weights(chunks):
-        comm.all_reduce(weight.grad, topo.groups.get("embedding"))
+    sum_tied_gradients([w.grad for w in tied_embedding_weights(chunks)], topo.groups.get("embedding"))
     for _, p in named:
         comm.all_reduce(p.grad, topo.dp_group)
         p.grad /= topo.dp_size

@@ -3,12 +3,16 @@
     python tools/pipeline_trace.py --pipeline 4 --micro-batches 8 --schedule 1f1b
     python tools/pipeline_trace.py --pipeline 4 --micro-batches 8 --schedule interleaved --virtual 2
     python tools/pipeline_trace.py --pipeline 2 --schedule gpipe model.hidden_size=128
+    python tools/pipeline_trace.py --pipeline 4 --micro-batches 8 --schedule zbv model.num_layers=8
+    python tools/pipeline_trace.py --pipeline 4 --micro-batches 8 --compare model.num_layers=8
 
 Starts p gloo ranks on this machine (PP=p, TP=DP=1) from a config (default launch/configs/tiny.yaml plus
 overrides), runs `--steps` training steps and traces the last one. For each stage it prints the measured
 bubble — idle time over the span from the first slot on any stage to the last — next to the analytic
-(p−1)/(m+p−1) (GPipe, 1F1B) or (p−1)/(v·m+p−1) (interleaved), and the peak number of micro-batch
-activations held (1F1B: ≤ p; GPipe: m). Measured bubbles include transfer time and, when ranks share
+(p−1)/(m+p−1) (GPipe, 1F1B), (p−1)/(v·m+p−1) (interleaved) or the zero-bubble plan's (engine/plan/bubble.py),
+and the peak number of chunk activations held (1F1B: ≤ p; GPipe: m; ZB-H1 and ZBV hold one from its F to its
+W: p stages' worth at most). The idle fraction is read from the trace's slots: time no slot of the stage ran.
+`--compare` traces 1F1B, interleaved (v = --virtual), ZB-H1 and ZBV in turn and prints a table. Measured bubbles include transfer time and, when ranks share
 fewer cores than there are stages, CPU contention: read them as a check of the schedule's shape.
 """
 from __future__ import annotations
@@ -56,6 +60,7 @@ def _worker(rank: int, world: int, port: int, args, results) -> None:
 
     from engine.config.schema import load_config
     from engine.train import Trainer
+    from parallel import comm
     from parallel.distributed import DistEnv
     from parallel.pipeline_schedules import ScheduleTrace
     torch.set_num_threads(1)
@@ -68,7 +73,10 @@ def _worker(rank: int, world: int, port: int, args, results) -> None:
                 trainer.schedule_trace = ScheduleTrace(trainer.env.device)
             trainer.train_step()
         trace = trainer.schedule_trace
-        results.put((trainer.topo.pp_rank, trace.events, trace.peak_live))
+        with comm.RECORD.capture() as record:  # one more step, to count its messages
+            trainer.train_step()
+        sends = sum(1 for e in record if e.op == "send" and e.group == "pp")
+        results.put((trainer.topo.pp_rank, trace.events, trace.peak_live, sends))
     finally:
         dist.destroy_process_group()
 
@@ -76,29 +84,18 @@ def _worker(rank: int, world: int, port: int, args, results) -> None:
 def _overrides(args) -> list[str]:
     mbs = args.micro_batch_size
     return [f"parallel.pipeline={args.pipeline}", f"parallel.schedule={args.schedule}",
-            f"parallel.virtual_stages={args.virtual}", f"train.micro_batch_size={mbs}",
+            f"parallel.virtual_stages={virtual_of(args)}", f"train.micro_batch_size={mbs}",
             f"train.global_batch_size={mbs * args.micro_batches}", f"train.steps={args.steps}",
             "train.device=cpu", *args.overrides]
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--pipeline", type=int, default=4, help="pipeline stages p (= processes started)")
-    parser.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step m")
-    parser.add_argument("--micro-batch-size", type=int, default=2)
-    parser.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved"))
-    parser.add_argument("--virtual", type=int, default=1, help="model chunks per rank v (interleaved)")
-    parser.add_argument("--steps", type=int, default=3, help="steps to run; the last one is traced")
-    parser.add_argument("--config", default=str(ROOT / "launch/configs/tiny.yaml"))
-    parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. model.num_layers=8")
-    args = parser.parse_args(argv)
+def virtual_of(args) -> int:
+    """Model chunks per rank: --virtual for interleaved, 2 for zbv, else 1."""
+    return {"interleaved": args.virtual, "zbv": 2}.get(args.schedule, 1)
 
-    from engine.config.schema import ConfigError, load_config, validate
-    try:
-        validate(load_config(args.config, _overrides(args)), args.pipeline)
-    except ConfigError as exc:
-        print(f"pipeline_trace: configuration error: {exc}", file=sys.stderr)
-        return 2
+
+def run_traced(args) -> list:
+    """[(pp rank, events, peak live)] of the traced step, one entry per stage."""
     import torch.multiprocessing as mp
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     ctx = mp.get_context("spawn")
@@ -112,16 +109,57 @@ def main(argv=None) -> int:
     gathered = sorted(results.get(timeout=600) for _ in procs)
     for proc in procs:
         proc.join()
-    traces = [events for _, events, _ in gathered]
-    p, m, v = args.pipeline, args.micro_batches, args.virtual
-    expected = analytic_bubble(args.schedule, p, m, v)
-    print(f"schedule {args.schedule}: p={p} m={m} v={v}; analytic bubble {expected:.3f}; digits = forward, "
-          f"lower-case letters = backward, upper-case = its deferred weight gradients")
-    for stage, (line, measured, (_, _, peak)) in enumerate(zip(timeline(traces), bubble_fractions(traces),
-                                                                 gathered)):
-        print(f"stage {stage}: bubble {measured:.3f} (analytic {expected:.3f})  peak live micro-batches {peak:>2}"
-              f"  |{line}|")
+    return gathered
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--pipeline", type=int, default=4, help="pipeline stages p (= processes started)")
+    parser.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step m")
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved", "zb-h1", "zbv"))
+    parser.add_argument("--virtual", type=int, default=2, help="model chunks per rank v (interleaved; zbv has 2)")
+    parser.add_argument("--steps", type=int, default=3, help="steps to run; the last one is traced")
+    parser.add_argument("--compare", action="store_true",
+                        help="trace 1f1b, interleaved, zb-h1 and zbv in turn and print one table row each")
+    parser.add_argument("--config", default=str(ROOT / "launch/configs/tiny.yaml"))
+    parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. model.num_layers=8")
+    args = parser.parse_args(argv)
+
+    from engine.config.schema import ConfigError, load_config, validate
+    schedules = ("1f1b", "interleaved", "zb-h1", "zbv") if args.compare else (args.schedule,)
+    for schedule in schedules:
+        try:
+            validate(load_config(args.config, _overrides(argparse.Namespace(**{**vars(args), "schedule": schedule}))),
+                     args.pipeline)
+        except ConfigError as exc:
+            print(f"pipeline_trace: configuration error ({schedule}): {exc}", file=sys.stderr)
+            return 2
+    if args.compare:
+        print("schedule     v  analytic  idle (mean, max over stages)  peak live (max, in stages)  sends/step")
+    for schedule in schedules:
+        args.schedule = schedule
+        report(args, run_traced(args), table=args.compare)
     return 0
+
+
+def report(args, gathered: list, table: bool) -> None:
+    """Per stage: measured idle fraction, the analytic one, peak live activations (in chunks) and the timeline;
+    with `table`, one row for the schedule."""
+    traces = [events for _, events, _, _ in gathered]
+    p, m, v = args.pipeline, args.micro_batches, virtual_of(args)
+    expected = analytic_bubble(args.schedule, p, m, v)
+    measured = bubble_fractions(traces)
+    peaks = [peak for _, _, peak, _ in gathered]
+    if table:
+        print(f"{args.schedule:<12}{v:>2}  {expected:8.3f}  {sum(measured) / p:10.3f} {max(measured):8.3f}"
+              f"{max(peaks) / v:>20.2f} ({max(peaks)} of 1/{v}){sum(s for *_, s in gathered):>12}")
+        return
+    print(f"schedule {args.schedule}: p={p} m={m} v={v}; analytic bubble {expected:.3f}; digits = forward, "
+          f"lower-case letters = backward (input gradient), upper-case = its weight gradients")
+    for stage, (line, idle, peak) in enumerate(zip(timeline(traces), measured, peaks)):
+        print(f"stage {stage}: bubble {idle:.3f} (analytic {expected:.3f})  peak live micro-batches {peak:>2}"
+              f"  |{line}|")
 
 
 if __name__ == "__main__":

@@ -87,7 +87,9 @@ class ParallelConfig:
     sequence_parallel: bool = False  # shard norms and dropout over the sequence within the TP group
     zero_stage: int = 0  # 0 bucketed DDP, 1 + optimizer state sharded, 2 + gradients, 3 + parameters (FSDP)
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedule)
-    schedule: str = "1f1b"  # pipeline schedule (parallel/pipeline_schedules.py)
+    schedule: str = "1f1b"  # pipeline schedule (parallel/pipeline_schedules.py); zb-h1 = 1F1B with weight gradients
+        # filling the cool-down, zbv = zero-bubble V, two chunks per rank (virtual_stages=2), rank 0 holding the
+        # first and last (parallel/zero_bubble_plan.py); both with zero_stage 0 or 1
     stage_layers: list[int] = field(default_factory=list)  # layers per pipeline chunk in chunk order, e.g.
         # [3, 3, 2, 2]; empty = split by parallel.stage_balance
     stage_balance: str = "layers"  # without stage_layers: layers = even layer counts (earlier chunks take the
@@ -272,7 +274,7 @@ CHOICES = {
     ("train", "recompute"): ("none", "selective", "full"),
     ("train", "recompute_after_switch"): ("none", "selective", "full"),
     ("optim", "implementation"): ("auto", "apex", "fused", "foreach"),
-    ("parallel", "schedule"): ("gpipe", "1f1b", "interleaved"),
+    ("parallel", "schedule"): ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv"),
     ("parallel", "stage_balance"): ("layers", "compute"),
     ("parallel", "backend"): ("auto", "gloo", "nccl"),
     ("train", "precision"): ("fp32", "bf16", "fp16"),
@@ -500,8 +502,17 @@ def validate(cfg: Config, world_size: int) -> None:
     if m.num_layers < chunks:
         raise ConfigError(f"model.num_layers={m.num_layers} is fewer than parallel.pipeline × virtual_stages = "
                           f"{p.pipeline}×{p.virtual_stages} = {chunks} model chunks; each chunk needs a layer")
-    if p.virtual_stages > 1 and p.schedule != "interleaved":
-        raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} needs parallel.schedule=interleaved")
+    if p.schedule == "zbv" and p.pipeline > 1 and p.virtual_stages != 2:
+        raise ConfigError(f"parallel.schedule=zbv places two model chunks per rank as a V; set "
+                          f"parallel.virtual_stages=2 (got {p.virtual_stages})")
+    if p.virtual_stages > 1 and p.schedule not in ("interleaved", "zbv"):
+        raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} needs parallel.schedule=interleaved "
+                          f"(or zbv with 2)")
+    if p.schedule in ("zb-h1", "zbv") and p.pipeline > 1 and p.zero_stage >= 2:
+        raise ConfigError(f"parallel.schedule={p.schedule} with parallel.zero_stage={p.zero_stage}: the schedule "
+                          f"holds several micro-batches' weight gradients between their B and W slots, which ZeRO-2/3 "
+                          f"reduce as each backward ends (it would take one gradient buffer per micro-batch in "
+                          f"flight); use parallel.zero_stage 0 or 1, or parallel.schedule=1f1b")
     if p.virtual_stages > 1 and p.pipeline == 1:
         raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} needs parallel.pipeline > 1 (virtual "
                           f"stages are extra model chunks per pipeline rank)")

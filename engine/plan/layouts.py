@@ -3,8 +3,8 @@ engine/config/schema.validate accepts, so nothing the engine would refuse is eve
 
 A `Layout` is written to a configuration as `section.key=value` overrides, the form launch/run_pretrain.sh and
 engine.config.schema.load_config take. Sequence parallelism is on whenever TP > 1 (it saves activation memory
-for the same communication volume); v = 1 uses 1F1B (GPipe holds every micro-batch for the same bubble), v ≥ 2
-the interleaved schedule; pipeline chunks split by even layer counts or even compute (parallel.stage_balance).
+for the same communication volume); v = 1 uses 1F1B (GPipe holds every micro-batch for the same bubble) or
+ZB-H1, v ≥ 2 the interleaved schedule, v = 2 also ZBV (ZeRO-2/3 refuse the zero-bubble schedules); pipeline chunks split by even layer counts or even compute (parallel.stage_balance).
 A layout plans one recompute mode and micro batch for the whole run, so it turns a configured mid-run switch
 (train.recompute_switch_step) off; settings the layout makes invalid (hierarchical_node_size beside HSDP or CP,
 or not dividing the data-parallel size) are turned off with it.
@@ -17,6 +17,7 @@ import itertools
 from dataclasses import dataclass
 
 from engine.config.schema import Config, ConfigError, apply_overrides, from_dict, to_dict, validate
+from parallel.zero_bubble_plan import ZERO_BUBBLE, chunks_per_rank
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -32,6 +33,11 @@ class Layout:
     recompute: str = "none"
     micro_batch_size: int = 1
     stage_balance: str = "layers"  # parallel.stage_balance: even layer counts, or even compute
+    schedule: str = ""  # parallel.schedule; empty: 1f1b, or interleaved with virtual stages
+
+    @property
+    def pipeline_schedule(self) -> str:
+        return self.schedule or ("interleaved" if self.virtual_stages > 1 else "1f1b")
 
     def data_parallel(self, world_size: int) -> int:
         return world_size // (self.tensor * self.context * self.pipeline)
@@ -39,7 +45,8 @@ class Layout:
     def name(self, world_size: int) -> str:
         parts = [f"TP{self.tensor}"] + ([f"CP{self.context}"] if self.context > 1 else [])
         parts.append(f"PP{self.pipeline}" + (f"v{self.virtual_stages}" if self.virtual_stages > 1 else "")
-                     + ("(compute-balanced)" if self.stage_balance == "compute" else ""))
+                     + ("(compute-balanced)" if self.stage_balance == "compute" else "")
+                     + (f" {self.schedule}" if self.schedule in ZERO_BUBBLE else ""))
         parts.append(f"DP{self.data_parallel(world_size)}")
         zero = f"Z{self.zero_stage}" + (f"/HSDP{self.hsdp_group_size}" if self.hsdp_group_size else "")
         return " ".join(parts) + f" {zero} rc={self.recompute} mb={self.micro_batch_size}"
@@ -55,6 +62,7 @@ class Space:
     pipeline: tuple = (1, 2, 4, 8, 16)
     virtual_stages: tuple = (1, 2, 4)
     stage_balance: tuple = ("layers", "compute")  # with PP > 1
+    zero_bubble: tuple = ZERO_BUBBLE  # also tried with PP > 1: zb-h1 with one chunk per rank, zbv with two
     zero_stage: tuple = (0, 1, 2, 3)
     hsdp: bool = True  # also HSDP groups of one node's worth of data-parallel ranks
     recompute: tuple = RECOMPUTE
@@ -67,7 +75,7 @@ def settings(cfg: Config, layout: Layout, world_size: int) -> dict[tuple[str, st
     p, t = cfg.parallel, cfg.train
     out = {("parallel", "tensor"): layout.tensor, ("parallel", "context"): layout.context,
            ("parallel", "pipeline"): layout.pipeline, ("parallel", "virtual_stages"): layout.virtual_stages,
-           ("parallel", "schedule"): "interleaved" if layout.virtual_stages > 1 else "1f1b",
+           ("parallel", "schedule"): layout.pipeline_schedule,
            ("parallel", "sequence_parallel"): layout.tensor > 1, ("parallel", "zero_stage"): layout.zero_stage,
            ("parallel", "hsdp_group_size"): layout.hsdp_group_size, ("train", "recompute"): layout.recompute,
            ("train", "micro_batch_size"): layout.micro_batch_size, ("parallel", "stage_balance"): layout.stage_balance}
@@ -111,8 +119,10 @@ def candidates(cfg: Config, world_size: int, space: Space):
         if world_size % (t * c * pp):
             continue
         dp = world_size // (t * c * pp)
-        for v, balance in itertools.product(*((space.virtual_stages, space.stage_balance) if pp > 1 else
-                                               ((1,), ("layers",)))):
+        pipelined = [(v, balance, schedule) for v, balance in itertools.product(space.virtual_stages,
+                                                                              space.stage_balance)
+                     for schedule in ("",) + tuple(z for z in space.zero_bubble if chunks_per_rank(z) == v)]
+        for v, balance, schedule in pipelined if pp > 1 else [(1, "layers", "")]:
             for zero in space.zero_stage:
                 groups = [0]
                 node_dp = space.gpus_per_node // (t * c)  # data-parallel ranks on one node
@@ -120,7 +130,7 @@ def candidates(cfg: Config, world_size: int, space: Space):
                     groups.append(node_dp)
                 for hsdp, rc, mb in itertools.product(groups, space.recompute, space.micro_batch_size):
                     if batch % (mb * dp) == 0:
-                        yield Layout(t, c, pp, v, zero, hsdp, rc, mb, balance)
+                        yield Layout(t, c, pp, v, zero, hsdp, rc, mb, balance, schedule)
 
 
 def enumerate_layouts(cfg: Config, world_size: int, space: Space | None = None) -> list[tuple[Layout, Config]]:
