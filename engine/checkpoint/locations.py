@@ -186,3 +186,19 @@ def check_locations(ck) -> list[str]:
         except CheckpointError as exc:
             problems.append(str(exc))
     return problems
+
+
+def fetch_s3_checkpoint(url: str, dest_root: Path) -> Path:
+    """A verified copy in dest_root of s3://… naming one checkpoint, or a checkpoints prefix (its `latest`);
+    what offline tools read (tools/ckpt_convert.py --load-dir s3://…)."""
+    location = S3Location(url, 1, 0, 64, 4)
+    if location.store.get_bytes(MANIFEST) is not None:
+        parent, _, name = location.name.rpartition("/")
+        location = S3Location(parent, 1, 0, 64, 4)
+    else:
+        name = location.latest()
+        if name is None:
+            raise CheckpointError(f"{url} is neither a checkpoint (with {MANIFEST}) nor a checkpoints prefix with "
+                                  f"a '{LATEST}' object")
+    location.fetch(name, dest_root)
+    return dest_root / name

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import urllib.parse
 from pathlib import Path
 
 from engine.checkpoint.files import CHUNK, CheckpointError
@@ -50,7 +51,8 @@ def describe(exc: BaseException, where: str) -> str:
     if isinstance(exc, NoCredentialsError):
         return f"{where}: no S3 credentials found; {credentials_hint()}"
     if isinstance(exc, EndpointConnectionError):
-        return f"{where}: cannot reach the S3 endpoint {exc.kwargs.get('endpoint_url', '')}; check AWS_ENDPOINT_URL"
+        url = urllib.parse.urlsplit(str(exc.kwargs.get("endpoint_url", "")))
+        return f"{where}: cannot reach the S3 endpoint {url.scheme}://{url.netloc}; check AWS_ENDPOINT_URL"
     if isinstance(exc, ClientError):
         code = str(exc.response.get("Error", {}).get("Code", ""))
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
