@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from engine.checkpoint.files import CheckpointError, read_latest
+from engine.checkpoint.load_check import check_load
 from tests.helpers import LAUNCH_ENV, ROOT, tiny_trainer
 from tests.s3_server import S3Server, S3Unavailable
 from tools.ckpt_convert import main as convert
@@ -73,6 +74,12 @@ def test_every_copy_is_the_manifests_and_retention_is_per_location(tmp_path, ser
     assert (prefix / "step_00000003" / FILE).stat().st_size > 2 << 20  # > 2 parts of 1 MB: a multipart upload
     status = t.checkpointer.uploader.status()["s3://ckpt/verified"]
     assert status["last_complete"] == "step_00000003" and status["failures"] == 0
+
+    # the pre-flight's line for a checkpoint.load here or there (engine/checkpoint/load_check.py)
+    assert check_load("s3://ckpt/verified").startswith("checkpoint.load: s3://ckpt/verified/step_00000003 complete "
+                                                       "(step 3, 3 objects")
+    assert check_load(str(tmp_path / "run" / "checkpoints")).endswith("step_00000003 verified (step 3, every file's "
+                                                                      "SHA-256)")
 
     # ckpt_convert straight from the store gives the Hugging Face files it gives from disk
     assert convert(["--load-dir", "s3://ckpt/verified", "--save-dir", str(tmp_path / "hf_s3"), "--to", "hf"]) == 0

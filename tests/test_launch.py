@@ -208,7 +208,11 @@ def test_preflight_passes_a_sound_config_and_fails_an_exploding_one(tmp_path):
     assert ok.returncode == 0 and "PRE-FLIGHT PASSED" in ok.stdout, ok.stdout[-3000:] + ok.stderr[-3000:]
     assert ok.stdout.count("  PASS  ") == 7 and "2 ranks" in ok.stdout and "PASS  matmul alike on 2 ranks" in ok.stdout
     bad = subprocess.run(["bash", "launch/run_pretrain.sh", "--preflight", "--config", TINY, "--steps", "40",
-                          f"run.dir={tmp_path / 'bad'}", "optim.lr=30", "optim.clip_grad=0"], cwd=ROOT, env=ENV,
+                          f"run.dir={tmp_path / 'bad'}", "optim.lr=30", "optim.clip_grad=0",
+                          f"checkpoint.load={tmp_path / 'missing'}"], cwd=ROOT, env=ENV,
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1 and "PRE-FLIGHT FAILED" in bad.stdout, bad.stdout[-3000:] + bad.stderr[-3000:]
     assert "FAIL  grad norm not exploding" in bad.stdout
+    # the shrunk model never loads checkpoint.load: it is judged, as a line, and the pre-flight runs
+    assert f"FAIL  checkpoint.load={tmp_path / 'missing'}: checkpoint.load={tmp_path / 'missing'} is neither" in \
+        bad.stdout and "Traceback" not in bad.stdout + bad.stderr

@@ -65,7 +65,7 @@ def plan(root: Path, sources: list, load: str, fallback: bool, load_location) ->
             log.warning(f"checkpoint: {root} has no '{LATEST}' file; resuming from the newest complete copy, "
                         f"{sources[best[0]].describe(best[1])}")
     if start is None and load:
-        return _load_plan(load, fallback, sources, load_location)
+        return load_plan(load, fallback, sources, load_location)
     if start is None:
         return []
     name = Path(start[1]).name if start[0] == "path" else start[2]
@@ -80,7 +80,7 @@ def plan(root: Path, sources: list, load: str, fallback: bool, load_location) ->
     return found
 
 
-def _load_plan(load: str, fallback: bool, sources: list, load_location) -> list[tuple]:
+def load_plan(load: str, fallback: bool, sources: list, load_location) -> list[tuple]:
     if load.startswith("s3://"):
         location = load_location(load)
         if location.store.get_bytes(MANIFEST) is not None:  # the URL names one checkpoint
