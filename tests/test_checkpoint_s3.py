@@ -15,6 +15,7 @@ import torch
 
 from engine.checkpoint.files import CheckpointError, read_latest
 from engine.checkpoint.load_check import check_load
+from engine.observe.metrics import MetricsLog
 from tests.helpers import LAUNCH_ENV, ROOT, tiny_trainer
 from tests.s3_server import S3Server, S3Unavailable
 from tools.ckpt_convert import main as convert
@@ -153,6 +154,20 @@ def test_lost_run_dir_resumes_from_the_store_and_a_corrupt_object_falls_back_to_
     assert fallback.step == 3 and fallback.train_step()["loss"] == expected[3]
     load = trainer(tmp_path / "other", "checkpoint.load=s3://ckpt/lost/step_00000002")  # one checkpoint by URL
     assert load.step == 2 and load.train_step()["loss"] == expected[2]
+
+
+def test_metrics_record_each_locations_copies(tmp_path, server):
+    t = trainer(tmp_path, "checkpoint.mirrors=[s3://ckpt/metrics]", "checkpoint.interval=2", "train.steps=4",
+                "train.log_interval=100")
+    metrics = MetricsLog(tmp_path, enabled=True, console=lambda line: None)
+    t.train(metrics)
+    assert t.checkpointer.finish_uploads().endswith("s3://ckpt/metrics")
+    metrics.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    copies = [r["checkpoint_copies"]["s3://ckpt/metrics"] for r in records if "checkpoint_copies" in r]
+    assert "step_00000002" in copies[0]["pending"] + [copies[0]["last_complete"]]  # recorded from the first change
+    assert copies[-1]["last_complete"] in ("step_00000002", "step_00000004")
+    assert {c["failures"] for c in copies} == {0}
 
 
 def check(run_dir, env, *overrides) -> subprocess.CompletedProcess:

@@ -110,7 +110,7 @@ class Uploader:
 
     def __init__(self, locations: list, source: Path, retries: int, backoff_s: float, keep_every: int):
         self.workers = [_Worker(loc, source, retries, backoff_s, keep_every) for loc in locations]
-        self._reported: dict | None = None
+        self._reported = self.status()  # nothing copied, nothing pending: no record until that changes
 
     def submit(self, name: str, files: dict) -> None:
         for worker in self.workers:
