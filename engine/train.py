@@ -420,9 +420,13 @@ class Trainer:
                 gpu, stop = control.check(self.step) if control else (None, 0)
                 if gpu is not None:
                     record["gpu"] = gpu
+                copies = self.checkpointer.uploader and self.checkpointer.uploader.changed_status()
+                if copies:  # checkpoint.mirrors: what each location holds, when that changed
+                    record["checkpoint_copies"] = copies
                 history.append(record)
                 if (self.step % self.cfg.train.log_interval == 0 or self.step == self.cfg.train.steps or stop
-                        or evaluated or "local_cache" in record or "rank_times" in record):
+                        or evaluated or "local_cache" in record or "rank_times" in record
+                        or "checkpoint_copies" in record):
                     metrics.write(record)
                 if stop:  # preemption or GPU health: save now, whatever the interval says
                     self.save_checkpoint()
@@ -505,8 +509,13 @@ def run(cfg: Config, env: DistEnv) -> list[dict]:
         # A prefetch thread still reading when the interpreter exits (after a configuration error found in
         # the first batch, say) aborted the process ("terminate called without an active exception").
         trainer.loader.close()
+        copies = trainer.checkpointer.finish_uploads()  # checkpoint.upload_wait_s for copies still in flight
+        if trainer.checkpointer.uploader:
+            metrics.event({"step": trainer.step, "checkpoint_copies": trainer.checkpointer.uploader.status()})
         metrics.close()
         control.restore()
+        if copies:
+            log.info(copies)  # the run's last line: where its final checkpoint is
 
 
 def main(argv=None) -> int:

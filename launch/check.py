@@ -1,6 +1,7 @@
 """What launch/run_pretrain.sh checks before it starts any rank: the configuration loads and validates for
 the world size (--preflight: the pre-flight's scaled-down one, engine/preflight.py), CUDA is usable if GPUs
-were asked for (parallel/device.py), and (--lock) no live training holds run.dir. A failure is one line and
+were asked for (parallel/device.py), every checkpoint.mirrors location can be written (a test object is
+written and deleted), and (--lock) no live training holds run.dir. A failure is one line and
 exit status 2 (1 for an unreadable Hugging Face checkpoint.load), as from a rank, without torchrun's report
 of a failed child.
 
@@ -53,7 +54,19 @@ def main(argv=None) -> int:
     except (ConfigError, DeviceUnavailable) as exc:
         print(f"trilith: configuration error: {exc}", file=sys.stderr)
         return 2
-    return 0
+    return 2 if location_problems(cfg) else 0
+
+
+def location_problems(cfg) -> bool:
+    """Every checkpoint.mirrors location can be written now (engine/checkpoint/locations.py): one line for
+    each that cannot, naming it and what to set."""
+    if not (cfg.checkpoint.mirrors or cfg.checkpoint.mirror_dir):
+        return False
+    from engine.checkpoint.locations import check_locations  # imports torch and boto3: only for mirrors
+    problems = check_locations(cfg.checkpoint)
+    for problem in problems:
+        print(f"trilith: checkpoint location error: {problem}", file=sys.stderr)
+    return bool(problems)
 
 
 if __name__ == "__main__":

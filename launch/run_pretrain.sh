@@ -18,6 +18,9 @@
 # One rank per task, one task per GPU. Only --ntasks-per-node is set here: sbatch --nodes=N gives N × 8 ranks,
 # --ntasks-per-node=K K per node, sbatch -n M M ranks on as many nodes as they need. A --ntasks here would
 # win over a command line's --nodes × --ntasks-per-node, and a --nodes would refuse an -n that needs more.
+# The rule: SLURM refuses any job whose nodes declare fewer than ntasks-per-node × cpus-per-task CPUs
+# ("Requested node configuration is not available"), even -n 2 -c 1 on a node of 2 cores: on smaller nodes
+# pass both, e.g. sbatch -n 4 --ntasks-per-node=2 -c 1 (K × c ≤ the node's CPUs).
 #SBATCH --job-name=trilith
 #SBATCH --ntasks-per-node=8
 ##SBATCH --gpus-per-node=8        # GPU clusters: remove one # (each rank picks its GPU by local rank)

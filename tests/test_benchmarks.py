@@ -55,6 +55,13 @@ def test_bench_checkpoint_prints_ratios(tmp_path):
     assert float(re.search(r"load: .* ratio ([\d.]+) of raw read", out).group(1)) > 0
 
 
+def test_bench_upload_prints_the_ratio_to_no_mirrors():
+    out = tool("tools/bench_upload.py", "--hidden", "32", "--layers", "1", "--vocab", "100", "--steps", "4",
+               "--save-every", "2", "--rounds", "1")
+    ratio = re.search(r"mirrors=\[s3://\.\.\.\]: +median step [\d.]+ ms over 3 steps, ratio ([\d.]+)", out)
+    assert float(ratio.group(1)) > 0
+
+
 def test_bench_preprocess_checks_identical_output(tmp_path):
     tool("tools/stdlib_corpus.py", "--output", str(tmp_path / "c.jsonl"), "--limit", "20")
     tool("tools/train_tokenizer.py", "--input", str(tmp_path / "c.jsonl"), "--output-dir", str(tmp_path / "tok"),

@@ -28,6 +28,7 @@ def saved_run(run_dir, *overrides, steps=2) -> Trainer:
         t.train_step()
         t.save_checkpoint()
     t.checkpointer.wait()
+    t.checkpointer.finish_uploads()  # the copies to checkpoint.mirrors are made in the background
     return t
 
 

@@ -9,7 +9,8 @@
     # Trilith layout A -> layout B (optimizer state included)
     python tools/ckpt_convert.py --load-dir runs/x/checkpoints --save-dir runs/z/checkpoints --tensor 4
 
-`--load-dir` may be a checkpoint (`step_<8-digit step>/`) or a checkpoints directory (its `latest` is used).
+`--load-dir` may be a checkpoint (`step_<8-digit step>/`) or a checkpoints directory (its `latest` is used), on disk
+or in an object store (`s3://bucket/prefix`: copied to a temporary directory first, every file SHA-256-verified).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import json
 import re
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -347,18 +349,26 @@ def main(argv=None) -> int:
     parser.add_argument("--max-shard-size", default="5GB", help="--to hf: split weights above this size")
     parser.add_argument("--tokenizer", default=None, help="--to hf/gguf: tokenizer file (default: data.tokenizer)")
     args = parser.parse_args(argv)
-    try:
-        if args.to == "hf":
-            to_hf(args)
-        elif args.to == "gguf":
-            to_gguf(args)
-        elif args.source == "hf":
-            from_hf(args)
-        else:
-            reshard(args)
-    except CheckpointError as exc:
-        print(f"ckpt_convert: {exc}", file=sys.stderr)
-        return 1
+    with tempfile.TemporaryDirectory(prefix="ckpt_convert-") as scratch:
+        try:
+            if args.load_dir.startswith("s3://") and args.source != "hf":  # a verified local copy first
+                from engine.checkpoint.locations import fetch_s3_checkpoint
+                args.load_dir = str(fetch_s3_checkpoint(args.load_dir, Path(scratch)))
+            return convert(args)
+        except CheckpointError as exc:
+            print(f"ckpt_convert: {exc}", file=sys.stderr)
+            return 1
+
+
+def convert(args) -> int:
+    if args.to == "hf":
+        to_hf(args)
+    elif args.to == "gguf":
+        to_gguf(args)
+    elif args.source == "hf":
+        from_hf(args)
+    else:
+        reshard(args)
     return 0
 
 

@@ -20,15 +20,17 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from engine.checkpoint.files import (LATEST, TMP_PREFIX, CheckpointError, apply_retention, commit, copy_verified,
-                                  read_latest, remove_stale_tmp, set_latest, step_dir_name, step_dirs,
-                                  write_json, write_safetensors)
+from engine.checkpoint.files import (TMP_PREFIX, CheckpointError, apply_retention, commit, remove_stale_tmp,
+                                     set_latest, step_dir_name, write_json, write_safetensors)
 from engine.checkpoint.manifest import (FORMAT, KEYS, MANIFEST, METADATA, VERSION, CheckpointReader,
                                         SafetensorsRanges, check_manifest, global_shape, load_json, merge_entries,
                                         rank_file, tensor_entry, verify)
 from engine.checkpoint.hf_config import token_ids
 from engine.checkpoint.hf_weights import HFWeights, is_hf_directory
 from engine.checkpoint.light_snapshot import refuse_light
+from engine.checkpoint.locations import MIRROR_DIR_NOTICE, DirLocation, S3Location, locations_of
+from engine.checkpoint.resume_plan import plan
+from engine.checkpoint.uploader import Uploader
 from engine.config.schema import to_dict
 from parallel.random import TRACKER, seed_all
 
@@ -77,21 +79,6 @@ def _rng_restore(path: Path) -> bool:
     return True
 
 
-def _resume_point(roots: list[Path]) -> Path | None:
-    """What `latest` names in the first root that has one (the mirror's when the primary is lost); without any
-    `latest` (lost, or a save killed between its commit and `latest`), the newest step directory, said in
-    the log: step directories are never ignored, which would start the run again from step 0."""
-    for root in roots:
-        latest = read_latest(root)
-        if latest is not None:
-            return latest
-    found = sorted((d for root in roots for d in step_dirs(root)), key=lambda d: d.name, reverse=True)
-    if found:
-        log.warning(f"checkpoint: no '{LATEST}' file in {' or '.join(map(str, roots))}; resuming from the newest "
-                    f"step directory, {found[0]}")
-    return found[0] if found else None
-
-
 _HOST_GROUP: list = [None, None]  # [the world's process group, a gloo group over the same ranks]
 
 
@@ -111,7 +98,7 @@ class Checkpointer:
         self.cfg, self.ck, self.topo, self.optimizer = cfg, cfg.checkpoint, topo, optimizer
         self.params = dict(named_params)
         self.root = Path(cfg.run.dir) / "checkpoints"
-        self.mirror = Path(self.ck.mirror_dir) if self.ck.mirror_dir else None
+        self.locations = locations_of(self.ck)  # checkpoint.mirrors (engine/checkpoint/locations.py)
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.group = host_group() if self.world > 1 else None
@@ -122,9 +109,14 @@ class Checkpointer:
         # The *_token_id fields of the Hugging Face config.json this run started from, carried save to save for
         # the export back (tools/ckpt_convert.py --to hf)
         self.special_tokens: dict = {}
+        # rank 0 copies each committed step to the mirrors in the background (engine/checkpoint/uploader.py)
+        self.uploader = Uploader(self.locations, self.root, self.ck.upload_retries, self.ck.upload_backoff_s,
+                                 self.ck.keep_every) if self.rank == 0 and self.locations else None
         if self.rank == 0:
+            if self.ck.mirror_dir:
+                log.warning(f"checkpoint: {MIRROR_DIR_NOTICE.format(self.ck.mirror_dir)}")
             self.root.mkdir(parents=True, exist_ok=True)
-            for root in [self.root] + ([self.mirror] if self.mirror else []):
+            for root in [self.root] + [loc.root for loc in self.locations if isinstance(loc, DirLocation)]:
                 remove_stale_tmp(root)
         self._barrier()
 
@@ -241,20 +233,35 @@ class Checkpointer:
         self.saved = [n for n in self.saved if n != name] + [name]
         log.info(f"checkpoint: saved step {step} to {self.root / name} ({len(files)} files)")
         # From here the checkpoint is committed: nothing below may fail the save.
+        if self.uploader is not None:
+            self.uploader.submit(name, manifest["files"])
         self._prune(self.root)
-        if self.mirror is not None:
-            try:
-                copy_verified(self.root / name, self.mirror, manifest["files"])
-            except (OSError, CheckpointError) as exc:  # the primary copy is safe; say so loudly
-                log.error(f"checkpoint: mirror copy to {self.mirror} failed: {exc}")
-            else:
-                self._prune(self.mirror)
 
     def _prune(self, root: Path) -> None:
         try:
-            apply_retention(root, self.ck.keep, self.ck.keep_every, self.saved)
+            apply_retention(root, self.ck.keep, self.ck.keep_every, self.saved,
+                            frozenset(self.uploader.pending() if self.uploader else ()))
         except OSError as exc:
             log.error(f"checkpoint: retention in {root} failed (the new checkpoint is saved): {exc}")
+
+    def finish_uploads(self) -> str | None:
+        """Give copies still in flight checkpoint.upload_wait_s seconds, name what did not finish, and return
+        the line saying which locations hold this run's last checkpoint (rank 0; None elsewhere, or
+        without mirrors or saves)."""
+        if self.uploader is None:
+            return None
+        left = self.uploader.finish(self.ck.upload_wait_s)
+        for where, names in left.items():
+            log.warning(f"checkpoint: WARNING copies to {where} not finished after checkpoint.upload_wait_s="
+                        f"{self.ck.upload_wait_s:g} s: {', '.join(names)}")
+        if not self.saved:
+            return None
+        final, status = self.saved[-1], self.uploader.status()
+        held = [str(self.root)] + [w for w, s in status.items() if s["last_complete"] == final]
+        missing = [f"{w} ({'not finished' if w in left else s.get('last_error') or 'not copied'})"
+                   for w, s in status.items() if s["last_complete"] != final]
+        return f"checkpoint: the final checkpoint {final} is complete in {', '.join(held)}" + \
+            (f"; missing from {', '.join(missing)}" if missing else "")
 
     def wait(self) -> None:
         """Block until a background save has finished; re-raise its error here."""
@@ -268,25 +275,37 @@ class Checkpointer:
             raise CheckpointError(f"background checkpoint save failed: {error}") from error
 
     # ---- load ----------------------------------------------------------------------------------------
-    def _candidates(self) -> list[Path]:
-        """The checkpoint to resume from first, then (with checkpoint.fallback) older ones and mirror copies."""
-        roots = [self.root] + ([self.mirror] if self.mirror else [])
-        latest = _resume_point(roots)
-        if latest is None and self.ck.load:
-            given = Path(self.ck.load)
-            if (given / MANIFEST).is_file() or is_hf_directory(given):
-                return [given]
-            latest, roots = _resume_point([given]), [given]
-            if latest is None:
-                raise CheckpointError(f"checkpoint.load={given} is neither a checkpoint directory (with {MANIFEST}) "
-                                      f"nor a checkpoints directory (with a '{LATEST}' file or step_* directories)")
-        if latest is None:
-            return []
-        found = [latest]
-        if self.ck.fallback:
-            older = [d for root in roots for d in step_dirs(root) if d.name <= latest.name and d != latest]
-            found += sorted(older, key=lambda d: d.name, reverse=True)
-        return found
+    def _load_location(self, url: str) -> S3Location:
+        return S3Location(url, self.ck.keep, self.ck.keep_every, self.ck.upload_part_mb, self.ck.upload_threads)
+
+    def _plan(self) -> tuple[list, list]:
+        """(sources, candidates) of engine/checkpoint/resume_plan.py, planned on rank 0 for every rank: only
+        rank 0 talks to the object store."""
+        sources = list(self.locations)
+        mine: tuple = ([], None)
+        if self.rank == 0:
+            try:
+                mine = (plan(self.root, sources, self.ck.load, self.ck.fallback, self._load_location), None)
+            except CheckpointError as exc:
+                mine = ([], str(exc))
+        candidates, error = self._gather(mine)[0]
+        if error:
+            raise CheckpointError(error)
+        if self.ck.load.startswith("s3://") and len(sources) == len(self.locations):
+            sources.append(None)  # on ranks > 0: the load location's index exists, only rank 0 uses it
+        return sources, candidates
+
+    def _restore(self, source, name: str) -> list[str]:
+        """Rank 0 copies (verified) step `name` of a location into run.dir/checkpoints, replacing what is
+        there; every rank gets the problems."""
+        problems = []
+        if self.rank == 0:
+            try:
+                source.fetch(name, self.root)
+                log.info(f"checkpoint: restored {source.describe(name)} to {self.root / name} (SHA-256 verified)")
+            except (CheckpointError, OSError) as exc:
+                problems = [str(exc)]
+        return self._gather(problems)[0]
 
     def problems(self, path: Path) -> list[str]:
         """Each rank checks a share of the files; all ranks get the union of the problems."""
@@ -300,22 +319,33 @@ class Checkpointer:
         return sorted({p for ps in self._gather(problems) for p in ps})
 
     def resume(self) -> dict | None:
-        """Load the newest intact checkpoint (own run first, else checkpoint.load); None when there is none."""
-        candidates = self._candidates()
-        for path in candidates:
-            if is_hf_directory(path):
-                return self.load_hf(path)
-            problems = self.problems(path)  # first: a damaged metadata.json is named by its size, not parsed
+        """Load the newest intact checkpoint (own run first, else the newest copy among the mirrors, else
+        checkpoint.load); None when there is none."""
+        sources, candidates = self._plan()
+        tried = []
+        for candidate in candidates:
+            if candidate[0] == "path":
+                path = Path(candidate[1])
+                tried.append(str(path))
+                if is_hf_directory(path):
+                    return self.load_hf(path)
+                problems = self.problems(path)  # first: a damaged metadata.json is named by its size, not parsed
+            else:
+                _, index, name = candidate
+                path = self.root / name
+                tried.append(sources[index].describe(name) if sources[index] else name)
+                problems = self._restore(sources[index], name) or self.problems(path)
             if not problems:
                 refuse_light(path)  # weights only: run.dir/light_checkpoints is never searched either
                 return self.load(path)
-            message = f"checkpoint {path} is unusable: {'; '.join(problems)}"
+            message = f"checkpoint {tried[-1]} is unusable: {'; '.join(problems)}"
             if not self.ck.fallback:
-                raise CheckpointError(message + ". Set checkpoint.fallback=true to fall back to the previous intact "
-                                                "checkpoint (or checkpoint.verify=false to skip checksums)")
-            log.warning(message + "; trying the previous checkpoint")
+                raise CheckpointError(message + ". Set checkpoint.fallback=true to fall back to the next location's "
+                                                "copy or the previous intact checkpoint (or checkpoint.verify=false "
+                                                "to skip checksums)")
+            log.warning(message + "; trying the next copy")
         if candidates:
-            raise CheckpointError(f"no intact checkpoint among {', '.join(map(str, candidates))}")
+            raise CheckpointError(f"no intact checkpoint among {', '.join(tried)}")
         return None
 
     def load_hf(self, path: Path) -> dict:

@@ -160,23 +160,32 @@ def remove_stale_tmp(root: Path) -> None:
                 shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
 
 
-def apply_retention(root: Path, keep: int, keep_every: int, saved: list[str]) -> list[Path]:
-    """Delete all but the `keep` most recently saved checkpoints, except steps that are multiples of
-    `keep_every`. `saved` names this run's saves in the order they were made: they are newer than anything
-    found on disk, whatever their step numbers (a run resumed from an older step saves lower numbers than
-    the directories it abandoned). Never deleted: `latest`'s target, the last save, and symlinked
-    directories (their target is not ours to delete)."""
+def doomed(names: list[str], keep: int, keep_every: int, saved: list[str], protected: set) -> list[str]:
+    """Which of a location's step names retention deletes: all but the `keep` most recently saved, except
+    steps that are multiples of `keep_every` and the `protected` names. `saved` names this run's saves in the
+    order they were made: they are newer than anything found there, whatever their step numbers (a run
+    resumed from an older step saves lower numbers than the directories it abandoned)."""
     mine = {name: i for i, name in enumerate(saved)}
-    found = sorted(step_dirs(root), key=lambda p: (p.name in mine, mine.get(p.name, 0), p.name), reverse=True)
+    found = sorted(names, key=lambda n: (n in mine, mine.get(n, 0), n), reverse=True)
+    protected = protected | {saved[-1] if saved else None}
+    return [name for i, name in enumerate(found) if not (
+        i < keep or (keep_every > 0 and int(STEP_DIR.match(name).group(1)) % keep_every == 0) or name in protected)]
+
+
+def apply_retention(root: Path, keep: int, keep_every: int, saved: list[str], protected: frozenset = frozenset()) \
+        -> list[Path]:
+    """Delete the checkpoints `doomed` names in root. Never deleted: `latest`'s target, the last save, the
+    `protected` names (still being copied to other locations) and symlinked directories (their target is not
+    ours to delete)."""
     try:
         latest = read_latest(root)
     except CheckpointError:
         latest = None
-    protected = {latest.name if latest else None, saved[-1] if saved else None}
+    keep_names = set(protected) | {latest.name if latest else None}
     removed = []
-    for i, path in enumerate(found):
-        step = int(STEP_DIR.match(path.name).group(1))
-        if i < keep or (keep_every > 0 and step % keep_every == 0) or path.name in protected or path.is_symlink():
+    for name in doomed([d.name for d in step_dirs(root)], keep, keep_every, saved, keep_names):
+        path = root / name
+        if path.is_symlink():
             continue
         shutil.rmtree(path)
         removed.append(path)

@@ -59,6 +59,7 @@ RANGES = {
     ("optim", "beta1"): BELOW_ONE, ("optim", "beta2"): BELOW_ONE, ("optim", "eps"): POSITIVE,
     ("data", "eod_token_id"): Interval(-1),  # -1 = the tokenizer's end-of-document token
     ("checkpoint", "keep"): AT_LEAST_ONE,
+    ("checkpoint", "upload_part_mb"): AT_LEAST_ONE, ("checkpoint", "upload_threads"): AT_LEAST_ONE,
     ("run", "max_memory_fragmentation"): BELOW_ONE,
     ("run", "straggler_threshold"): Interval(1),  # a ratio to the median: below 1 the median rank itself is slow
     ("run", "spike_window"): Interval(2),  # a standard deviation needs two losses

@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import itertools
 import typing
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -206,12 +207,22 @@ class CheckpointConfig:
     interval_minutes: float = 0.0  # also save when this much wall time has passed since the last save; 0 = off
     keep: int = 3  # newest checkpoints kept
     keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this, forever (0 = off)
-    load: str = ""  # a checkpoint (or checkpoints) directory to start from when run.dir has none
-    mirror_dir: str = ""  # second location that receives a checksum-verified copy of every checkpoint
+    load: str = ""  # a checkpoint (or checkpoints) directory, or an s3://bucket/prefix of one, to start from
+        # when run.dir has none
+    mirrors: list = field(default_factory=list)  # more locations that receive a SHA-256-verified copy of every
+        # checkpoint in the background, in order: directories and s3://bucket/prefix URLs, each optionally
+        # ?keep=N&keep_every=M (docs/checkpoints.md); a run whose run.dir lost its checkpoints resumes from them
+    mirror_dir: str = ""  # the older spelling of one checkpoint.mirrors directory (read as its first entry)
+    upload_wait_s: float = 120.0  # at the end of the run or a preemption stop, seconds to wait for copies still
+        # in flight to the mirrors before exiting (what did not finish is named)
+    upload_retries: int = 3  # retries of a failed copy to one location, after 1, 2, 4, ... × upload_backoff_s
+    upload_backoff_s: float = 2.0  # seconds before the first retry of a failed copy
+    upload_part_mb: int = 64  # S3 multipart part size; memory per upload is about upload_threads × this
+    upload_threads: int = 4  # S3 parts uploaded in parallel per location
     async_save: bool = False  # snapshot to host memory, write in a background thread
     verify: bool = True  # check every file's SHA-256 before loading (sizes are always checked)
-    fallback: bool = False  # on a corrupt checkpoint, load the mirror's copy or the previous intact one
-        # instead of stopping
+    fallback: bool = False  # on a corrupt checkpoint, restore the next location's verified copy (a mirror's)
+        # or load the previous intact one instead of stopping
     exit_after: int = 0  # save and stop after this step (scheduled stops, resume drills); 0 = off
     light_interval: int = 0  # steps between light snapshots (bf16 weights only, run.dir/light_checkpoints; never
         # resumed from; engine/checkpoint/light_snapshot.py); 0 = off
@@ -601,9 +612,31 @@ def validate(cfg: Config, world_size: int) -> None:
     if r.rollback_after > r.spike_window:
         raise ConfigError(f"run.rollback_after={r.rollback_after} bad steps can never fall within run.spike_window="
                           f"{r.spike_window} steps; lower it or widen the window (0 = never roll back)")
+    for entry in cfg.checkpoint.mirrors:
+        problem = mirror_problem(entry)
+        if problem:
+            raise ConfigError(f"checkpoint.mirrors entry {_show(entry)}: {problem}")
     if r.rollback_after and not (cfg.checkpoint.interval or cfg.checkpoint.interval_minutes):
         raise ConfigError(f"run.rollback_after={r.rollback_after} reloads a checkpoint, but none is saved; set "
                           f"checkpoint.interval (or checkpoint.interval_minutes), or run.rollback_after=0")
+
+
+def mirror_problem(entry: str) -> str | None:
+    """What is wrong with a checkpoint.mirrors entry's form (engine/checkpoint/locations.py reads it)."""
+    path, _, query = entry.partition("?")
+    options = urllib.parse.parse_qs(query)
+    if not path:
+        return "it names no directory or s3:// URL"
+    if path.startswith("s3://") and not path[len("s3://"):].split("/")[0]:
+        return "it names no bucket; write s3://BUCKET/PREFIX"
+    if "://" in path and not path.startswith("s3://"):
+        return "only directories and s3://bucket/prefix URLs are locations"
+    if (query and not options) or set(options) - {"keep", "keep_every"} or \
+            not all(v[-1].isdigit() for v in options.values()):
+        return "after '?' only keep=N and keep_every=M (whole numbers) are understood"
+    if "keep" in options and int(options["keep"][-1]) < 1:
+        return "keep=N must be at least 1"
+    return None
 
 
 def validate_context(cfg: Config) -> None:

@@ -61,6 +61,11 @@ class MetricsLog:
             parts.append("SKIPPED (overflow)")
         self.console(" | ".join(parts))
 
+    def event(self, record: dict) -> None:
+        """A record that is not a step's (no loss, no console line), e.g. where the checkpoints' copies are."""
+        if self.enabled:
+            self.file.write(json.dumps(record) + "\n")
+
     def close(self) -> None:
         if self.file:
             self.file.close()

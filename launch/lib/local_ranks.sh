@@ -27,13 +27,23 @@ signal_ranks() {
   else kill -s TERM "$TORCHRUN" 2>/dev/null || true; fi
 }
 
+# torchrun's stderr passes through launch/lib/torchrun_report.py: the ranks' lines reach the console, torchrun's
+# own report of a failed child goes to run.dir/logs/torchrun.log, and the reason for the last line to REASON.
+REASON="$(mktemp "${TMPDIR:-/tmp}/trilith-reason.XXXXXX")"
 start_torchrun() {
-  "$PY" -m torch.distributed.run "${RDZV[@]}" --nproc-per-node "$NPROC" -m "$MODULE" "${ARGS[@]}" &
+  local fifo="$REASON.fifo" filter
+  : > "$REASON"
+  rm -f "$fifo" && mkfifo "$fifo"
+  "$PY" "$ROOT/launch/lib/torchrun_report.py" "$REASON" "${ARGS[@]}" < "$fifo" >&2 &
+  filter=$!
+  "$PY" -m torch.distributed.run "${RDZV[@]}" --nproc-per-node "$NPROC" -m "$MODULE" "${ARGS[@]}" 2> "$fifo" &
   TORCHRUN=$!
   # A trapped signal interrupts `wait` while torchrun still runs: wait again until it has exited.
   while kill -0 "$TORCHRUN" 2>/dev/null; do wait "$TORCHRUN" || true; done
   STATUS=0
   wait "$TORCHRUN" || STATUS=$?
+  while kill -0 "$filter" 2>/dev/null; do wait "$filter" || true; done
+  rm -f "$fifo"
 }
 
 check_launch "$(( NPROC * NNODES ))"
@@ -42,4 +52,9 @@ trap 'signal_ranks TERM' TERM
 trap 'signal_ranks USR1' USR1
 trap 'signal_ranks INT' INT
 run_attempts start_torchrun
+# The last line of a failed run: its exit status (docs/launching.md) and the one-line reason.
+if [[ "$STATUS" -ne 0 && -s "$REASON" ]]; then
+  echo "run_pretrain.sh: the run failed (exit $STATUS): $(head -n 1 "$REASON")" >&2
+fi
+rm -f "$REASON"
 exit "$STATUS"

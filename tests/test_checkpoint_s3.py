@@ -1,0 +1,193 @@
+"""checkpoint.mirrors against a real S3 server (`rclone serve s3`, tests/s3_server.py) and a directory:
+verified copies, a store that dies mid-upload, corrupt objects, a lost run.dir, the pre-start check and
+ckpt_convert straight from the store."""
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from engine.checkpoint.files import CheckpointError, read_latest
+from engine.checkpoint.load_check import check_load
+from engine.observe.metrics import MetricsLog
+from tests.helpers import LAUNCH_ENV, ROOT, tiny_trainer
+from tests.s3_server import S3Server, S3Unavailable
+from tools.ckpt_convert import main as convert
+
+torch.set_num_threads(1)
+FILE = "tp00-pp00-dp000.safetensors"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One server for the module, its credentials in the environment as an S3 user sets them."""
+    try:
+        s3 = S3Server(tmp_path_factory.mktemp("s3") / "store", buckets=["ckpt"])
+        s3.start()
+    except S3Unavailable as exc:
+        pytest.skip(str(exc))
+    saved = {k: os.environ.get(k) for k in s3.env()}
+    os.environ.update(s3.env())
+    yield s3
+    s3.stop()
+    for k, v in saved.items():
+        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+def trainer(run_dir, *overrides):
+    return tiny_trainer(f"run.dir={run_dir}", "checkpoint.upload_part_mb=1", "checkpoint.upload_backoff_s=0.05",
+                        *overrides)
+
+
+def sha256(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def saved(t, steps: int):
+    for _ in range(steps):
+        t.train_step()
+        t.save_checkpoint()
+    return t.checkpointer.finish_uploads()
+
+
+def test_every_copy_is_the_manifests_and_retention_is_per_location(tmp_path, server):
+    prefix = server.root / "ckpt" / "verified"
+    mirror = tmp_path / "mirror"
+    t = trainer(tmp_path / "run", f"checkpoint.mirrors=[\"{mirror}?keep=1\", s3://ckpt/verified]", "checkpoint.keep=2")
+    line = saved(t, 3)
+    assert line == (f"checkpoint: the final checkpoint step_00000003 is complete in {tmp_path / 'run' / 'checkpoints'}, "
+                    f"{mirror}, s3://ckpt/verified")
+    assert sorted(p.name for p in prefix.iterdir()) == ["latest", "step_00000002", "step_00000003"]
+    assert sorted(p.name for p in mirror.iterdir()) == ["latest", "step_00000003"]  # its own keep=1
+    for root in (prefix, mirror):
+        assert (root / "latest").read_text().strip() == "step_00000003"
+        manifest = json.loads((root / "step_00000003" / "manifest.json").read_text())
+        assert sorted(p.name for p in (root / "step_00000003").iterdir()) == sorted([*manifest["files"],
+                                                                                    "manifest.json"])
+        for name, info in manifest["files"].items():  # the bytes the server stored, read from its directory
+            assert sha256(root / "step_00000003" / name) == info["sha256"]
+    assert (prefix / "step_00000003" / FILE).stat().st_size > 2 << 20  # > 2 parts of 1 MB: a multipart upload
+    status = t.checkpointer.uploader.status()["s3://ckpt/verified"]
+    assert status["last_complete"] == "step_00000003" and status["failures"] == 0
+
+    # the pre-flight's line for a checkpoint.load here or there (engine/checkpoint/load_check.py)
+    assert check_load("s3://ckpt/verified").startswith("checkpoint.load: s3://ckpt/verified/step_00000003 complete "
+                                                       "(step 3, 3 objects")
+    assert check_load(str(tmp_path / "run" / "checkpoints")).endswith("step_00000003 verified (step 3, every file's "
+                                                                      "SHA-256)")
+
+    # ckpt_convert straight from the store gives the Hugging Face files it gives from disk
+    assert convert(["--load-dir", "s3://ckpt/verified", "--save-dir", str(tmp_path / "hf_s3"), "--to", "hf"]) == 0
+    assert convert(["--load-dir", str(tmp_path / "run" / "checkpoints"), "--save-dir", str(tmp_path / "hf_disk"),
+                    "--to", "hf"]) == 0
+    files = sorted(p.name for p in (tmp_path / "hf_disk").iterdir())
+    assert "model.safetensors" in files and sorted(p.name for p in (tmp_path / "hf_s3").iterdir()) == files
+    for name in files:
+        assert (tmp_path / "hf_s3" / name).read_bytes() == (tmp_path / "hf_disk" / name).read_bytes(), name
+
+
+def test_a_store_killed_mid_upload_never_names_the_partial_copy_and_training_goes_on(tmp_path, server, caplog):
+    mirror = tmp_path / "mirror"
+    t = trainer(tmp_path / "run", f"checkpoint.mirrors=[s3://ckpt/killed, {mirror}]", "checkpoint.upload_retries=1")
+    client = t.checkpointer.locations[0].store.s3
+    killed = []
+
+    def kill(**_):  # the first part of the multipart upload has arrived: the store dies
+        if not killed:
+            killed.append(True)
+            server.stop()
+    client.meta.events.register("after-call.s3.UploadPart", kill)
+    losses = []
+    with caplog.at_level(logging.WARNING, logger="trilith"):
+        t.train_step()
+        t.save_checkpoint()
+        for _ in range(3):  # training goes on while the copy fails and is retried
+            losses.append(t.train_step()["loss"])
+        t.checkpointer.uploader.workers[0].wait(time.monotonic() + 60)
+    assert killed and t.step == 4 and all(map(torch.isfinite, torch.tensor(losses)))
+    warnings = [r.getMessage() for r in caplog.records if "copying step_00000001 to s3://ckpt/killed" in r.getMessage()]
+    assert len(warnings) == 2 and "attempt 1 of 2" in warnings[0] and "after 2 attempts" in warnings[1]
+    backing = server.root / "ckpt" / "killed"
+    assert not (backing / "latest").exists() and not (backing / "step_00000001" / "manifest.json").exists()
+    assert read_latest(mirror).name == "step_00000001"  # the directory mirror is not held back by the store
+    status = t.checkpointer.uploader.status()
+    assert status["s3://ckpt/killed"]["failures"] == 2 and status["s3://ckpt/killed"]["last_complete"] is None
+    server.start()  # the store is back: the next save's copy completes
+    client.meta.events.unregister("after-call.s3.UploadPart", kill)
+    t.save_checkpoint()
+    line = t.checkpointer.finish_uploads()
+    assert line == (f"checkpoint: the final checkpoint step_00000004 is complete in {tmp_path / 'run' / 'checkpoints'}, "
+                    f"s3://ckpt/killed, {mirror}")
+    assert (backing / "latest").read_text().strip() == "step_00000004"
+    manifest = json.loads((backing / "step_00000004" / "manifest.json").read_text())
+    assert sha256(backing / "step_00000004" / FILE) == manifest["files"][FILE]["sha256"]
+    # nothing of the partial upload is listed (rclone keeps an aborted multipart's parts in a hidden file)
+    assert t.checkpointer.locations[0].store.sizes("step_00000001") == {}
+
+
+def test_lost_run_dir_resumes_from_the_store_and_a_corrupt_object_falls_back_to_the_next_copy(tmp_path, server):
+    straight = trainer(tmp_path / "straight")
+    expected = [straight.train_step()["loss"] for _ in range(8)]
+    mirror = tmp_path / "mirror"
+    mirrors = f"checkpoint.mirrors=[s3://ckpt/lost, {mirror}]"
+    t = trainer(tmp_path / "run", mirrors)
+    saved(t, 3)
+    shutil.rmtree(tmp_path / "run" / "checkpoints")  # the node and its disk are gone
+    resumed = trainer(tmp_path / "run", mirrors)
+    assert resumed.step == 3 and read_latest(tmp_path / "run" / "checkpoints").name == "step_00000003"
+    assert [resumed.train_step()["loss"] for _ in range(5)] == expected[3:]
+
+    shutil.rmtree(tmp_path / "run" / "checkpoints")
+    obj = server.root / "ckpt" / "lost" / "step_00000003" / FILE
+    data = bytearray(obj.read_bytes())
+    data[-5] ^= 0xFF
+    obj.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"s3://ckpt/lost/step_00000003/{FILE}: SHA-256 differs.*fallback=true"):
+        trainer(tmp_path / "run", mirrors)
+    fallback = trainer(tmp_path / "run", mirrors, "checkpoint.fallback=true")  # the directory's copy of step 3
+    assert fallback.step == 3 and fallback.train_step()["loss"] == expected[3]
+    load = trainer(tmp_path / "other", "checkpoint.load=s3://ckpt/lost/step_00000002")  # one checkpoint by URL
+    assert load.step == 2 and load.train_step()["loss"] == expected[2]
+
+
+def test_metrics_record_each_locations_copies(tmp_path, server):
+    t = trainer(tmp_path, "checkpoint.mirrors=[s3://ckpt/metrics]", "checkpoint.interval=2", "train.steps=4",
+                "train.log_interval=100")
+    metrics = MetricsLog(tmp_path, enabled=True, console=lambda line: None)
+    t.train(metrics)
+    assert t.checkpointer.finish_uploads().endswith("s3://ckpt/metrics")
+    metrics.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    copies = [r["checkpoint_copies"]["s3://ckpt/metrics"] for r in records if "checkpoint_copies" in r]
+    assert "step_00000002" in copies[0]["pending"] + [copies[0]["last_complete"]]  # recorded from the first change
+    assert copies[-1]["last_complete"] in ("step_00000002", "step_00000004")
+    assert all("failures" in c for c in copies)  # counted (the killed store's test counts them)
+
+
+def check(run_dir, env, *overrides) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "launch/check.py", "--world-size", "1", "--config", "launch/configs/tiny.yaml",
+                           f"run.dir={run_dir}", *overrides], cwd=ROOT, capture_output=True, text=True,
+                          env={**LAUNCH_ENV, **env, "PYTHONPATH": str(ROOT)}, timeout=120)
+
+
+def test_unwritable_locations_are_one_line_each_before_any_rank_starts(tmp_path, server):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    done = check(tmp_path, server.env(), f"checkpoint.mirrors=[{blocker}/ckpt, s3://nobucket/x]")
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.splitlines() == [
+        f"trilith: checkpoint location error: {blocker}/ckpt: cannot create or write the directory (Not a "
+        f"directory); fix its permissions or name another in checkpoint.mirrors",
+        "trilith: checkpoint location error: s3://nobucket/x (bucket nobucket): the bucket does not exist; create "
+        "it, or name another in checkpoint.mirrors"]
+    done = check(tmp_path, server.env(secret="wrong"), "checkpoint.mirrors=[s3://ckpt/x]")
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1
+    assert "s3://ckpt/x (bucket ckpt): the store refused the credentials (403); set AWS_ACCESS_KEY_ID and " \
+           "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)" in done.stderr and "wrong" not in done.stderr
+    assert check(tmp_path, server.env(), "checkpoint.mirrors=[s3://ckpt/x]").returncode == 0
