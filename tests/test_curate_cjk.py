@@ -40,6 +40,7 @@ def run(tmp_path, texts, *flags):
 
 
 def test_real_chinese_news_kept_and_the_junk_around_it_dropped(tmp_path, news):
+    assert len(news) == 975 and news[0].startswith("迈向充满希望的新世纪——一九九八年新年讲话")
     paragraphs = news[1].split("\n")
     near = "\n".join(paragraphs[:-1] + ["本报记者补充报道。"])  # the last of 20 paragraphs replaced
     reviews = [text for text, _, _ in chinese_corpus.review_documents()[:3]]
