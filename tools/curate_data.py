@@ -27,6 +27,7 @@ import os
 import shutil
 import sys
 import time
+import unicodedata
 
 import numpy as np
 
@@ -48,8 +49,9 @@ from data.offline.shards import (add_shard_arguments, all_markers, describe_inpu
 LANGID_CHARS = 4096  # the head of a document decides its language: langid's cost grows with length
 REPORT_FIRST = 5     # unreadable records printed with file:line; all of them go to the rejects file
 
-Kept = collections.namedtuple("Kept", "origin output signature pii")
-Dropped = collections.namedtuple("Dropped", "origin stage reason detail duplicate_of", defaults=(None,))
+# group: the document's language when identified, else its script (quality.script), for the rule-share warnings.
+Kept = collections.namedtuple("Kept", "origin output signature pii group", defaults=(None,))
+Dropped = collections.namedtuple("Dropped", "origin stage reason detail duplicate_of group", defaults=(None, None))
 
 
 @functools.lru_cache(maxsize=1)
@@ -58,24 +60,56 @@ def _language_identifier():
     return LanguageIdentifier.from_model_file(MODEL_FILE, norm_probs=True)  # loads in ~0.7 s
 
 
-class LanguageFilter:
-    """Keeps documents whose language (py3langid, normalised probabilities) is in `languages`."""
+# Varieties py3langid tells apart that a user asking for the language means too (--language-varieties):
+# its "wuu" (Wu) and "yue" (Cantonese) fire on ordinary written Chinese, tables of numbers in particular.
+VARIETIES = "zh=wuu,yue"
 
-    def __init__(self, languages, min_confidence):
+
+def parse_varieties(spec):
+    """{variety: language} from "zh=wuu,yue;..." ("" for none)."""
+    found = {}
+    for item in filter(None, (part.strip() for part in spec.split(";"))):
+        language, sep, varieties = item.partition("=")
+        if not sep or not language.strip() or not varieties.strip():
+            raise ValueError(f"--language-varieties: {item!r} is not LANGUAGE=VARIETY[,VARIETY...], e.g. {VARIETIES}")
+        found.update({v.strip(): language.strip() for v in varieties.split(",") if v.strip()})
+    return found
+
+
+class LanguageFilter:
+    """Keeps documents whose language (py3langid, normalised probabilities) is in `languages`, a variety in
+    `varieties` ({variety: language}) counting as its language, with the probabilities of both added up.
+    The document's head is NFKC-folded for the identification only (full-width digits and Latin letters,
+    common in Chinese and Japanese text, otherwise read as another language's)."""
+
+    def __init__(self, languages, min_confidence, varieties=None):
         self.identifier = _language_identifier()
-        unknown = sorted(set(languages) - set(self.identifier.labels))
+        varieties = varieties or {}
+        unknown = sorted((set(languages) | set(varieties) | set(varieties.values())) - set(self.identifier.labels))
         if unknown:
-            raise ValueError(f"--languages: unknown code(s) {', '.join(unknown)}; py3langid knows "
-                             f"{', '.join(sorted(self.identifier.labels))}")
+            raise ValueError(f"--languages/--language-varieties: unknown code(s) {', '.join(unknown)}; py3langid "
+                             f"knows {', '.join(sorted(self.identifier.labels))}")
         self.languages, self.min_confidence = set(languages), min_confidence
+        self.varieties = {v: lang for v, lang in varieties.items() if lang in self.languages}
+
+    def identify(self, text):
+        """(language, probability): a variety as its language."""
+        head = unicodedata.normalize("NFKC", text[:LANGID_CHARS])
+        language, probability = self.identifier.classify(head)
+        counted = self.varieties.get(language, language)
+        if counted in self.languages and any(lang == counted for lang in self.varieties.values()):
+            group = {counted} | {v for v, lang in self.varieties.items() if lang == counted}
+            probability = sum(p for lang, p in self.identifier.rank(head) if lang in group)
+        return counted, probability
 
     def check(self, text):
-        language, probability = self.identifier.classify(text[:LANGID_CHARS])
+        """(None or (reason, detail), the language identified)."""
+        language, probability = self.identify(text)
         if language not in self.languages:
-            return f"language:{language}", f"detected {language} (p={probability:.2f})"
+            return (f"language:{language}", f"detected {language} (p={probability:.2f})"), language
         if probability < self.min_confidence:
-            return "low_language_confidence", f"{language} with p={probability:.2f} < {self.min_confidence}"
-        return None
+            return ("low_language_confidence", f"{language} with p={probability:.2f} < {self.min_confidence}"), language
+        return None, language
 
 
 class Stages:
@@ -95,10 +129,11 @@ class Stages:
         except RecordError as e:
             return Dropped(origin, "input", e.reason, str(e))
         origin = record_origin(record) or origin
+        group = None
         if self.language is not None:
-            verdict = self.language.check("\n\n".join(texts))
+            verdict, group = self.language.check("\n\n".join(texts))
             if verdict:
-                return Dropped(origin, "language", *verdict)
+                return Dropped(origin, "language", *verdict, group=group)
         raw = "\n\n".join(texts)  # evaluation texts are compared before PII scrubbing changes anything
         replaced = collections.Counter()
         if self.pii:
@@ -107,18 +142,20 @@ class Stages:
                 replaced.update(counts)
         text = "\n\n".join(texts)
         if self.rules is not None:
-            verdict = quality_rules.check(text, self.rules)
+            text_script = quality_rules.script(text, self.rules)
+            group = group or f"{text_script}-script"
+            verdict = quality_rules.check(text, self.rules, text_script)
             if verdict:
-                return Dropped(origin, "quality", *verdict)
+                return Dropped(origin, "quality", *verdict, group=group)
         if self.evaluation is not None:
             verdict = self.evaluation.check(raw)
             if verdict:
-                return Dropped(origin, "decontamination", *verdict)
+                return Dropped(origin, "decontamination", *verdict, group=group)
         record.update(zip(self.keys, texts))
         record.update(zip(ORIGIN_FIELDS, origin))
         # default=str: Parquet/Arrow columns may hold dates or decimals, which JSON has no type for.
         output = json.dumps(record, ensure_ascii=False, default=str)
-        return Kept(origin, output, self.signer(text) if self.signer else None, replaced)
+        return Kept(origin, output, self.signer(text) if self.signer else None, replaced, group)
 
 
 _worker = {}
@@ -184,6 +221,10 @@ def _run_stages(args, files, stages, finder, out, rejects, dropped, pii, counts,
         counts["bytes"] += nbytes
         for result in results:
             counts["documents"] += 1
+            if result.group is not None:  # per language (or script): its documents, and those each rule drops
+                counts[f"group:{result.group}"] += 1
+                if isinstance(result, Dropped) and result.stage == "quality":
+                    counts[f"rule:{result.group}:{result.reason}"] += 1
             if isinstance(result, Dropped):
                 _write_reject(rejects, result, dropped, args.quiet)
             elif finder is None and not pend:
@@ -210,7 +251,21 @@ def _summary(args, counts, dropped, pii, start):
             "pii_replaced": {kind: pii[kind] for kind in pii_rules.PLACEHOLDERS},
             "duplicates_removed": sum(by_stage.get("dedup", {}).values()),
             "input_bytes": counts["bytes"], "seconds": time.time() - start,
-            "output": args.output, "rejects": args.rejects}
+            "output": args.output, "rejects": args.rejects,
+            "rule_warnings": rule_warnings(counts, args.warn_rule_share), "warn_rule_share": args.warn_rule_share}
+
+
+def rule_warnings(counts, share):
+    """[(rule, group, dropped, documents)] where one quality rule dropped more than `share` of a language's
+    (or, without language identification, a script's) documents."""
+    found = []
+    for key, n in sorted(counts.items()):
+        if key.startswith("rule:"):
+            group, rule = key[len("rule:"):].rsplit(":", 1)
+            total = counts[f"group:{group}"]
+            if n > share * total:
+                found.append((rule, group, n, total))
+    return sorted(found, key=lambda w: -w[2] / w[3])
 
 
 def shard_dir(args, index):
@@ -336,6 +391,10 @@ def format_summary(summary, stages):
     lines.append("  PII replaced in kept documents: "
                  + (", ".join(f"{kind} {pii[kind]:,}" for kind in pii) if stages.pii else "off"))
     lines.append(f"  wrote {summary['output']}; rejects: {summary['rejects']}")
+    for rule, group, n, total in summary["rule_warnings"]:
+        lines.append(f"  warning: the quality rule {rule} dropped {n:,} of {total:,} {group} documents "
+                     f"({n / total:.1%} > --warn-rule-share {summary['warn_rule_share']:.0%}); read their "
+                     f"rejects and loosen that rule if they are text to keep")
     return "\n".join(lines)
 
 
@@ -349,6 +408,9 @@ def build_parser():
     g.add_argument("--languages", help="comma-separated ISO 639-1 codes to keep, e.g. en,zh (default: all)")
     g.add_argument("--min-language-confidence", type=float, default=0.0,
                    help="drop documents whose language probability is lower (default: 0)")
+    g.add_argument("--language-varieties", default=VARIETIES,
+                   help="varieties counted as a listed language, LANGUAGE=VARIETY,...;... ('' for none; "
+                        "default: %(default)s)")
     g = p.add_argument_group("PII scrubbing")
     g.add_argument("--no-pii", action="store_true", help="keep e-mails, phone and ID numbers as they are")
     g = p.add_argument_group("quality heuristics")
@@ -369,6 +431,17 @@ def build_parser():
                    help="over words outside CJK scripts (default: %(default)s)")
     g.add_argument("--max-mean-word-length", type=float, default=defaults.max_mean_word_length,
                    help="(default: %(default)s)")
+    g.add_argument("--cjk-share", type=float, default=defaults.cjk_share,
+                   help="share of a document's letters that are CJK characters from which the CJK rules apply "
+                        "instead of --min-chars and the word-length rule (default: %(default)s)")
+    g.add_argument("--cjk-min-chars", type=int, default=defaults.cjk_min_chars,
+                   help="characters of a CJK document (default: %(default)s)")
+    g.add_argument("--cjk-max-top-char-share", type=float, default=defaults.cjk_max_top_char_share,
+                   help="of a CJK document's CJK characters that are its most frequent one, for documents of at "
+                        f"least {defaults.cjk_repetition_min_chars} (default: %(default)s)")
+    g.add_argument("--warn-rule-share", type=float, default=0.05,
+                   help="warn when one quality rule drops more than this share of a language's documents "
+                        "(default: %(default)s)")
     g = p.add_argument_group("decontamination (evaluation and validation sets)")
     g.add_argument("--decontaminate", nargs="+", metavar="EVAL",
                    help="evaluation sets (same formats as --input): training documents sharing text with them "
@@ -403,7 +476,7 @@ def build_stages(args, files):
     language = None
     if args.languages:
         language = LanguageFilter([c.strip() for c in args.languages.split(",") if c.strip()],
-                                  args.min_language_confidence)
+                                  args.min_language_confidence, parse_varieties(args.language_varieties))
     rules = None
     if not args.no_quality:
         extra = quality_rules.load_boilerplate(args.boilerplate_file) if args.boilerplate_file else ()
@@ -412,7 +485,8 @@ def build_stages(args, files):
             max_duplicate_line_fraction=args.max_duplicate_line_fraction,
             max_boilerplate_fraction=args.max_boilerplate_fraction,
             min_mean_word_length=args.min_mean_word_length, max_mean_word_length=args.max_mean_word_length,
-            boilerplate=quality_rules.BOILERPLATE + extra)
+            boilerplate=quality_rules.BOILERPLATE + extra, cjk_share=args.cjk_share, cjk_min_chars=args.cjk_min_chars,
+            cjk_max_top_char_share=args.cjk_max_top_char_share)
     signer = None if args.no_dedup else Signer(args.num_perm, args.shingle_size, args.shingle_unit)
     evaluation = None
     if args.decontaminate:

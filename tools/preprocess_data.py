@@ -51,12 +51,13 @@ from data.offline.shards import (add_shard_arguments, all_markers, describe_inpu
 REPORT_FIRST = 5  # rejects printed with file:line; all of them go to the rejects file
 
 _worker = {}
-_loaded = {}  # (spec, use_cache) -> the encoder main() loaded: forked workers start from it, unparsed again
+_loaded = {}  # (spec, use_cache, use_engine) -> the encoder main() loaded: forked workers start from it, unparsed again
 
 
-def _init_worker(spec, keys, use_cache, eod_id):
-    encoder = _loaded.get((spec, use_cache))
-    _worker.update(encoder=load_encoder(spec, use_cache) if encoder is None else encoder, keys=keys, eod=eod_id)
+def _init_worker(spec, keys, use_cache, eod_id, use_engine=True):
+    encoder = _loaded.get((spec, use_cache, use_engine))
+    _worker.update(encoder=load_encoder(spec, use_cache, use_engine) if encoder is None else encoder, keys=keys,
+                   eod=eod_id)
 
 
 def _encode_task(records):
@@ -85,7 +86,7 @@ def _encode_task(records):
         # int32 ids (any vocabulary fits): half the bytes of int64 to send to the main process
         per_key.append((lengths, np.concatenate(docs, dtype=np.int32, casting="same_kind") if docs
                         else np.zeros(0, np.int32)))
-    return kept, rejects, per_key, nbytes, encoder.cache_reason
+    return kept, rejects, per_key, nbytes, encoder.cache_reason, encoder.engine_reason if encoder.cached else None
 
 
 class _Progress:
@@ -147,12 +148,14 @@ def preprocess(args, files, prefix, spec, vocab_size, eod, ranges=None, rejects_
     try:
         batches = batched(iter_records(files, args.json_keys, max_record_bytes=args.max_record_bytes,
                                        ranges=ranges), args.batch_size)
-        init_args = (spec, args.json_keys, not args.no_cache, eod)
-        for kept, rejects, per_key, nbytes, cache_off in ordered_map(_encode_task, batches, args.workers,
-                                                                     _init_worker, init_args):
+        init_args = (spec, args.json_keys, not args.no_cache, eod, not args.no_fast_engine)
+        for kept, rejects, per_key, nbytes, cache_off, engine_off in ordered_map(_encode_task, batches, args.workers,
+                                                                                 _init_worker, init_args):
             # What the workers did, not what this process planned: a self-check may turn the cache off.
             stats["batches"] += 1
             stats["batches_cached" if cache_off is None else f"cache_off:{cache_off}"] += 1
+            if cache_off is None:
+                stats["batches_engine" if engine_off is None else f"engine_off:{engine_off}"] += 1
             for file_index, line, reason, detail in rejects:
                 where = f"{files[file_index]}:{line}"
                 if args.strict:
@@ -266,6 +269,8 @@ def build_parser():
                    help="append the end-of-document token: --eod-token, else the tokenizer's eos_token")
     g.add_argument("--eod-token", help="--append-eod: this token (its text or id) instead of the eos_token")
     g.add_argument("--no-cache", action="store_true", help="disable the exact chunk cache")
+    g.add_argument("--no-fast-engine", action="store_true",
+                   help="encode the cache's misses with tokenizers, not tiktoken (byte-level BPE only)")
     g = p.add_argument_group("output")
     g.add_argument("--output-prefix", required=True, help="writes <prefix>_<key>_document.bin/.idx (.arrow/.idx)")
     g.add_argument("--rejects", help="rejects file (default: <prefix>_rejects.jsonl)")
@@ -303,7 +308,8 @@ def main(argv=None):
         spec = tokenizer_spec(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file)
     except (FileNotFoundError, ValueError) as e:
         p.error(str(e))
-    encoder = _loaded[(spec, not args.no_cache)] = load_encoder(spec, not args.no_cache)
+    options = (not args.no_cache, not args.no_fast_engine)
+    encoder = _loaded[(spec, *options)] = load_encoder(spec, *options)
     if args.eod_token is not None and not args.append_eod:
         p.error("--eod-token is the token --append-eod appends; add --append-eod")
     eod = None
@@ -432,10 +438,21 @@ def _cache_use(stats, encoder):
     if not batches:
         return f"cache {'on' if encoder.cached else 'off: ' + str(encoder.cache_reason)} (no documents)"
     if cached == batches:
-        return f"cache on ({_cuts(encoder)}) in all {batches:,} batches"
+        return f"cache on ({_cuts(encoder)}) in all {batches:,} batches; {_engine_use(stats)}"
     if not cached:
         return f"cache off: {'; '.join(off)}"
     return f"cache on in {cached:,} of {batches:,} batches, off in the others: {'; '.join(off)}"
+
+
+def _engine_use(stats):
+    """Whether the cache's misses went to tiktoken (data/offline/fast_bpe.py), from the workers' reports."""
+    off = sorted(key.split(":", 1)[1] for key in stats if key.startswith("engine_off:") and stats[key])
+    used, cached = stats["batches_engine"], stats["batches_cached"]
+    if used == cached:
+        return "misses by tiktoken"
+    if not used:
+        return f"misses by tokenizers (tiktoken off: {'; '.join(off)})"
+    return f"misses by tiktoken in {used:,} of {cached:,} cached batches (off in the others: {'; '.join(off)})"
 
 
 def _summary(args, stats, rejects_path, encoder, start):

@@ -38,6 +38,7 @@ import numpy as np
 
 from data.eod import eod_id_from_tokenizer
 from data.offline.chunk_rules import OTHER_SPACES, SAFE_SPACES, cut_rule  # noqa: F401 (the spaces: re-exported)
+from data.offline.fast_bpe import tiktoken_engine
 from data.offline.pieces import piece_cutter
 
 _OTHER_SPACE_RE = re.compile("[" + re.escape(OTHER_SPACES) + "]")
@@ -88,7 +89,7 @@ class HFEncoder:
     verify_first = 4  # documents per process checked against the plain encoder
     max_cached_tokens = 1 << 26
 
-    def __init__(self, tokenizer_json, use_cache=True):
+    def __init__(self, tokenizer_json, use_cache=True, use_engine=True):
         from tokenizers import Tokenizer
         self.tokenizer = Tokenizer.from_str(tokenizer_json)
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
@@ -111,6 +112,17 @@ class HFEncoder:
             self._added_re = (re.compile("|".join(re.escape(a) for a in sorted(added, key=len, reverse=True)))
                               if added else None)
             self._reset_cache()
+        # The misses of byte-level BPE vocabularies encoded by tiktoken, where it provably gives the same ids
+        # (data/offline/fast_bpe.py), once it agrees with the tokenizer on a sample.
+        self.engine, self.engine_reason = None, ("disabled by the caller" if not use_engine else
+                                                 "no chunk cache: " + str(self.cache_reason))
+        if self.cached and use_engine:
+            self.engine, self.engine_reason = tiktoken_engine(config, self.tokenizer, self.rule.name)
+            if self.engine is not None:
+                self._build_inner()
+                differs = self.engine.agrees(self._inner, self.rule)
+                if differs is not None:
+                    self.engine, self.engine_reason = None, f"tiktoken differs from tokenizers on {differs[:40]!r}"
         self._verified = 0
 
     def token_id(self, text):
@@ -199,6 +211,10 @@ class HFEncoder:
         self._starts.resize(first + len(chunks))
         self._lens.resize(first + len(chunks))
         words, slots, runs = chunks, None, None
+        if self.engine is not None:  # only for cut rules that encode every chunk with the others
+            ids, counts = self.engine.encode(chunks)
+            self._store(first + np.arange(len(chunks)), [ids.astype(np.int32)], counts)
+            return
         if self.rule.runs:  # a chunk without its run or its word is encoded alone
             lengths = np.fromiter(map(len, chunks), np.int64, len(chunks))
             runs = lengths - np.fromiter(map(len, map(_strip_run, chunks)), np.int64, len(chunks))
@@ -397,12 +413,14 @@ class HFEncoder:
                 print("preprocess: chunk cache disagrees with the plain encoder on this tokenizer; "
                       "turning the cache off", file=sys.stderr)
                 self.cached, self.cache_reason = False, "self-check failed"
+                self.engine, self.engine_reason = None, "no chunk cache: self-check failed"
                 out[:] = self._plain(texts)
                 return
 
 
 class SentencePieceEncoder:
     cached, cache_reason = False, "SentencePiece model"
+    engine, engine_reason = None, "SentencePiece model"
 
     def __init__(self, model_path):
         import sentencepiece as spm
@@ -464,6 +482,6 @@ def eod_token_id(encoder, eod_token, tokenizer_type, tokenizer_model):
     return eod_id_from_tokenizer(tokenizer_model)
 
 
-def load_encoder(spec, use_cache=True):
+def load_encoder(spec, use_cache=True, use_engine=True):
     kind, value = spec
-    return HFEncoder(value, use_cache) if kind == "hf" else SentencePieceEncoder(value)
+    return HFEncoder(value, use_cache, use_engine) if kind == "hf" else SentencePieceEncoder(value)

@@ -15,7 +15,7 @@ import os
 
 # Options that change how fast a tool runs, never what it writes: a marker does not record them.
 RUNTIME_OPTIONS = {"workers", "batch_size", "quiet", "shard_index", "merge_shards", "log_interval", "no_cache",
-                   "keep_partitions"}
+                   "no_fast_engine", "keep_partitions"}
 
 
 def add_shard_arguments(group):

