@@ -1,8 +1,8 @@
 """The two objects the Trainer and the Checkpointer use without knowing which data-parallel strategy made them.
 
 `engine/data_parallel.build_data_parallel` returns one of two pairs: bucketed DDP with a replicated AdamW
-(`parallel/ddp.BucketedDDP`, `engine/optimizer.MixedPrecisionAdamW`; parallel.zero_stage=0), or sharding units
-with a sharded AdamW (`parallel/fsdp.ShardedDataParallel`, `engine/zero_optimizer.ZeroAdamW`; stages 1-3).
+(`parallel/ddp.BucketedDDP`, `engine/optim/replicated.MixedPrecisionAdamW`; parallel.zero_stage=0), or sharding units
+with a sharded AdamW (`parallel/fsdp.ShardedDataParallel`, `engine/optim/zero.ZeroAdamW`; stages 1-3).
 Both sides of each pair satisfy the Protocols below; nothing else of theirs is called from outside.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from engine.optimizer import LossScaler
+from engine.optim.replicated import LossScaler
 
 
 class DataParallel(Protocol):

@@ -9,7 +9,7 @@ padded to a multiple of the shard group, HSDP's group when set). Stage 0 keeps e
 dtype and fp32 masters (below fp32) plus the two Adam moments; stage ≥ 1 keeps a fp32 master and moments of
 its shard; stage 1 keeps full gradients, stages 2-3 their reduced shards (fp32 for the norm segment under
 bf16/fp16); stage 3 keeps only the parameter shard. `optim.offload_fraction` moves the state of some tensors
-(engine/offload.py: whole parameters at stage 0, whole unit shards at stage ≥ 1, chosen as the engine chooses)
+(engine/optim/offload.py: whole parameters at stage 0, whole unit shards at stage ≥ 1, chosen as the engine chooses)
 to the host: 16 bytes per element there (fp32 master, two moments, the pinned gradient buffer), none left on
 the device, and 12 more per element of a ZeRO unit stepped during backward (optim.offload_overlap: spare master
 and moments; under DDP, of a parameter stepped as its bucket is reduced: see ddp_overlaps). The host total of a
@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config.schema import Config, data_parallel_size
-from engine.offload import offloaded
+from engine.optim.offload import offloaded
 from engine.stage_balance import chunk_layers
 from parallel.ddp import reduces_in_fp32
 from parallel.stage_layers import chunk_roles, stage_layer_ids
@@ -165,7 +165,7 @@ def state_bytes(cfg: Config, units: list, shard_size: int, shard_rank: int | Non
 
 
 def ddp_overlaps(cfg: Config, name: str, reduce_size: int) -> bool:
-    """engine/optimizer.overlaps from the configuration: an offloaded parameter stepped during backward (and so
+    """engine/optim/replicated.overlaps from the configuration: an offloaded parameter stepped during backward (and so
     holding spares) under DDP with optim.offload_overlap."""
     p, low_precision = cfg.parallel, cfg.train.precision != "fp32"
     return (cfg.optim.offload_overlap and reduce_size > 1 and not p.hierarchical_node_size
@@ -176,7 +176,7 @@ def ddp_overlaps(cfg: Config, name: str, reduce_size: int) -> bool:
 
 def tp_summed_later(cfg: Config, unit: list) -> bool:
     """Whether a unit holds TP-replicated gradients, summed over TP after the reduction (norm weights under
-    sequence parallelism, KV projections kept whole): engine/offload_overlap.py does not step it early."""
+    sequence parallelism, KV projections kept whole): engine/optim/offload_overlap.py does not step it early."""
     m, p = cfg.model, cfg.parallel
     if p.tensor == 1:
         return False

@@ -154,7 +154,7 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW, gradient clipping and the learning-rate schedule (engine/lr_schedule.py)."""
+    """AdamW, gradient clipping and the learning-rate schedule (engine/optim/lr_schedule.py)."""
 
     lr: float = 3e-4  # peak learning rate
     min_lr_ratio: float = 0.1  # final learning rate as a fraction of the peak
@@ -168,9 +168,9 @@ class OptimConfig:
     decay_fraction: float = 0.2  # wsd: last fraction of steps that decays; two_phase: the linear tail
     implementation: str = "auto"  # AdamW kernel (kernels/adamw.py); auto = torch fused, on CUDA or CPU
     offload_fraction: float = 0.0  # share of each rank's fp32 masters + Adam moments kept and stepped in host
-        # memory, in whole tensors (engine/offload.py, docs/offload.md); 0 = none, 1 = all
+        # memory, in whole tensors (engine/optim/offload.py, docs/offload.md); 0 = none, 1 = all
     offload_overlap: bool = True  # ZeRO: step each offloaded unit on a host thread as soon as its gradients are
-        # reduced during backward, speculatively, redone after backward when the step clips (engine/offload_overlap.py)
+        # reduced during backward, speculatively, redone after backward when the step clips (engine/optim/offload_overlap.py)
 
 
 @dataclass

@@ -11,7 +11,7 @@ shards). Weight decay only applies to some ranges of a shard, so it is applied f
 multiply over those ranges, and the kernel runs with weight_decay=0: torch's AdamW also scales the
 parameter by (1 - lr·wd) before the Adam update, so the result is the same.
 
-`optim.offload_fraction` puts the masters and moments of some units' shards on the host (engine/offload.py):
+`optim.offload_fraction` puts the masters and moments of some units' shards on the host (engine/optim/offload.py):
 their gradients are unscaled, measured and clipped on the device as the others', then copied to pinned host
 buffers; the same kernel steps them there, and write_shards copies the new masters back.
 """
@@ -23,9 +23,9 @@ import time
 import torch
 from torch.optim.adamw import adamw
 
-from engine import offload
-from engine.offload_overlap import SpeculativeHostSteps
-from engine.optimizer import LossScaler, counts_in_norm, no_weight_decay
+from engine.optim import offload
+from engine.optim.offload_overlap import SpeculativeHostSteps
+from engine.optim.replicated import LossScaler, counts_in_norm, no_weight_decay
 from parallel import comm
 from kernels.adamw import select_implementation
 from parallel.fsdp import ShardedDataParallel
@@ -137,7 +137,7 @@ class ZeroAdamW:
               beta1=c.beta1, beta2=c.beta2, lr=lr, weight_decay=0.0, eps=c.eps, maximize=False)
 
     def speculate(self, i: int, grad: torch.Tensor, lr: float, adam_step: int) -> None:
-        """Unit i's AdamW into its spare master and moments (engine/offload_overlap.py, on its worker thread)."""
+        """Unit i's AdamW into its spare master and moments (engine/optim/offload_overlap.py, on its worker thread)."""
         spare = self.spares[i]
         for dest, source in zip(spare, (self.master[i], self.exp_avg[i], self.exp_avg_sq[i])):
             dest.copy_(source)

@@ -9,9 +9,9 @@ import torch
 
 from torch.optim.adamw import adamw as adamw_kernel
 
-from engine import offload
+from engine.optim import offload
 from engine.config.schema import OptimConfig
-from engine.offload_overlap import SpeculativeHostSteps
+from engine.optim.offload_overlap import SpeculativeHostSteps
 from kernels.adamw import adamw
 from parallel import comm
 
@@ -64,7 +64,7 @@ class MixedPrecisionAdamW:
     """Holds fp32 master copies of low-precision model parameters (or uses fp32 parameters directly).
     `gradients`, when given, owns the parameters' `.grad` storage (parallel/ddp.BucketedDDP: views into
     persistent buckets) and zeroes it in `zero_grad`. The masters (and so the moments) of the parameters
-    chosen by `optim.offload_fraction` live on the host (engine/offload.py), whatever their dtype."""
+    chosen by `optim.offload_fraction` live on the host (engine/optim/offload.py), whatever their dtype."""
 
     def __init__(self, named_params: list, cfg: OptimConfig, topo, precision: str, gradients=None):
         self.cfg, self.topo, self.gradients = cfg, topo, gradients
@@ -104,7 +104,7 @@ class MixedPrecisionAdamW:
             self.speculation.begin(lr)
 
     def speculate(self, i: int, grad: torch.Tensor, lr: float, adam_step: int) -> None:
-        """Parameter i's AdamW into its spare master and moments (engine/offload_overlap.py, worker thread):
+        """Parameter i's AdamW into its spare master and moments (engine/optim/offload_overlap.py, worker thread):
         torch's AdamW kernel with the flags and hyper-parameters of its group, as inner.step() would run it."""
         m, spare = self.master[i], self.spares[i]
         state, group = self.inner.state.get(m), self.group_of[id(m)]
