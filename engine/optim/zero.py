@@ -25,7 +25,8 @@ from torch.optim.adamw import adamw
 
 from engine.optim import offload
 from engine.optim.offload_overlap import SpeculativeHostSteps
-from engine.optim.replicated import LossScaler, counts_in_norm, no_weight_decay
+from engine.optim.param_groups import counts_in_norm, no_weight_decay
+from engine.optim.replicated import LossScaler
 from parallel import comm
 from kernels.adamw import select_implementation
 from parallel.fsdp import ShardedDataParallel
