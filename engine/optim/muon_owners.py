@@ -98,10 +98,10 @@ class OwnerExchange:
     def owned(self) -> list[str]:
         return sorted(n for n, r in self.owner.items() if r == self.me)
 
-    def bytes_per_step(self, element_size: int) -> int:
-        """What this rank sends and receives in one step's two all-to-alls (the padded chunks, as issued)."""
-        chunks = [c for c in (self.gather_chunk, self.result_chunk) if c]
-        return sum(2 * (self.world - 1) * c * element_size for c in chunks)
+    def buffer_bytes(self, element_size: int) -> int:
+        """The send buffers of one step's two all-to-alls (one padded chunk per rank; all but this rank's own
+        chunk cross the wire, and as many bytes arrive)."""
+        return self.world * (self.gather_chunk + self.result_chunk) * element_size
 
     def _all_to_all(self, messages, chunk: int, values: dict, dtype, device) -> dict:
         """Send values[k] for the keys of messages[me][r] to each rank r; returns {key: tensor} received."""

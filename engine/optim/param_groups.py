@@ -16,7 +16,8 @@ MUON_MATRIX = re.compile(r"(^|\.)layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate
 
 def uses_muon(name: str, param: torch.nn.Parameter, optimizer: str) -> bool:
     """Whether `name` is stepped by Muon under `optim.name=optimizer`."""
-    return optimizer == "muon" and param.dim() == 2 and MUON_MATRIX.search(name) is not None
+    shape = getattr(param, "full_shape", param.shape)  # a ZeRO-3 parameter's own storage may be released
+    return optimizer == "muon" and len(shape) == 2 and MUON_MATRIX.search(name) is not None
 
 
 def no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:

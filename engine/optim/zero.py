@@ -11,6 +11,10 @@ shards). Weight decay only applies to some ranges of a shard, so it is applied f
 multiply over those ranges, and the kernel runs with weight_decay=0: torch's AdamW also scales the
 parameter by (1 - lr·wd) before the Adam update, so the result is the same.
 
+Under `optim.name=muon` the blocks' matrices are Muon's (engine/optim/muon_owners.MuonPart): each rank keeps a
+momentum buffer for its shard ranges of them, their Newton–Schulz runs on the whole matrix at its owner rank,
+and their gradient ranges are zeroed before the AdamW kernel, which then leaves them exactly as they are.
+
 `optim.offload_fraction` puts the masters and moments of some units' shards on the host (engine/optim/offload.py):
 their gradients are unscaled, measured and clipped on the device as the others', then copied to pinned host
 buffers; the same kernel steps them there, and write_shards copies the new masters back.
@@ -25,7 +29,8 @@ from torch.optim.adamw import adamw
 
 from engine.optim import offload
 from engine.optim.offload_overlap import SpeculativeHostSteps
-from engine.optim.param_groups import counts_in_norm, no_weight_decay
+from engine.optim.muon_owners import MuonPart, Piece
+from engine.optim.param_groups import counts_in_norm, no_weight_decay, uses_muon
 from engine.optim.replicated import LossScaler
 from parallel import comm
 from kernels.adamw import select_implementation
@@ -48,8 +53,14 @@ class ZeroAdamW:
         self.exp_avg_sq = [torch.zeros_like(m) for m in self.master]
         self.adam_step = 0
         self.scaler = LossScaler(precision == "fp16")
+        # Muon's ranges (optim.name=muon): their gradients are zeroed before AdamW runs, so its moments there stay
+        # zero and its update is exactly zero
+        self.muon_ranges = [(i, r) for i, u in enumerate(sdp.units) for r in u.shard_ranges
+                            if uses_muon(r.name, r.param, cfg.name) and r.shard_end > r.shard_start]
+        self.muon = self._muon_part(cfg, topo) if cfg.name == "muon" else None
+        muon_names = {r.name for _, r in self.muon_ranges}
         self.decay_ranges = [[(r.shard_start, r.shard_end) for r in u.shard_ranges
-                              if not no_weight_decay(r.name, r.param)] for u in sdp.units]
+                              if not no_weight_decay(r.name, r.param) and r.name not in muon_names] for u in sdp.units]
         self.norm_ranges = [[r for r in u.shard_ranges if counts_in_norm(r.param, topo.tp_rank)] for u in sdp.units]
         self.implementation = select_implementation(cfg.implementation, sdp.units[0].param_shard.is_cuda)
         # offloaded units whose gradients are final once reduced (TP-replicated ones are summed over TP later)
@@ -64,6 +75,14 @@ class ZeroAdamW:
             sdp.on_reduced = lambda unit: self.speculation.reduced(index[id(unit)], unit.master_grad()) \
                 if id(unit) in index else None
         self.redos = 0
+
+    def _muon_part(self, cfg, topo) -> MuonPart:
+        """Muon over this rank's pieces of the blocks' matrices (every rank of the stage builds one)."""
+        held = [Piece(r.name, tuple(r.param.full_shape), r.param.tp_dim,
+                      topo.tp_rank if r.param.tp_dim is not None else 0, r.param_start, r.param_end)
+                for _, r in self.muon_ranges]
+        masters = [self.master[i][r.shard_start:r.shard_end] for i, r in self.muon_ranges]
+        return MuonPart(held, masters, cfg, topo.build_stage_group(), topo.tp_size, self.master[0].device)
 
     def begin_step(self, lr: float) -> None:
         """Before the step's backward: offloaded units start their host step as soon as their gradients are in."""
@@ -100,6 +119,11 @@ class ZeroAdamW:
             return norm, True
         if clip:
             torch._foreach_mul_(grads, self.cfg.clip_grad / (norm + 1e-6))
+        if self.muon is not None:
+            pieces = [grads[i][r.shard_start:r.shard_end] for i, r in self.muon_ranges]
+            self.muon.step(pieces, lr)
+            for piece in pieces:
+                piece.zero_()
         rest = [i for i in range(len(grads)) if i not in done]
         start = time.perf_counter()
         offload.copy_to_host([(self.host_grads[i], grads[i]) for i in rest if i in self.host_grads])
@@ -158,19 +182,31 @@ class ZeroAdamW:
     # -- checkpoint interface (engine/interfaces.Optimizer) --------------------------------------------------
     def owned_state(self) -> dict:
         out = {}
-        for unit, master, m, v in zip(self.sdp.units, self.master, self.exp_avg, self.exp_avg_sq):
+        momentum = {(i, r.name): buf for (i, r), buf in zip(self.muon_ranges, self.muon.momentum if self.muon else [])}
+        for i, (unit, master, m, v) in enumerate(zip(self.sdp.units, self.master, self.exp_avg, self.exp_avg_sq)):
             for r in unit.shard_ranges:
                 piece = slice(r.shard_start, r.shard_end)
                 out[r.name] = {"shape": tuple(r.param.shape), "range": (r.param_start, r.param_end),
                                "master": master[piece], "exp_avg": m[piece], "exp_avg_sq": v[piece]}
+                if (i, r.name) in momentum:  # Muon's: one momentum buffer, no Adam moments
+                    out[r.name] = {**out[r.name], "momentum": momentum[(i, r.name)]}
+                    del out[r.name]["exp_avg"], out[r.name]["exp_avg_sq"]
         return out
 
     @torch.no_grad()
     def load_owned_state(self, read) -> None:
-        for unit, master, m, v in zip(self.sdp.units, self.master, self.exp_avg, self.exp_avg_sq):
+        momentum = {(i, r.name): buf for (i, r), buf in zip(self.muon_ranges, self.muon.momentum if self.muon else [])}
+        for i, (unit, master, m, v) in enumerate(zip(self.sdp.units, self.master, self.exp_avg, self.exp_avg_sq)):
             for r in unit.shard_ranges:
-                for key, dest in (("master", master), ("exp_avg", m), ("exp_avg_sq", v)):
-                    dest[r.shard_start:r.shard_end].copy_(read(r.name, key, r.param_start, r.param_end))
+                piece = slice(r.shard_start, r.shard_end)
+                master[piece].copy_(read(r.name, "master", r.param_start, r.param_end))
+                if (i, r.name) in momentum:  # Muon's range: Adam's moments stay zero there
+                    momentum[(i, r.name)].copy_(read(r.name, "momentum", r.param_start, r.param_end))
+                    m[piece].zero_()
+                    v[piece].zero_()
+                    continue
+                for key, dest in (("exp_avg", m), ("exp_avg_sq", v)):
+                    dest[piece].copy_(read(r.name, key, r.param_start, r.param_end))
         self.sdp.write_shards(self.master)
 
     def held_tensors(self) -> list:
