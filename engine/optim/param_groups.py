@@ -10,14 +10,20 @@ import re
 
 import torch
 
-# the blocks' projection weights, by their Hugging Face names (engine/model.py)
-MUON_MATRIX = re.compile(r"(^|\.)layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+# the blocks' projection weights, by their Hugging Face names (engine/model.py: model.layers.<i>.<this>)
+MUON_MATRIX = re.compile(r"(^|\.)layers\.(\d+\.)?(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
 
 
 def uses_muon(name: str, param: torch.nn.Parameter, optimizer: str) -> bool:
     """Whether `name` is stepped by Muon under `optim.name=optimizer`."""
     shape = getattr(param, "full_shape", param.shape)  # a ZeRO-3 parameter's own storage may be released
-    return optimizer == "muon" and len(shape) == 2 and MUON_MATRIX.search(name) is not None
+    return optimizer == "muon" and len(shape) == 2 and muon_matrix(name)
+
+
+def muon_matrix(name: str) -> bool:
+    """Whether `name` is one of the blocks' projection weights (engine/memory_estimate.py asks by name, without
+    the layer index)."""
+    return MUON_MATRIX.search(name) is not None
 
 
 def no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:

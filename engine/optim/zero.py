@@ -13,7 +13,7 @@ parameter by (1 - lr·wd) before the Adam update, so the result is the same.
 
 Under `optim.name=muon` the blocks' matrices are Muon's (engine/optim/muon_owners.MuonPart): each rank keeps a
 momentum buffer for its shard ranges of them, their Newton–Schulz runs on the whole matrix at its owner rank,
-and their gradient ranges are zeroed before the AdamW kernel, which then leaves them exactly as they are.
+and AdamW keeps moments for (and steps) only the stretches of each shard between them.
 
 `optim.offload_fraction` puts the masters and moments of some units' shards on the host (engine/optim/offload.py):
 their gradients are unscaled, measured and clipped on the device as the others', then copied to pinned host
@@ -49,14 +49,17 @@ class ZeroAdamW:
                        u.param_shard if sdp.stage == 3 and u.param_shard.dtype == torch.float32
                        else u.param_shard.detach().float().clone() for u, host in zip(sdp.units, on_host)]
         self.host_grads = {i: offload.host_empty(m) for i, (m, host) in enumerate(zip(self.master, on_host)) if host}
-        self.exp_avg = [torch.zeros_like(m) for m in self.master]
-        self.exp_avg_sq = [torch.zeros_like(m) for m in self.master]
         self.adam_step = 0
         self.scaler = LossScaler(precision == "fp16")
-        # Muon's ranges (optim.name=muon): their gradients are zeroed before AdamW runs, so its moments there stay
-        # zero and its update is exactly zero
+        # Muon's ranges (optim.name=muon) hold a momentum buffer; Adam's moments cover the rest of each shard, the
+        # runs (shard start, shard end, offset in the moments) between them: the whole shard without Muon
         self.muon_ranges = [(i, r) for i, u in enumerate(sdp.units) for r in u.shard_ranges
                             if uses_muon(r.name, r.param, cfg.name) and r.shard_end > r.shard_start]
+        self.adam_runs = [adam_runs(m.numel(), [(r.shard_start, r.shard_end) for j, r in self.muon_ranges if j == i])
+                          for i, m in enumerate(self.master)]
+        self.exp_avg = [torch.zeros(sum(b - a for a, b, _ in runs), device=m.device)
+                        for m, runs in zip(self.master, self.adam_runs)]
+        self.exp_avg_sq = [torch.zeros_like(m) for m in self.exp_avg]
         self.muon = self._muon_part(cfg, topo) if cfg.name == "muon" else None
         muon_names = {r.name for _, r in self.muon_ranges}
         self.decay_ranges = [[(r.shard_start, r.shard_end) for r in u.shard_ranges
@@ -120,10 +123,7 @@ class ZeroAdamW:
         if clip:
             torch._foreach_mul_(grads, self.cfg.clip_grad / (norm + 1e-6))
         if self.muon is not None:
-            pieces = [grads[i][r.shard_start:r.shard_end] for i, r in self.muon_ranges]
-            self.muon.step(pieces, lr)
-            for piece in pieces:
-                piece.zero_()
+            self.muon.step([grads[i][r.shard_start:r.shard_end] for i, r in self.muon_ranges], lr)
         rest = [i for i in range(len(grads)) if i not in done]
         start = time.perf_counter()
         offload.copy_to_host([(self.host_grads[i], grads[i]) for i in rest if i in self.host_grads])
@@ -151,11 +151,15 @@ class ZeroAdamW:
         masters = masters or [self.master[i] for i in indices]
         exp_avgs = exp_avgs or [self.exp_avg[i] for i in indices]
         exp_avg_sqs = exp_avg_sqs or [self.exp_avg_sq[i] for i in indices]
-        if not masters:
-            return
         decay = [m[a:b] for i, m in zip(indices, masters) for a, b in self.decay_ranges[i]]
         for views in offload.by_device(decay):  # decoupled weight decay on the decayed ranges only
             torch._foreach_mul_(views, 1 - lr * c.weight_decay)
+        runs = [(k, a, b, o) for k, i in enumerate(indices) for a, b, o in self.adam_runs[i] if b > a]
+        masters, grads = [masters[k][a:b] for k, a, b, _ in runs], [grads[k][a:b] for k, a, b, _ in runs]
+        exp_avgs = [exp_avgs[k][o:o + b - a] for k, a, b, o in runs]
+        exp_avg_sqs = [exp_avg_sqs[k][o:o + b - a] for k, a, b, o in runs]
+        if not masters:
+            return
         steps = [torch.full((), float(adam_step), device=m.device) for m in masters]  # the kernel adds one
         adamw(masters, grads, exp_avgs, exp_avg_sqs, [], steps,
               foreach=self.implementation == "foreach", fused=self.implementation != "foreach", amsgrad=False,
@@ -185,12 +189,13 @@ class ZeroAdamW:
         momentum = {(i, r.name): buf for (i, r), buf in zip(self.muon_ranges, self.muon.momentum if self.muon else [])}
         for i, (unit, master, m, v) in enumerate(zip(self.sdp.units, self.master, self.exp_avg, self.exp_avg_sq)):
             for r in unit.shard_ranges:
-                piece = slice(r.shard_start, r.shard_end)
-                out[r.name] = {"shape": tuple(r.param.shape), "range": (r.param_start, r.param_end),
-                               "master": master[piece], "exp_avg": m[piece], "exp_avg_sq": v[piece]}
+                state = {"shape": tuple(r.param.shape), "range": (r.param_start, r.param_end),
+                         "master": master[r.shard_start:r.shard_end]}
                 if (i, r.name) in momentum:  # Muon's: one momentum buffer, no Adam moments
-                    out[r.name] = {**out[r.name], "momentum": momentum[(i, r.name)]}
-                    del out[r.name]["exp_avg"], out[r.name]["exp_avg_sq"]
+                    out[r.name] = {**state, "momentum": momentum[(i, r.name)]}
+                else:
+                    moments = self.moments_of(i, r)
+                    out[r.name] = {**state, "exp_avg": m[moments], "exp_avg_sq": v[moments]}
         return out
 
     @torch.no_grad()
@@ -198,21 +203,24 @@ class ZeroAdamW:
         momentum = {(i, r.name): buf for (i, r), buf in zip(self.muon_ranges, self.muon.momentum if self.muon else [])}
         for i, (unit, master, m, v) in enumerate(zip(self.sdp.units, self.master, self.exp_avg, self.exp_avg_sq)):
             for r in unit.shard_ranges:
-                piece = slice(r.shard_start, r.shard_end)
-                master[piece].copy_(read(r.name, "master", r.param_start, r.param_end))
-                if (i, r.name) in momentum:  # Muon's range: Adam's moments stay zero there
+                master[r.shard_start:r.shard_end].copy_(read(r.name, "master", r.param_start, r.param_end))
+                if (i, r.name) in momentum:
                     momentum[(i, r.name)].copy_(read(r.name, "momentum", r.param_start, r.param_end))
-                    m[piece].zero_()
-                    v[piece].zero_()
                     continue
+                moments = self.moments_of(i, r)
                 for key, dest in (("exp_avg", m), ("exp_avg_sq", v)):
-                    dest[piece].copy_(read(r.name, key, r.param_start, r.param_end))
+                    dest[moments].copy_(read(r.name, key, r.param_start, r.param_end))
         self.sdp.write_shards(self.master)
+
+    def moments_of(self, i: int, r) -> slice:
+        """Where the AdamW range `r` of unit i sits in the unit's moments (inside one run)."""
+        a, _, o = next(run for run in self.adam_runs[i] if run[0] <= r.shard_start <= run[1])
+        return slice(o + r.shard_start - a, o + r.shard_end - a)
 
     def held_tensors(self) -> list:
         """The state this rank keeps on its device."""
         return [t for i, state in enumerate(zip(self.master, self.exp_avg, self.exp_avg_sq))
-                if i not in self.host_grads for t in state]
+                if i not in self.host_grads for t in state] + (self.muon.momentum if self.muon is not None else [])
 
     def host_tensors(self) -> list:
         """The state kept in host memory (optim.offload_fraction): masters, moments, gradient buffers, and the
@@ -220,3 +228,15 @@ class ZeroAdamW:
         spares = [t for spare in self.spares.values() for t in spare]
         return [t for i, grad in self.host_grads.items()
                 for t in (self.master[i], self.exp_avg[i], self.exp_avg_sq[i], grad)] + spares
+
+
+def adam_runs(numel: int, muon: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(start, end, offset in the moments) of the stretches of a shard of `numel` elements between the sorted,
+    disjoint Muon ranges `muon`: AdamW steps and keeps moments for those only."""
+    runs, at, offset = [], 0, 0
+    for a, b in sorted(muon) + [(numel, numel)]:
+        if a > at:
+            runs.append((at, a, offset))
+            offset += a - at
+        at = b
+    return runs or [(0, 0, 0)]
