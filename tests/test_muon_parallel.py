@@ -5,6 +5,7 @@ import torch
 
 from parallel import comm
 from tests.distributed import worker_pools
+from tests.helpers import launch
 from tests.test_data_parallel import CURVE, assert_matches_reference, make_trainer, single_process_run, train_run
 
 MUON = {**CURVE, "train": dict(CURVE["train"], steps=6),
@@ -26,7 +27,8 @@ def reference():
 @pytest.mark.parametrize("world, parallel", [
     (2, {"zero_stage": 0}), (4, {"zero_stage": 0}), (2, {"zero_stage": 1}), (2, {"zero_stage": 3}),
     (2, {"zero_stage": 0, "tensor": 2}), (4, {"zero_stage": 3, "tensor": 2, "sequence_parallel": True}),
-], ids=["ddp-dp2", "ddp-dp4", "zero1-dp2", "zero3-dp2", "tp2", "tp2-sp-zero3-dp2"])
+    (4, {"zero_stage": 1, "pipeline": 2}), (4, {"zero_stage": 0, "tensor": 2, "sequence_parallel": True, "context": 2}),
+], ids=["ddp-dp2", "ddp-dp4", "zero1-dp2", "zero3-dp2", "tp2", "tp2-sp-zero3-dp2", "pp2-zero1-dp2", "tp2-sp-cp2"])
 def test_muon_layouts_follow_single_process(pools, reference, world, parallel):
     results = pools[world].run(train_run, MUON, parallel)
     assert_matches_reference(results, reference, tp_size=parallel.get("tensor", 1))
@@ -52,3 +54,12 @@ def test_each_rank_orthogonalises_a_quarter_and_moves_what_the_plan_says(pools, 
     assert max(flops) <= 1.5 * sum(flops) / 4, flops
     for _, _, recorded, planned in shares:
         assert recorded == planned > 0
+
+
+def test_launched_tp2_pp2_zero3_dp2_follows_one_process(tmp_path):
+    """launch/run_pretrain.sh at TP 2 × PP 2 × ZeRO-3 DP 2: each stage's owners, the TP slices gathered."""
+    muon = ("optim.name=muon", "optim.muon_lr=0.02", "optim.muon_ns_dtype=fp32", "train.steps=10")
+    single = [r["loss"] for r in launch(tmp_path / "one", *muon)]
+    layout = [r["loss"] for r in launch(tmp_path / "eight", *muon, "parallel.tensor=2", "parallel.pipeline=2",
+                                        "parallel.zero_stage=3", nproc=8)]
+    assert layout == pytest.approx(single, abs=1e-4)
