@@ -52,7 +52,7 @@ class Optimizer(Protocol):
 
     def owned_state(self) -> dict[str, dict]:
         """{parameter name: {"shape", "range": (start, end) in the flattened parameter, "master", "exp_avg",
-        "exp_avg_sq"}} of the elements this rank owns."""
+        "exp_avg_sq"}} of the elements this rank owns ("momentum" in place of the moments for Muon's matrices)."""
 
     def load_owned_state(self, read: Callable[[str, str, int, int], torch.Tensor]) -> None:
         """Fill the owned elements from `read(name, key, start, end)` (a checkpoint at any layout), then the
