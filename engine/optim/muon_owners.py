@@ -76,7 +76,9 @@ class OwnerExchange:
                 holders.setdefault(p.key, []).append(rank)
         self.owner = assign_owners({n: muon.ns_flops(p.full_shape, ns_steps) for n, p in self.matrices.items()},
                                    self.world)
-        self.pieces = {p.key: p for pieces in everyone for p in pieces}
+        self.pieces_of: dict[str, list[tuple]] = {}  # every piece of each matrix, over all ranks
+        for k in sorted(holders):
+            self.pieces_of.setdefault(k[0], []).append(k)
         # sender of each piece to its owner, and the (piece, offset) lists of each rank-to-rank message
         self.sender = {k: self.owner[k[0]] if self.owner[k[0]] in h else h[0] for k, h in holders.items()}
         self.gather = [[[] for _ in range(self.world)] for _ in range(self.world)]
@@ -132,19 +134,17 @@ class OwnerExchange:
                    **{k: x for k, x in mine.items() if self.sender[k] == self.me}}
         results = {}
         for name in self.owned():
-            m = self.matrices[name]
+            m, keys = self.matrices[name], self.pieces_of[name]
             split = m.tp_dim is not None
             shape = local_shape(m.full_shape, m.tp_dim, self.tp_size if split else 1)
             slots = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.tp_size if split else 1)]
-            for k, x in arrived.items():
-                if k[0] == name:
-                    slots[k[1]].view(-1)[k[2]:k[3]] = x
+            for k in keys:
+                slots[k[1]].view(-1)[k[2]:k[3]] = arrived[k]
             full = torch.cat(slots, dim=m.tp_dim) if split else slots[0]
             out = muon.orthogonalise(full, coefficients, steps, eps)
             parts = out.chunk(len(slots), dim=m.tp_dim) if split else [out]
-            for k in self.pieces:
-                if k[0] == name:
-                    results[k] = parts[k[1]].reshape(-1)[k[2]:k[3]]
+            for k in keys:
+                results[k] = parts[k[1]].reshape(-1)[k[2]:k[3]]
         results.update(self._all_to_all(self.result, self.result_chunk, results, dtype, device))
         return [results[p.key] for p in self.held]
 
