@@ -14,6 +14,7 @@ from engine.optim import muon
 from engine.optim.muon_owners import assign_owners
 from engine.optim.replicated import MixedPrecisionAdamW
 from parallel.topology import single_process
+from tests.helpers import launch_process
 
 MODEL = ModelConfig(hidden_size=32, num_layers=2, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=48,
                     vocab_size=61, seq_length=16, attention_bias=True)
@@ -136,3 +137,10 @@ def test_bad_muon_options_are_named_before_any_rank_starts(optim, message):
     with pytest.raises(ConfigError) as err:
         validate(from_dict(base(**optim)), 1)
     assert message in str(err.value)
+
+
+def test_the_launcher_names_a_misspelt_optimizer_in_one_line(tmp_path):
+    done = launch_process(tmp_path, "optim.name=moun", nproc=2)
+    assert done.returncode == 2 and "Traceback" not in done.stderr + done.stdout
+    assert done.stderr.strip().splitlines() == [
+        "trilith: configuration error: optim.name='moun' is not one of adamw, muon; did you mean 'muon'?"]
