@@ -8,7 +8,7 @@ The thresholds are computed in exact integer arithmetic (Megatron divides in flo
 except where a float rounding lands exactly on a threshold).
 
 Learning rate while ramping (Megatron counts its schedule in samples when ramping): the schedule of
-engine/lr_schedule.py, whose step k uses (k + 1) / warmup_steps during warm-up, is read in samples: k + 1
+engine/optim/lr_schedule.py, whose step k uses (k + 1) / warmup_steps during warm-up, is read in samples: k + 1
 becomes the samples consumed by the end of the step over the final global batch, and train.steps the samples
 the run's train.steps steps consume over the same batch. So optim.warmup_steps means warmup_steps ×
 global_batch_size samples, and without a ramp the position is exactly the step.

@@ -1,8 +1,8 @@
 """The two objects the Trainer and the Checkpointer use without knowing which data-parallel strategy made them.
 
 `engine/data_parallel.build_data_parallel` returns one of two pairs: bucketed DDP with a replicated AdamW
-(`parallel/ddp.BucketedDDP`, `engine/optimizer.MixedPrecisionAdamW`; parallel.zero_stage=0), or sharding units
-with a sharded AdamW (`parallel/fsdp.ShardedDataParallel`, `engine/zero_optimizer.ZeroAdamW`; stages 1-3).
+(`parallel/ddp.BucketedDDP`, `engine/optim/replicated.MixedPrecisionAdamW`; parallel.zero_stage=0), or sharding units
+with a sharded AdamW (`parallel/fsdp.ShardedDataParallel`, `engine/optim/zero.ZeroAdamW`; stages 1-3).
 Both sides of each pair satisfy the Protocols below; nothing else of theirs is called from outside.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from engine.optimizer import LossScaler
+from engine.optim.replicated import LossScaler
 
 
 class DataParallel(Protocol):
@@ -52,7 +52,7 @@ class Optimizer(Protocol):
 
     def owned_state(self) -> dict[str, dict]:
         """{parameter name: {"shape", "range": (start, end) in the flattened parameter, "master", "exp_avg",
-        "exp_avg_sq"}} of the elements this rank owns."""
+        "exp_avg_sq"}} of the elements this rank owns ("momentum" in place of the moments for Muon's matrices)."""
 
     def load_owned_state(self, read: Callable[[str, str, int, int], torch.Tensor]) -> None:
         """Fill the owned elements from `read(name, key, start, end)` (a checkpoint at any layout), then the

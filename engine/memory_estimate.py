@@ -6,10 +6,10 @@ Parameters, gradients and optimizer state are counted tensor by tensor as the en
 chunks' parameters at the TP size (vocabulary padded to a multiple of TP, KV projections kept whole when there
 are fewer KV heads than TP ranks), and for ZeRO the sharding units of parallel/fsdp (one flat buffer per block,
 padded to a multiple of the shard group, HSDP's group when set). Stage 0 keeps every gradient in the compute
-dtype and fp32 masters (below fp32) plus the two Adam moments; stage ≥ 1 keeps a fp32 master and moments of
-its shard; stage 1 keeps full gradients, stages 2-3 their reduced shards (fp32 for the norm segment under
+dtype and fp32 masters (below fp32) plus the two Adam moments (under optim.name=muon one momentum buffer for the
+blocks' matrices instead); stage ≥ 1 keeps a fp32 master and moments (or Muon's momentum) of its shard; stage 1 keeps full gradients, stages 2-3 their reduced shards (fp32 for the norm segment under
 bf16/fp16); stage 3 keeps only the parameter shard. `optim.offload_fraction` moves the state of some tensors
-(engine/offload.py: whole parameters at stage 0, whole unit shards at stage ≥ 1, chosen as the engine chooses)
+(engine/optim/offload.py: whole parameters at stage 0, whole unit shards at stage ≥ 1, chosen as the engine chooses)
 to the host: 16 bytes per element there (fp32 master, two moments, the pinned gradient buffer), none left on
 the device, and 12 more per element of a ZeRO unit stepped during backward (optim.offload_overlap: spare master
 and moments; under DDP, of a parameter stepped as its bucket is reduced: see ddp_overlaps). The host total of a
@@ -45,7 +45,8 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config.schema import Config, data_parallel_size
-from engine.offload import offloaded
+from engine.optim.offload import offloaded
+from engine.optim.param_groups import muon_matrix
 from engine.stage_balance import chunk_layers
 from parallel.ddp import reduces_in_fp32
 from parallel.stage_layers import chunk_roles, stage_layer_ids
@@ -143,11 +144,14 @@ def state_bytes(cfg: Config, units: list, shard_size: int, shard_rank: int | Non
         host = sum(n for n, off in zip(params, on_host) if off)
         spares = sum(n for (name, n), off in zip(named, on_host) if off and ddp_overlaps(cfg, name, shard_size))
         n = sum(params)
-        return n * e, n * e, (n - host) * (8 if e == FP32 else 12), 0, host * HOST_STATE + spares * HOST_SPARE
+        muon = sum(k for name, k in named if muon_stepped(cfg, name))  # one momentum buffer, not two moments
+        state = (n - host) * (8 if e == FP32 else 12) - muon * FP32
+        return n * e, n * e, state, 0, host * HOST_STATE + spares * HOST_SPARE
     shards = [-(-max(sum(n for _, n in unit), 1) // shard_size) for unit in units]
     on_host = offloaded(shards[::-1], fraction)[::-1]
     split = e != FP32
-    weights = grads = optim = largest = 0
+    weights = grads = largest = 0
+    optim = [0] * shard_size  # per rank: Muon's elements hold one fp32 buffer, not two moments
     spares = 0
     fp32_held = [0] * shard_size  # per rank: elements of the units' fp32 norm segments its shards hold
     for unit, host in zip(units, on_host):
@@ -162,15 +166,34 @@ def state_bytes(cfg: Config, units: list, shard_size: int, shard_rank: int | Non
             fp32_held[rank] += min(numel, (rank + 1) * shard) - max(fp32_start, rank * shard)
         weights += shard * (e if stage == 3 else e * shard_size)
         grads += shard * shard_size * e + fp32_numel * FP32 if stage == 1 else shard * e
-        if not host:
-            optim += (2 if stage == 3 and not split else 3) * FP32 * shard  # fp32 stage 3: the shard is the master
+        if not host:  # fp32 stage 3: the shard is the master
+            muon = muon_in_shards(cfg, unit, shard, shard_size)
+            optim = [o + (2 if stage == 3 and not split else 3) * FP32 * shard - FP32 * k for o, k in zip(optim, muon)]
     grads += FP32 * (max(fp32_held) if shard_rank is None else fp32_held[shard_rank])
+    optim = max(optim) if shard_rank is None else optim[shard_rank]
     return weights, grads, optim, largest, HOST_STATE * sum(s for s, host in zip(shards, on_host) if host) + \
         HOST_SPARE * spares
 
 
+def muon_stepped(cfg: Config, name: str) -> bool:
+    return cfg.optim.name == "muon" and muon_matrix(name)
+
+
+def muon_in_shards(cfg: Config, unit: list, shard: int, shard_size: int) -> list[int]:
+    """Per rank of the shard group: the elements of Muon's matrices inside its `shard`-element piece of `unit`."""
+    split = DTYPE_BYTES[cfg.train.precision] != FP32  # parallel/fsdp_units: fp32-reduced parameters go last
+    fp32 = [x for x in unit if split and reduces_in_fp32(x[0], cfg.parallel.fp32_reduce)]
+    out, offset = [0] * shard_size, 0
+    for name, n in [x for x in unit if x not in fp32] + fp32:
+        if muon_stepped(cfg, name):
+            for rank in range(shard_size):
+                out[rank] += max(0, min(offset + n, (rank + 1) * shard) - max(offset, rank * shard))
+        offset += n
+    return out
+
+
 def ddp_overlaps(cfg: Config, name: str, reduce_size: int) -> bool:
-    """engine/optimizer.overlaps from the configuration: an offloaded parameter stepped during backward (and so
+    """engine/optim/replicated.overlaps from the configuration: an offloaded parameter stepped during backward (and so
     holding spares) under DDP with optim.offload_overlap."""
     p, low_precision = cfg.parallel, cfg.train.precision != "fp32"
     return (cfg.optim.offload_overlap and reduce_size > 1 and not p.hierarchical_node_size
@@ -181,7 +204,7 @@ def ddp_overlaps(cfg: Config, name: str, reduce_size: int) -> bool:
 
 def tp_summed_later(cfg: Config, unit: list) -> bool:
     """Whether a unit holds TP-replicated gradients, summed over TP after the reduction (norm weights under
-    sequence parallelism, KV projections kept whole): engine/offload_overlap.py does not step it early."""
+    sequence parallelism, KV projections kept whole): engine/optim/offload_overlap.py does not step it early."""
     m, p = cfg.model, cfg.parallel
     if p.tensor == 1:
         return False

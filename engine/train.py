@@ -32,7 +32,7 @@ from engine.data_parallel import build_data_parallel
 from engine.data_stages import DataStages
 from engine.evaluate.tasks import InRunTasks
 from engine.evaluate.validation import evaluation_due, validation_loss
-from engine.lr_schedule import lr_at
+from engine.optim.lr_schedule import lr_at
 from engine.mock_data import MockBatchLoader
 from engine.model import CausalLM, num_parameters
 from engine.observe import replica_check

@@ -1,4 +1,4 @@
-"""The AdamW kernel behind engine/optimizer.py: torch's fused (one CUDA kernel for all tensors) or foreach
+"""The AdamW kernel behind engine/optim/replicated.py: torch's fused (one CUDA kernel for all tensors) or foreach
 (multi-tensor) implementation, or apex's FusedAdam in AdamW mode. All compute the same update
 (decoupled weight decay, bias-corrected moments, eps added to the bias-corrected sqrt(v)).
 

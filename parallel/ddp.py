@@ -89,7 +89,7 @@ class BucketedDDP:
         self.launched_in_backward = 0
         self.staged: list[StagedReduction] = []  # hierarchical reductions with stages not yet issued, oldest first
         # called with an in-place bucket's parameters once its reduction is waited for (then their `.grad` is the
-        # DP average; TP and tied sums still follow in finish_gradients): engine/offload_overlap.py starts
+        # DP average; TP and tied sums still follow in finish_gradients): engine/optim/offload_overlap.py starts
         # their host step. While set, launching a bucket waits for the one launched before it.
         self.on_reduced = None
         self.in_flight: list[_Bucket] = []

@@ -3,7 +3,7 @@
 `ShardedDataParallel` cuts every model chunk into the units of `parallel.fsdp_units` (one flat buffer per
 transformer block, split into equal shards over the DP group) and owns their hooks and their gradient
 reduction. DP rank r keeps shard r of every unit: the fp32 master weights and Adam moments (stage ≥ 1,
-engine/zero_optimizer.py), the reduced gradients (stage ≥ 2) and the parameters themselves (stage 3).
+engine/optim/zero.py), the reduced gradients (stage ≥ 2) and the parameters themselves (stage 3).
 
 Stage 3 frees a unit's flat buffer (its storage is resized to 0; the parameter views keep their shapes
 and attributes) and all-gathers it just before the unit's forward and again before its backward, from
@@ -74,7 +74,7 @@ class ShardedDataParallel:
         self.row_lookups: list[ShardedEmbeddingLookup] = []
         self.fusing = False  # stages 1 and 3, inside a step: backward accumulates into the full gradient buffers
         # called with each unit whose reduced gradient shard is complete for the step (the TP sum of
-        # TP-replicated gradients aside): engine/offload_overlap.py starts its host step
+        # TP-replicated gradients aside): engine/optim/offload_overlap.py starts its host step
         self.on_reduced = None
         for chunk in chunks:
             names = {p: n for n, p in chunk.named_parameters()}

@@ -136,6 +136,13 @@ class Topology:
             lists.append(sorted({ranks[0], ranks[-1]}))
         return lists
 
+    def build_stage_group(self):
+        """The ranks of this rank's pipeline stage (TP × CP × DP: they hold the same layers), among which Muon
+        spreads its Newton–Schulz work (engine/optim/muon_owners.py). Built on first use, by every rank."""
+        if "stage" not in self.groups:
+            self._build("stage", self.layout.groups_along("tp", "cp", "dp"))
+        return self.groups["stage"]
+
     def build_unit_groups(self, num_units: int, count: int) -> list:
         """The data-parallel communicator of each of `num_units` FSDP sharding units, so that one unit's
         collectives need not queue behind another's: `count` communicators (at most one per unit), unit i using

@@ -10,7 +10,7 @@ from data.indexed import IndexedDataset
 from data.loader import DistributedBatchLoader
 from engine.batch_ramp import BatchRamp, lr_position
 from engine.config.schema import ConfigError, load_config, validate
-from engine.lr_schedule import lr_at
+from engine.optim.lr_schedule import lr_at
 from engine.train import Trainer
 from parallel.distributed import DistEnv
 from tests.test_data_loader import SEQ, make_dataset

@@ -143,3 +143,12 @@ def test_bench_offload_prints_ratios_and_the_deepest_models():
                          re.M)
     deepest = [int(n) for n in re.findall(r"^deepest model fitting .*: (\d+) layers", out, re.M)]
     assert len(deepest) == 2 and deepest[1] > deepest[0] > 0  # offload leaves room for more layers
+
+
+def test_bench_optim_prints_muon_against_adamw_and_the_newton_schulz_share():
+    out = tool("tools/bench_optim.py", "--hidden", "32", "--layers", "1", "--ffn", "64", "--vocab", "64", "--seq", "8",
+               "--dp", "2", "--zero", "1", "--rounds", "1")
+    assert re.search(r"^zero 1 dp 2: AdamW step [\d.]+ ms, Muon step [\d.]+ ms \(ratio [\d.]+\); "
+                     r"Newton–Schulz per rank max [\d.]+ ms CPU", out, re.M), out
+    shares = [int(s) for s in re.findall(r"^  rank \d: Newton–Schulz [\d.]+ ms CPU/step, (\d+)% of the FLOPs", out, re.M)]
+    assert len(shares) == 2 and abs(sum(shares) - 100) <= 1 and min(shares) >= 40, out

@@ -2,7 +2,7 @@
 import pytest
 
 from engine.config.schema import ConfigError, load_config, validate
-from engine.lr_schedule import lr_at
+from engine.optim.lr_schedule import lr_at
 
 TINY = "launch/configs/tiny.yaml"
 

@@ -66,7 +66,7 @@ def test_every_numeric_field_is_bounded(section, key, typ):
 
 
 def test_declared_bounds_name_real_fields():
-    assert set(RANGES) <= {(section, key) for section, key, typ in SLOTS if typ in (int, float, list[int])}
+    assert set(RANGES) <= {(section, key) for section, key, typ in SLOTS if typ in (int, float, list[int], list[float])}
 
 
 @pytest.mark.parametrize("text", ["model:\n  1: 2\n", "1:\n  a: 2\n", "model:\n  null: 3\n", "true: {}\n"])

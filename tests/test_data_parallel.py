@@ -258,8 +258,8 @@ def two_stage_pipeline_step(rank, world, stage):
 
     from engine.config.schema import ModelConfig, OptimConfig
     from engine.model import CausalLM
-    from engine.optimizer import MixedPrecisionAdamW
-    from engine.zero_optimizer import ZeroAdamW
+    from engine.optim.replicated import MixedPrecisionAdamW
+    from engine.optim.zero import ZeroAdamW
     from parallel.ddp import BucketedDDP
     from parallel.fsdp import ShardedDataParallel
     from parallel.tensor import TensorParallel

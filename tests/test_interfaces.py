@@ -5,8 +5,8 @@ import inspect
 import pytest
 
 from engine.interfaces import DataParallel, Optimizer
-from engine.optimizer import MixedPrecisionAdamW
-from engine.zero_optimizer import ZeroAdamW
+from engine.optim.replicated import MixedPrecisionAdamW
+from engine.optim.zero import ZeroAdamW
 from parallel.ddp import BucketedDDP
 from parallel.fsdp import ShardedDataParallel
 from tests.helpers import tiny_trainer

@@ -37,6 +37,28 @@ def test_imports_point_down(package):
     assert not {path: names for path, names in wrong.items() if names}
 
 
+def first_party_modules(path) -> set[str]:
+    """The full dotted names of the first-party modules `path` imports (engine.config.schema, ...)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return {n for n in names if n.split(".")[0] in FORBIDDEN}
+
+
+def test_the_optimizer_package_reads_only_the_configuration():
+    """engine/optim/ sits below the rest of engine/: it may use the configuration, kernels and parallel layers,
+    and itself — never the model, the train loop or the checkpoints (which use it)."""
+    allowed = ("engine.config", "engine.optim", "kernels", "parallel")
+    wrong = {str(path.relative_to(ROOT)): sorted(m for m in first_party_modules(path)
+                                                 if not any(m == a or m.startswith(a + ".") for a in allowed))
+             for path in (ROOT / "engine" / "optim").rglob("*.py")}
+    assert not {path: names for path, names in wrong.items() if names}
+
+
 def test_importing_the_packages_loads_nothing_else():
     probe = ("import sys; before = set(sys.modules); import engine, parallel, kernels, data; "
              "print(sorted(m for m in set(sys.modules) - before))")

@@ -60,7 +60,8 @@ def allocated(rank, world, *overrides) -> tuple:
         params = [p for _, p in trainer.named_params]
         weights, grads = storages(params), storages(p.grad for p in params)
         state = [t for s in opt.inner.state.values() for k, t in s.items() if k != "step"]
-        optim = storages(state + [m for m, p in zip(opt.master, opt.params) if m is not p])
+        muon = opt.muon.momentum if opt.muon is not None else []
+        optim = storages(state + muon + [m for m, p in zip(opt.master, opt.params) if m is not p])
     else:
         stage = cfg.parallel.zero_stage
         held_weights = [u.param_shard if stage == 3 else u.flat for u in units]
@@ -78,7 +79,8 @@ def check_exact(results):
 
 
 @pytest.mark.parametrize("overrides", [[], ["train.precision=bf16"], ["model.tie_embeddings=true",
-                                                                      "model.attention_bias=true"]])
+                                                                      "model.attention_bias=true"],
+                                       ["optim.name=muon", "train.precision=bf16", "model.attention_bias=true"]])
 def test_parameters_gradients_and_optimizer_state_are_exact_on_one_rank(overrides):
     check_exact([allocated(0, 1, *overrides)])
 
@@ -96,6 +98,8 @@ def test_parameters_gradients_and_optimizer_state_are_exact_on_one_rank(override
     ["parallel.pipeline=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2", "model.num_layers=5"],
     ["parallel.context=2", "parallel.zero_stage=1", "train.precision=bf16"],  # ZeRO shards over DP × CP
     ["parallel.context=2", "parallel.zero_stage=3"],
+    ["optim.name=muon", "parallel.zero_stage=1", "train.precision=bf16"],  # Muon's ranges end mid-shard
+    ["optim.name=muon", "parallel.zero_stage=3", "parallel.tensor=2", "model.num_kv_heads=1"],
 ])
 def test_parameters_gradients_and_optimizer_state_are_exact_on_every_layout(pool, overrides):
     check_exact(pool.run(allocated, *overrides))

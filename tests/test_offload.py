@@ -17,7 +17,7 @@ import torch
 from engine import preflight
 from engine.config.schema import load_config, validate
 from engine.memory_estimate import estimate, host_problem
-from engine.offload import offloaded
+from engine.optim.offload import offloaded
 from engine.train import Trainer
 from parallel import comm
 from parallel.distributed import DistEnv

@@ -4,7 +4,7 @@ import math
 import torch
 
 from engine.config.schema import OptimConfig
-from engine.optimizer import MixedPrecisionAdamW
+from engine.optim.replicated import MixedPrecisionAdamW
 from parallel.topology import single_process
 
 

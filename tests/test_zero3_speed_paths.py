@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from engine.optimizer import no_weight_decay
+from engine.optim.param_groups import no_weight_decay
 from parallel import comm
 from tests.distributed import worker_pools
 from tests.test_data_parallel import CURVE, make_trainer

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.config.schema import ModelConfig, OptimConfig  # noqa: E402
 from engine.model import CausalLM, num_parameters  # noqa: E402
 from engine.observe.metrics import H100_BF16_PEAK_FLOPS, flops_per_token  # noqa: E402
-from engine.optimizer import MixedPrecisionAdamW  # noqa: E402
+from engine.optim.replicated import MixedPrecisionAdamW  # noqa: E402
 from kernels.attention import flash_available  # noqa: E402
 from kernels.norm import apex_available  # noqa: E402
 from parallel.random import seed_all  # noqa: E402

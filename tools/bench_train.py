@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.config.schema import ModelConfig, OptimConfig  # noqa: E402
 from engine.model import CausalLM  # noqa: E402
-from engine.optimizer import MixedPrecisionAdamW  # noqa: E402
+from engine.optim.replicated import MixedPrecisionAdamW  # noqa: E402
 from parallel.topology import single_process  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

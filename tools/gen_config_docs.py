@@ -84,6 +84,8 @@ def indent(line: str) -> int:
 def type_name(hint) -> str:
     if hint == list[int]:
         return "list of int"
+    if hint == list[float]:
+        return "list of float"
     if hint == list[dict]:
         return "list of mapping"
     if hint is list:  # config._coerce turns every element into a string
@@ -122,8 +124,8 @@ def section_table(section: str, cls) -> list[str]:
         choices = config.CHOICES.get((section, f.name))
         if choices:
             kind += ": " + ", ".join(f"`{c}`" if c else '`""`' for c in choices)
-        elif hint in (int, float) or hint == list[int]:
-            kind += (", each " if hint == list[int] else ", ") + str(config_ranges.field_range(section, f.name))
+        elif hint in (int, float, list[int], list[float]):
+            kind += (", each " if hint in (list[int], list[float]) else ", ") + str(config_ranges.field_range(section, f.name))
         rows.append(f"| `{section}.{f.name}` | {cell(kind)} | `{cell(default_text(f))}` | {cell(text)} |")
     return rows + [""]
 

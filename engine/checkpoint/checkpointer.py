@@ -162,10 +162,11 @@ class Checkpointer:
             p, (start, end) = self.params[name], state["range"]
             if start == end:
                 continue
-            entries[name] = tensor_entry(p.full_shape, p.tp_dim, t.tp_size, p.valid_rows, KEYS)
+            keys = [key for key in KEYS if key in state]  # Muon's matrices: master and momentum
+            entries[name] = tensor_entry(p.full_shape, p.tp_dim, t.tp_size, p.valid_rows, keys)
             entries[name]["pieces"].append({"file": file, "tp_rank": t.tp_rank if p.tp_dim is not None else 0,
                                             "start": start, "end": end})
-            for key in KEYS:
+            for key in keys:
                 value = state[key].detach()
                 tensors[f"{key}/{name}"] = value.to("cpu", copy=True) if copy else value.cpu()
         meta = {"format": FORMAT, "step": step, "consumed_samples": consumed_samples,
@@ -387,6 +388,10 @@ class Checkpointer:
             return reader.read_local(source[name], key, p.full_shape, p.tp_dim, t.tp_size, t.tp_rank, start, end)
 
         meta = reader.metadata
+        saved_optimizer = meta.get("config", {}).get("optim", {}).get("name", "adamw")
+        if saved_optimizer != self.cfg.optim.name:  # missing state keys read as zeros: fresh moments
+            log.info(f"checkpoint: {path} was trained with optim.name={saved_optimizer}; continuing with "
+                     f"optim.name={self.cfg.optim.name}, whose state the checkpoint lacks starts fresh")
         self.special_tokens = dict(meta.get("special_tokens") or {})
         self.optimizer.adam_step = meta["adam_step"]
         self.optimizer.load_owned_state(read)

@@ -2,7 +2,8 @@
 
 For every parameter name the manifest stores the global (TP=1, unpadded) shape and dtype, how the saving
 layout split it (`tp_dim`, `tp_size`, TP-local shape) and the pieces: which file holds which flat range
-[start, end) of which TP rank's local tensor, for the keys `master`, `exp_avg`, `exp_avg_sq`. Inside a
+[start, end) of which TP rank's local tensor, for the keys `master`, `exp_avg`, `exp_avg_sq` (AdamW's) or
+`master`, `momentum` (Muon's matrices, optim.name=muon). Inside a
 file the tensor `"{key}/{name}"` is that 1-D fp32 range. The manifest also lists every file with its
 SHA-256 and size. `CheckpointReader` answers "elements [a, b) of my TP-local tensor" for any target
 layout: directly from the matching pieces when the TP split is the same, otherwise through the global
@@ -24,7 +25,7 @@ from engine.checkpoint.files import CheckpointError, sha256_file
 from parallel.tensor import padded_vocab_size
 
 FORMAT, VERSION = "trilith-checkpoint", 1
-KEYS = ("master", "exp_avg", "exp_avg_sq")
+KEYS = ("master", "exp_avg", "exp_avg_sq", "momentum")
 MANIFEST, METADATA = "manifest.json", "metadata.json"
 ENTRY_FIELDS = ("shape", "dtype", "tp_dim", "tp_size", "local_shape", "keys", "pieces")
 ENTRY_BYTES = {"float32": 4, "bfloat16": 2}  # stored element sizes: full checkpoints fp32, light snapshots bf16

@@ -30,6 +30,8 @@ class Interval:
                 and (value < self.high if self.open_high else value <= self.high))
 
     def __str__(self) -> str:
+        if self.low == -math.inf and self.high == math.inf:
+            return "finite"
         if self.high == math.inf:
             return f"{'>' if self.open_low else '≥'} {self.low}"
         return f"within {'(' if self.open_low else '['}{self.low}, {self.high}{')' if self.open_high else ']'}"
@@ -56,6 +58,8 @@ RANGES = {
     ("train", "batch_size_ramp"): AT_LEAST_ONE,
     ("optim", "min_lr_ratio"): FRACTION, ("optim", "decay_fraction"): FRACTION,
     ("optim", "offload_fraction"): FRACTION,
+    ("optim", "muon_ns_steps"): Interval(1, 99),  # torch.optim.Muon refuses 100 or more
+    ("optim", "muon_ns_coefficients"): Interval(-math.inf),  # any finite number (b is negative)
     ("optim", "beta1"): BELOW_ONE, ("optim", "beta2"): BELOW_ONE, ("optim", "eps"): POSITIVE,
     ("data", "eod_token_id"): Interval(-1),  # -1 = the tokenizer's end-of-document token
     ("checkpoint", "keep"): AT_LEAST_ONE,
@@ -79,7 +83,7 @@ def type_hints(cls) -> dict:
 
 
 def range_problem(cfg) -> str | None:
-    """The first int or float field (or list[int] element) of a Config outside its field_range, as one line
+    """The first int or float field (or list element) of a Config outside its field_range, as one line
     naming the key, the value and the bounds; None when all are within. Checked before any other validation
     divides by, allocates or loops over one of them."""
     for section in dataclasses.fields(cfg):
@@ -88,7 +92,7 @@ def range_problem(cfg) -> str | None:
         for f in dataclasses.fields(target):
             value, typ, key = getattr(target, f.name), hints[f.name], f"{section.name}.{f.name}"
             named = ([(key, value)] if typ in (int, float) else
-                     [(f"{key}[{i}]", v) for i, v in enumerate(value)] if typ == list[int] else [])
+                     [(f"{key}[{i}]", v) for i, v in enumerate(value)] if typ in (list[int], list[float]) else [])
             for where, v in named:
                 bounds = field_range(section.name, f.name)
                 if v not in bounds:

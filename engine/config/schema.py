@@ -158,9 +158,12 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW, gradient clipping and the learning-rate schedule (engine/lr_schedule.py)."""
+    """The optimizer (AdamW, or Muon for the blocks' matrices: docs/training.md), gradient clipping and the
+    learning-rate schedule (engine/optim/lr_schedule.py)."""
 
-    lr: float = 3e-4  # peak learning rate
+    name: str = "adamw"  # adamw for every parameter; muon = Muon for the blocks' 2-D weights (q, k, v, o, gate, up,
+        # down), AdamW (lr, weight_decay, beta1, beta2, eps below) for embeddings, output layer, norms, biases
+    lr: float = 3e-4  # peak learning rate (under optim.name=muon: the AdamW parameters')
     min_lr_ratio: float = 0.1  # final learning rate as a fraction of the peak
     warmup_steps: int = 10  # linear warm-up steps
     schedule: str = "cosine"  # after warm-up; wsd = warmup-stable-decay, two_phase = cosine, then linear
@@ -172,9 +175,21 @@ class OptimConfig:
     decay_fraction: float = 0.2  # wsd: last fraction of steps that decays; two_phase: the linear tail
     implementation: str = "auto"  # AdamW kernel (kernels/adamw.py); auto = torch fused, on CUDA or CPU
     offload_fraction: float = 0.0  # share of each rank's fp32 masters + Adam moments kept and stepped in host
-        # memory, in whole tensors (engine/offload.py, docs/offload.md); 0 = none, 1 = all
+        # memory, in whole tensors (engine/optim/offload.py, docs/offload.md); 0 = none, 1 = all
     offload_overlap: bool = True  # ZeRO: step each offloaded unit on a host thread as soon as its gradients are
-        # reduced during backward, speculatively, redone after backward when the step clips (engine/offload_overlap.py)
+        # reduced during backward, speculatively, redone after backward when the step clips (engine/optim/offload_overlap.py)
+    # Muon (engine/optim/muon.py), torch.optim.Muon's options and defaults; its learning rate follows the schedule
+    muon_lr: float = 1e-3  # Muon's peak learning rate (scaled by the schedule as optim.lr is)
+    muon_weight_decay: float = 0.1  # decoupled: each step the matrix is scaled by 1 - lr × weight_decay
+    muon_momentum: float = 0.95  # momentum buffer decay, B ← momentum·B + (1 - momentum)·g (torch's lerp)
+    muon_nesterov: bool = True  # orthogonalise g + momentum·(B - g) instead of B
+    muon_ns_coefficients: list[float] = field(default_factory=lambda: [3.4445, -4.775, 2.0315])  # (a, b, c) of
+        # the quintic Newton–Schulz iteration X ← aX + (bA + cA²)X, A = XXᵀ
+    muon_eps: float = 1e-7  # Newton–Schulz: X is first divided by max(‖X‖_F, eps)
+    muon_ns_steps: int = 5  # Newton–Schulz iterations
+    muon_adjust_lr_fn: str = "original"  # update scale per matrix [A, B]: original = sqrt(max(1, A/B)) (torch's
+        # None), match_rms_adamw = 0.2·sqrt(max(A, B)) (Moonlight: reuse AdamW's lr and weight decay)
+    muon_ns_dtype: str = "bf16"  # the Newton–Schulz iteration's dtype: bf16 as torch, or fp32
 
 
 @dataclass
@@ -292,6 +307,9 @@ CHOICES = {
     ("train", "device"): ("auto", "cpu", "cuda"),
     ("train", "cpu_allocator"): ("reuse", "default"),
     ("optim", "schedule"): ("cosine", "linear", "constant", "wsd", "two_phase"),
+    ("optim", "name"): ("adamw", "muon"),
+    ("optim", "muon_adjust_lr_fn"): ("original", "match_rms_adamw"),
+    ("optim", "muon_ns_dtype"): ("bf16", "fp32"),
     ("run", "wandb_mode"): ("online", "offline", "disabled"),
     ("parallel", "rank_order"): tuple("-".join(order) for dims in (("tp", "dp", "pp"), ("tp", "cp", "dp", "pp"))
                                       for order in itertools.permutations(dims)),
@@ -339,6 +357,10 @@ def _coerce(value, typ, where: str):
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             raise ConfigError(f"{where}: expected a string, got {_show(value)}")
         return str(value)
+    if typ == list[float]:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list of numbers like [3.4445, -4.775, 2.0315], got {_show(value)}")
+        return [_coerce(v, float, f"{where}[{i}]") for i, v in enumerate(value)]
     if typ == list[int]:
         if not isinstance(value, list):
             raise ConfigError(f"{where}: expected a list of integers like [3, 3, 2, 2], got {_show(value)}")
@@ -387,7 +409,9 @@ def from_dict(raw: dict) -> Config:
             value = _coerce(value, hints[key], f"{section}.{key}")
             choices = CHOICES.get((section, key))
             if choices and value not in choices:
-                raise ConfigError(f"{section}.{key}={_show(value)} is not one of {', '.join(choices)}")
+                close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.5)
+                raise ConfigError(f"{section}.{key}={_show(value)} is not one of {', '.join(choices)}"
+                                  + (f"; did you mean '{close[0]}'?" if close else ""))
             setattr(target, key, value)
     check_ranges(cfg)
     return cfg
@@ -536,6 +560,7 @@ def validate(cfg: Config, world_size: int) -> None:
                           f"virtual_stages = {p.pipeline}×{p.virtual_stages} = {chunks} chunks (in chunk order), "
                           f"each at least 1, summing to model.num_layers={m.num_layers}")
     validate_context(cfg)
+    validate_optimizer(cfg)
     if cfg.optim.offload_fraction > 0 and cfg.optim.implementation == "apex":
         raise ConfigError(f"optim.offload_fraction={cfg.optim.offload_fraction} steps host memory, which apex's "
                           f"GPU-only FusedAdam cannot; use optim.implementation=auto (torch's fused kernel)")
@@ -637,6 +662,22 @@ def mirror_problem(entry: str) -> str | None:
     if "keep" in options and int(options["keep"][-1]) < 1:
         return "keep=N must be at least 1"
     return None
+
+
+def validate_optimizer(cfg: Config) -> None:
+    """Muon's options, and what it cannot serve yet, refused by name."""
+    o = cfg.optim
+    if o.name != "muon":
+        return
+    if len(o.muon_ns_coefficients) != 3:
+        raise ConfigError(f"optim.muon_ns_coefficients={o.muon_ns_coefficients} must be three numbers (a, b, c), "
+                          f"e.g. [3.4445, -4.775, 2.0315]")
+    if o.lr == 0:
+        raise ConfigError("optim.lr=0.0 under optim.name=muon: Muon's learning rate follows optim.lr's schedule "
+                          "(optim.muon_lr × lr / optim.lr); set optim.lr > 0")
+    if o.offload_fraction > 0:
+        raise ConfigError(f"optim.name=muon does not offload its state yet (optim.offload_fraction="
+                          f"{o.offload_fraction}); set optim.offload_fraction=0 or optim.name=adamw")
 
 
 def validate_context(cfg: Config) -> None:

@@ -1,5 +1,6 @@
-"""AdamW on fp32 master weights, a dynamic loss scaler for fp16, and gradient clipping whose norm is
-global over the tensor- and pipeline-parallel ranks (each parameter counted exactly once)."""
+"""AdamW (and under optim.name=muon, Muon for the blocks' matrices: engine/optim/muon_owners.py) on replicated
+fp32 master weights, a dynamic loss scaler for fp16, and gradient clipping whose norm is global over the tensor-
+and pipeline-parallel ranks (each parameter counted exactly once)."""
 from __future__ import annotations
 
 import math
@@ -9,9 +10,11 @@ import torch
 
 from torch.optim.adamw import adamw as adamw_kernel
 
-from engine import offload
+from engine.optim import offload
 from engine.config.schema import OptimConfig
-from engine.offload_overlap import SpeculativeHostSteps
+from engine.optim.muon_owners import MuonPart, Piece
+from engine.optim.offload_overlap import SpeculativeHostSteps
+from engine.optim.param_groups import counts_in_norm, no_weight_decay, uses_muon
 from kernels.adamw import adamw
 from parallel import comm
 
@@ -39,17 +42,6 @@ class LossScaler:
         self.scale, self.good_steps = state["scale"], state["good_steps"]
 
 
-def counts_in_norm(param: torch.nn.Parameter, tp_rank: int) -> bool:
-    """Replicated parameters are counted on TP rank 0 only; a tied output copy is never counted twice."""
-    if getattr(param, "pipeline_duplicate", False):
-        return False
-    return getattr(param, "tp_dim", None) is not None or tp_rank == 0
-
-
-def no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
-    return param.dim() < 2 or "norm" in name
-
-
 def overlaps(name: str, param: torch.nn.Parameter, gradients, tp_size: int) -> bool:
     """Whether an offloaded parameter's host step can start as soon as its DDP bucket is reduced: its `.grad`
     is then final (an in-place bucket of a flat reduction over more than one rank; not summed over TP or a tied
@@ -64,7 +56,7 @@ class MixedPrecisionAdamW:
     """Holds fp32 master copies of low-precision model parameters (or uses fp32 parameters directly).
     `gradients`, when given, owns the parameters' `.grad` storage (parallel/ddp.BucketedDDP: views into
     persistent buckets) and zeroes it in `zero_grad`. The masters (and so the moments) of the parameters
-    chosen by `optim.offload_fraction` live on the host (engine/offload.py), whatever their dtype."""
+    chosen by `optim.offload_fraction` live on the host (engine/optim/offload.py), whatever their dtype."""
 
     def __init__(self, named_params: list, cfg: OptimConfig, topo, precision: str, gradients=None):
         self.cfg, self.topo, self.gradients = cfg, topo, gradients
@@ -77,8 +69,12 @@ class MixedPrecisionAdamW:
                        for p, host in zip(self.params, on_host)]
         # the pinned host buffers that an offloaded master's gradient arrives in
         self.host_grads = {i: offload.host_empty(self.master[i]) for i, host in enumerate(on_host) if host}
-        decay = [m for (n, p), m in zip(named_params, self.master) if not no_weight_decay(n, p)]
-        other = [m for (n, p), m in zip(named_params, self.master) if no_weight_decay(n, p)]
+        self.muon_ids = [i for i, (n, p) in enumerate(named_params) if uses_muon(n, p, cfg.name)]
+        self.muon = muon_part([(named_params[i], self.master[i]) for i in self.muon_ids], cfg, topo) \
+            if cfg.name == "muon" else None
+        adam = [(n, p, m) for i, ((n, p), m) in enumerate(zip(named_params, self.master)) if i not in self.muon_ids]
+        decay = [m for n, p, m in adam if not no_weight_decay(n, p)]
+        other = [m for n, p, m in adam if no_weight_decay(n, p)]
         groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0}]
         self.inner = adamw([g for g in groups if g["params"]], cfg.lr, (cfg.beta1, cfg.beta2), cfg.eps,
                            cfg.implementation)
@@ -104,7 +100,7 @@ class MixedPrecisionAdamW:
             self.speculation.begin(lr)
 
     def speculate(self, i: int, grad: torch.Tensor, lr: float, adam_step: int) -> None:
-        """Parameter i's AdamW into its spare master and moments (engine/offload_overlap.py, worker thread):
+        """Parameter i's AdamW into its spare master and moments (engine/optim/offload_overlap.py, worker thread):
         torch's AdamW kernel with the flags and hyper-parameters of its group, as inner.step() would run it."""
         m, spare = self.master[i], self.spares[i]
         state, group = self.inner.state.get(m), self.group_of[id(m)]
@@ -200,6 +196,8 @@ class MixedPrecisionAdamW:
             torch._foreach_mul_(grads, self.cfg.clip_grad / (norm + 1e-6))
         start = time.perf_counter()
         self._grads_to_host(grads, done)
+        if self.muon is not None:
+            self.muon.step([grads[i].view(-1) for i in self.muon_ids], lr)
         for group in self.inner.param_groups:
             group["lr"] = lr
         self.inner.step()
@@ -221,12 +219,15 @@ class MixedPrecisionAdamW:
 
     def state_dict(self) -> dict:
         return {"inner": self.inner.state_dict(), "scaler": self.scaler.state_dict(),
-                "master": [m.detach() for m in self.master]}
+                "master": [m.detach() for m in self.master],
+                "momentum": self.muon.momentum if self.muon is not None else []}
 
     def load_state_dict(self, state: dict) -> None:
         self.inner.load_state_dict(state["inner"])
         self.scaler.load_state_dict(state["scaler"])
         with torch.no_grad():
+            for buf, saved in zip(self.muon.momentum if self.muon is not None else [], state["momentum"]):
+                buf.copy_(saved)
             for m, saved in zip(self.master, state["master"]):
                 m.copy_(saved)
             self._write_params()
@@ -246,7 +247,13 @@ class MixedPrecisionAdamW:
 
     def owned_state(self) -> dict[str, dict]:
         out = {}
-        for name, m in zip(self.names, self.master):
+        for i, buf in zip(self.muon_ids, self.muon.momentum if self.muon is not None else []):
+            m = self.master[i]
+            out[self.names[i]] = {"shape": tuple(m.shape), "range": (0, m.numel()), "master": m.detach().reshape(-1),
+                                  "momentum": buf}
+        for i, (name, m) in enumerate(zip(self.names, self.master)):
+            if i in self.muon_ids:
+                continue
             state = self.inner.state.get(m, {})
             flat = m.detach().reshape(-1)
             zeros = None if state else torch.zeros_like(flat)
@@ -263,7 +270,13 @@ class MixedPrecisionAdamW:
         index = {id(m): i for i, m in enumerate(m for group in self.inner.param_groups for m in group["params"])}
         state = self.inner.state_dict()
         state["state"] = {}
-        for name, m in zip(self.names, self.master):
+        for i, buf in zip(self.muon_ids, self.muon.momentum if self.muon is not None else []):
+            n = self.master[i].numel()
+            self.master[i].copy_(read(self.names[i], "master", 0, n).view_as(self.master[i]))
+            buf.copy_(read(self.names[i], "momentum", 0, n))
+        for i, (name, m) in enumerate(zip(self.names, self.master)):
+            if i in self.muon_ids:
+                continue
             n = m.numel()
             m.copy_(read(name, "master", 0, n).view_as(m))
             state["state"][index[id(m)]] = {"step": torch.tensor(float(self._adam_step), dtype=torch.float32),
@@ -282,3 +295,12 @@ class MixedPrecisionAdamW:
                 if torch.is_tensor(value) and (key != "step" or fused) and value.device != m.device:
                     raise RuntimeError(f"optimizer state {key} of {name} is on {value.device}, its parameter on "
                                        f"{m.device}: the state was built off the parameter's device")
+
+
+def muon_part(named: list, cfg: OptimConfig, topo) -> MuonPart:
+    """Muon over whole (TP-local) matrices: ((name, parameter), fp32 master) each; every rank of the stage
+    builds one (the exchange's plan is collective)."""
+    held = [Piece(n, tuple(getattr(p, "full_shape", p.shape)), getattr(p, "tp_dim", None),
+                  topo.tp_rank if getattr(p, "tp_dim", None) is not None else 0, 0, p.numel()) for (n, p), _ in named]
+    device = named[0][1].device if named else torch.device("cpu")
+    return MuonPart(held, [m.view(-1) for _, m in named], cfg, topo.build_stage_group(), topo.tp_size, device)

@@ -11,7 +11,11 @@ shards). Weight decay only applies to some ranges of a shard, so it is applied f
 multiply over those ranges, and the kernel runs with weight_decay=0: torch's AdamW also scales the
 parameter by (1 - lr·wd) before the Adam update, so the result is the same.
 
-`optim.offload_fraction` puts the masters and moments of some units' shards on the host (engine/offload.py):
+Under `optim.name=muon` the blocks' matrices are Muon's (engine/optim/muon_owners.MuonPart): each rank keeps a
+momentum buffer for its shard ranges of them, their Newton–Schulz runs on the whole matrix at its owner rank,
+and AdamW keeps moments for (and steps) only the stretches of each shard between them.
+
+`optim.offload_fraction` puts the masters and moments of some units' shards on the host (engine/optim/offload.py):
 their gradients are unscaled, measured and clipped on the device as the others', then copied to pinned host
 buffers; the same kernel steps them there, and write_shards copies the new masters back.
 """
@@ -23,9 +27,11 @@ import time
 import torch
 from torch.optim.adamw import adamw
 
-from engine import offload
-from engine.offload_overlap import SpeculativeHostSteps
-from engine.optimizer import LossScaler, counts_in_norm, no_weight_decay
+from engine.optim import offload
+from engine.optim.offload_overlap import SpeculativeHostSteps
+from engine.optim.muon_owners import MuonPart, Piece
+from engine.optim.param_groups import counts_in_norm, no_weight_decay, uses_muon
+from engine.optim.replicated import LossScaler
 from parallel import comm
 from kernels.adamw import select_implementation
 from parallel.fsdp import ShardedDataParallel
@@ -43,12 +49,21 @@ class ZeroAdamW:
                        u.param_shard if sdp.stage == 3 and u.param_shard.dtype == torch.float32
                        else u.param_shard.detach().float().clone() for u, host in zip(sdp.units, on_host)]
         self.host_grads = {i: offload.host_empty(m) for i, (m, host) in enumerate(zip(self.master, on_host)) if host}
-        self.exp_avg = [torch.zeros_like(m) for m in self.master]
-        self.exp_avg_sq = [torch.zeros_like(m) for m in self.master]
         self.adam_step = 0
         self.scaler = LossScaler(precision == "fp16")
+        # Muon's ranges (optim.name=muon) hold a momentum buffer; Adam's moments cover the rest of each shard, the
+        # runs (shard start, shard end, offset in the moments) between them: the whole shard without Muon
+        self.muon_ranges = [(i, r) for i, u in enumerate(sdp.units) for r in u.shard_ranges
+                            if uses_muon(r.name, r.param, cfg.name) and r.shard_end > r.shard_start]
+        self.adam_runs = [adam_runs(m.numel(), [(r.shard_start, r.shard_end) for j, r in self.muon_ranges if j == i])
+                          for i, m in enumerate(self.master)]
+        self.exp_avg = [torch.zeros(sum(b - a for a, b, _ in runs), device=m.device)
+                        for m, runs in zip(self.master, self.adam_runs)]
+        self.exp_avg_sq = [torch.zeros_like(m) for m in self.exp_avg]
+        self.muon = self._muon_part(cfg, topo) if cfg.name == "muon" else None
+        muon_names = {r.name for _, r in self.muon_ranges}
         self.decay_ranges = [[(r.shard_start, r.shard_end) for r in u.shard_ranges
-                              if not no_weight_decay(r.name, r.param)] for u in sdp.units]
+                              if not no_weight_decay(r.name, r.param) and r.name not in muon_names] for u in sdp.units]
         self.norm_ranges = [[r for r in u.shard_ranges if counts_in_norm(r.param, topo.tp_rank)] for u in sdp.units]
         self.implementation = select_implementation(cfg.implementation, sdp.units[0].param_shard.is_cuda)
         # offloaded units whose gradients are final once reduced (TP-replicated ones are summed over TP later)
@@ -63,6 +78,14 @@ class ZeroAdamW:
             sdp.on_reduced = lambda unit: self.speculation.reduced(index[id(unit)], unit.master_grad()) \
                 if id(unit) in index else None
         self.redos = 0
+
+    def _muon_part(self, cfg, topo) -> MuonPart:
+        """Muon over this rank's pieces of the blocks' matrices (every rank of the stage builds one)."""
+        held = [Piece(r.name, tuple(r.param.full_shape), r.param.tp_dim,
+                      topo.tp_rank if r.param.tp_dim is not None else 0, r.param_start, r.param_end)
+                for _, r in self.muon_ranges]
+        masters = [self.master[i][r.shard_start:r.shard_end] for i, r in self.muon_ranges]
+        return MuonPart(held, masters, cfg, topo.build_stage_group(), topo.tp_size, self.master[0].device)
 
     def begin_step(self, lr: float) -> None:
         """Before the step's backward: offloaded units start their host step as soon as their gradients are in."""
@@ -99,6 +122,8 @@ class ZeroAdamW:
             return norm, True
         if clip:
             torch._foreach_mul_(grads, self.cfg.clip_grad / (norm + 1e-6))
+        if self.muon is not None:
+            self.muon.step([grads[i][r.shard_start:r.shard_end] for i, r in self.muon_ranges], lr)
         rest = [i for i in range(len(grads)) if i not in done]
         start = time.perf_counter()
         offload.copy_to_host([(self.host_grads[i], grads[i]) for i in rest if i in self.host_grads])
@@ -126,18 +151,22 @@ class ZeroAdamW:
         masters = masters or [self.master[i] for i in indices]
         exp_avgs = exp_avgs or [self.exp_avg[i] for i in indices]
         exp_avg_sqs = exp_avg_sqs or [self.exp_avg_sq[i] for i in indices]
-        if not masters:
-            return
         decay = [m[a:b] for i, m in zip(indices, masters) for a, b in self.decay_ranges[i]]
         for views in offload.by_device(decay):  # decoupled weight decay on the decayed ranges only
             torch._foreach_mul_(views, 1 - lr * c.weight_decay)
+        runs = [(k, a, b, o) for k, i in enumerate(indices) for a, b, o in self.adam_runs[i] if b > a]
+        masters, grads = [masters[k][a:b] for k, a, b, _ in runs], [grads[k][a:b] for k, a, b, _ in runs]
+        exp_avgs = [exp_avgs[k][o:o + b - a] for k, a, b, o in runs]
+        exp_avg_sqs = [exp_avg_sqs[k][o:o + b - a] for k, a, b, o in runs]
+        if not masters:
+            return
         steps = [torch.full((), float(adam_step), device=m.device) for m in masters]  # the kernel adds one
         adamw(masters, grads, exp_avgs, exp_avg_sqs, [], steps,
               foreach=self.implementation == "foreach", fused=self.implementation != "foreach", amsgrad=False,
               beta1=c.beta1, beta2=c.beta2, lr=lr, weight_decay=0.0, eps=c.eps, maximize=False)
 
     def speculate(self, i: int, grad: torch.Tensor, lr: float, adam_step: int) -> None:
-        """Unit i's AdamW into its spare master and moments (engine/offload_overlap.py, on its worker thread)."""
+        """Unit i's AdamW into its spare master and moments (engine/optim/offload_overlap.py, on its worker thread)."""
         spare = self.spares[i]
         for dest, source in zip(spare, (self.master[i], self.exp_avg[i], self.exp_avg_sq[i])):
             dest.copy_(source)
@@ -157,25 +186,41 @@ class ZeroAdamW:
     # -- checkpoint interface (engine/interfaces.Optimizer) --------------------------------------------------
     def owned_state(self) -> dict:
         out = {}
-        for unit, master, m, v in zip(self.sdp.units, self.master, self.exp_avg, self.exp_avg_sq):
+        momentum = {(i, r.name): buf for (i, r), buf in zip(self.muon_ranges, self.muon.momentum if self.muon else [])}
+        for i, (unit, master, m, v) in enumerate(zip(self.sdp.units, self.master, self.exp_avg, self.exp_avg_sq)):
             for r in unit.shard_ranges:
-                piece = slice(r.shard_start, r.shard_end)
-                out[r.name] = {"shape": tuple(r.param.shape), "range": (r.param_start, r.param_end),
-                               "master": master[piece], "exp_avg": m[piece], "exp_avg_sq": v[piece]}
+                state = {"shape": tuple(r.param.shape), "range": (r.param_start, r.param_end),
+                         "master": master[r.shard_start:r.shard_end]}
+                if (i, r.name) in momentum:  # Muon's: one momentum buffer, no Adam moments
+                    out[r.name] = {**state, "momentum": momentum[(i, r.name)]}
+                else:
+                    moments = self.moments_of(i, r)
+                    out[r.name] = {**state, "exp_avg": m[moments], "exp_avg_sq": v[moments]}
         return out
 
     @torch.no_grad()
     def load_owned_state(self, read) -> None:
-        for unit, master, m, v in zip(self.sdp.units, self.master, self.exp_avg, self.exp_avg_sq):
+        momentum = {(i, r.name): buf for (i, r), buf in zip(self.muon_ranges, self.muon.momentum if self.muon else [])}
+        for i, (unit, master, m, v) in enumerate(zip(self.sdp.units, self.master, self.exp_avg, self.exp_avg_sq)):
             for r in unit.shard_ranges:
-                for key, dest in (("master", master), ("exp_avg", m), ("exp_avg_sq", v)):
-                    dest[r.shard_start:r.shard_end].copy_(read(r.name, key, r.param_start, r.param_end))
+                master[r.shard_start:r.shard_end].copy_(read(r.name, "master", r.param_start, r.param_end))
+                if (i, r.name) in momentum:
+                    momentum[(i, r.name)].copy_(read(r.name, "momentum", r.param_start, r.param_end))
+                    continue
+                moments = self.moments_of(i, r)
+                for key, dest in (("exp_avg", m), ("exp_avg_sq", v)):
+                    dest[moments].copy_(read(r.name, key, r.param_start, r.param_end))
         self.sdp.write_shards(self.master)
+
+    def moments_of(self, i: int, r) -> slice:
+        """Where the AdamW range `r` of unit i sits in the unit's moments (inside one run)."""
+        a, _, o = next(run for run in self.adam_runs[i] if run[0] <= r.shard_start <= run[1])
+        return slice(o + r.shard_start - a, o + r.shard_end - a)
 
     def held_tensors(self) -> list:
         """The state this rank keeps on its device."""
         return [t for i, state in enumerate(zip(self.master, self.exp_avg, self.exp_avg_sq))
-                if i not in self.host_grads for t in state]
+                if i not in self.host_grads for t in state] + (self.muon.momentum if self.muon is not None else [])
 
     def host_tensors(self) -> list:
         """The state kept in host memory (optim.offload_fraction): masters, moments, gradient buffers, and the
@@ -183,3 +228,15 @@ class ZeroAdamW:
         spares = [t for spare in self.spares.values() for t in spare]
         return [t for i, grad in self.host_grads.items()
                 for t in (self.master[i], self.exp_avg[i], self.exp_avg_sq[i], grad)] + spares
+
+
+def adam_runs(numel: int, muon: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(start, end, offset in the moments) of the stretches of a shard of `numel` elements between the sorted,
+    disjoint Muon ranges `muon`: AdamW steps and keeps moments for those only."""
+    runs, at, offset = [], 0, 0
+    for a, b in sorted(muon) + [(numel, numel)]:
+        if a > at:
+            runs.append((at, a, offset))
+            offset += a - at
+        at = b
+    return runs or [(0, 0, 0)]
