@@ -14,6 +14,7 @@ from engine.config.schema import OptimConfig
 from engine.offload_overlap import SpeculativeHostSteps
 from kernels.adamw import adamw
 from parallel import comm
+from parallel.meta_values import item
 
 
 class LossScaler:
@@ -175,7 +176,7 @@ class MixedPrecisionAdamW:
         total = torch.stack(norms).double().pow(2).sum().reshape(1) if norms else \
             torch.zeros(1, dtype=torch.float64, device=self.params[0].device)
         comm.all_reduce(total, self.topo.mp_group)
-        return math.sqrt(total.item())
+        return math.sqrt(item(total))  # a dry run (no values): 0, nothing clipped
 
     @torch.no_grad()
     def step(self, lr: float) -> tuple[float, bool]:
