@@ -17,7 +17,7 @@ from pathlib import Path
 
 from engine.config.schema import ConfigError, load_config
 from engine.dry_run import report, schedule_check
-from engine.dry_run.rank_program import dry_config, simulate
+from engine.dry_run.rank_program import dry_config, simulate, warm_up
 from engine.dry_run.ranks import chosen_ranks, layout_of
 
 _JOB: tuple = ()  # (cfg, world size), inherited by the forked workers
@@ -33,6 +33,7 @@ def _one(rank: int) -> dict:
 def run(cfg, world: int, ranks: list[int], jobs: int) -> list[dict]:
     global _JOB
     _JOB = (cfg, world)
+    warm_up()
     with multiprocessing.get_context("fork").Pool(jobs, maxtasksperchild=1) as pool:
         return pool.map(_one, ranks, chunksize=1)
 

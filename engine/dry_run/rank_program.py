@@ -40,6 +40,12 @@ def dry_config(cfg: Config, world_size: int) -> Config:
     return out
 
 
+def warm_up() -> None:
+    """What the first meta initialisation imports (its normal_ reaches torch._dynamo: seconds), done once in
+    the process that forks the ranks instead of once in each."""
+    torch.empty(1, device="meta").normal_()
+
+
 def communicators() -> int:
     """Process groups this rank belongs to (each an NCCL communicator on a GPU), the world's included."""
     return len(dist.distributed_c10d._world.pg_map)

@@ -13,8 +13,8 @@ Per micro-batch, with T = micro batch × sequence / CP tokens on a rank and e th
 Per step, over DP × CP (the gradient reduction group), unit by unit as parallel/fsdp_units cuts them (padded
 to the shard group): ZeRO 0 all-reduces every gradient (25 MB buckets), but exchanges the untied input
 embedding's by the rows the step read when parallel/embedding_rows.rows_worth_it says so; ZeRO 1 reduce-scatters
-once and ZeRO 2 every micro-batch, and both all-gather the updated parameters after the step; ZeRO 3
-gathers each unit before every micro-batch's forward and again before its backward (not the embedding, whose
+once and ZeRO 2 every micro-batch (below fp32 a unit's norm segment apart, in fp32), and both all-gather the
+updated parameters after the step; ZeRO 3 gathers each unit before every micro-batch's forward and again before its backward (not the embedding, whose
 backward reads no weight, nor with zero3_keep_last_gathered the chunk's last unit) and reduce-scatters every
 micro-batch, looking the embedding up by rows (parallel/embedding_shards.lookup_worth_it) where that is smaller.
 HSDP reduces within its group and all-reduces the shard across the groups. Hierarchical reduction
@@ -28,6 +28,7 @@ import torch
 
 from engine.config.schema import Config, data_parallel_size
 from engine.memory_estimate import DTYPE_BYTES, chunk_units, stage_chunks
+from parallel.ddp import reduces_in_fp32
 from parallel.embedding_rows import rows_worth_it
 from parallel.embedding_shards import lookup_worth_it
 
@@ -121,6 +122,18 @@ def padded(numel: int, shard_size: int) -> int:
     return -(-max(numel, 1) // shard_size) * shard_size
 
 
+def fp32_width(cfg: Config, unit: list, shard_size: int) -> int:
+    """Elements per rank of a ZeRO unit's fp32 norm segment, which below fp32 reduce-scatters on its own
+    (parallel/fsdp_units.Unit.fp32_send_buffer: the segment sits at the unit's end, each rank's part of it padded
+    to the largest); 0 in fp32 or without one."""
+    numel = sum(n for _, n in unit)
+    fp32 = sum(n for name, n in unit if reduces_in_fp32(name, cfg.parallel.fp32_reduce))
+    if DTYPE_BYTES[cfg.train.precision] == 4 or not fp32:
+        return 0
+    shard, start = -(-max(numel, 1) // shard_size), numel - fp32
+    return max(max(0, min(numel, (r + 1) * shard) - max(start, r * shard)) for r in range(shard_size))
+
+
 def per_step(cfg: Config, stage: int, world_size: int, gpus_per_node: int) -> list[Collective]:
     """The gradient and parameter collectives of data parallelism on `stage`, per step."""
     p, m = cfg.parallel, cfg.model
@@ -162,6 +175,9 @@ def per_step(cfg: Config, stage: int, world_size: int, gpus_per_node: int) -> li
             embedding = [name for name, _ in unit] == [EMBEDDING]
             if not (embedding and lookup):
                 out.append(Collective("dp", "reduce_scatter", size, reductions, k, shard_link, "reduce"))
+                if fp32_width(cfg, unit, k):
+                    out.append(Collective("dp", "reduce_scatter", k * fp32_width(cfg, unit, k) * 4, reductions, k,
+                                          shard_link, "reduce"))
             if p.zero_stage < 3:
                 out.append(Collective("dp", "all_gather", size, 1, k, shard_link, "after_step"))
                 continue
