@@ -14,10 +14,10 @@ Per step, over DP × CP (the gradient reduction group), unit by unit as parallel
 to the shard group): ZeRO 0 all-reduces every gradient (25 MB buckets), but exchanges the untied input
 embedding's by the rows the step read when parallel/embedding_rows.rows_worth_it says so; ZeRO 1 reduce-scatters
 once and ZeRO 2 every micro-batch (below fp32 a unit's norm segment apart, in fp32), and both all-gather the
-updated parameters after the step; ZeRO 3 gathers each unit before every micro-batch's forward and again before its backward (not the embedding, whose
-backward reads no weight, nor with zero3_keep_last_gathered the chunk's last unit) and reduce-scatters every
-micro-batch, looking the embedding up by rows (parallel/embedding_shards.lookup_worth_it) where that is smaller.
-HSDP reduces within its group and all-reduces the shard across the groups. Hierarchical reduction
+updated parameters after the step; ZeRO 3 gathers each unit before every micro-batch's forward and again
+before its backward (not the embedding, whose backward reads no weight, nor with zero3_keep_last_gathered the
+chunk's last unit) and reduce-scatters every micro-batch, looking the embedding up by rows
+(parallel/embedding_shards.lookup_worth_it) where that is smaller. HSDP reduces within its group and all-reduces the shard across the groups. Hierarchical reduction
 (parallel.hierarchical_node_size) is counted as the flat reduction it replaces.
 """
 from __future__ import annotations
