@@ -30,7 +30,7 @@ _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "
           "int16": 2, "int8": 1}
 
 
-def planned_volumes(cfg: Config, world_size: int, stage: int) -> dict:
+def planned_volumes(cfg: Config, world_size: int, stage: int, shard_rank: int) -> dict:
     """The planner's bytes of one step on a rank of pipeline stage `stage`. The planner counts one pipeline
     boundary per model chunk (an activation forward, its gradient back); a rank sends and receives on both
     boundaries of each of its chunks but the model's first and last: 2 × (2v - first - last) transfers."""
@@ -40,7 +40,7 @@ def planned_volumes(cfg: Config, world_size: int, stage: int) -> dict:
     for c in volumes.per_micro_batch(cfg, stage, world_size, 8):
         count = c.count if c.op != "p2p" else 2 * (2 * v - ends)
         out[c.group, c.op] = out.get((c.group, c.op), 0) + m * count * c.nbytes
-    for c in volumes.per_step(cfg, stage, world_size, 8):
+    for c in volumes.per_step(cfg, stage, world_size, 8, shard_rank):
         out[c.group, c.op] = out.get((c.group, c.op), 0) + c.count * c.nbytes
     return out
 
@@ -60,7 +60,7 @@ def rank_report(cfg: Config, world_size: int, result: dict) -> dict:
     memory, step_rows = result["memory"], result["events"][result["setup_events"]:]
     want = estimated_bytes(cfg, world_size, c["pp"], memory["shard_rank"])
     recorded = recorded_volumes(step_rows)
-    planned = planned_volumes(cfg, world_size, c["pp"])
+    planned = planned_volumes(cfg, world_size, c["pp"], memory["shard_rank"])
     return {"rank": result["rank"], "coords": c, "memory": {k: memory[k] for k in MEMORY},
             "estimate": want, "memory_equal": all(memory[k] == want[k] for k in MEMORY),
             "volumes": {f"{g} {op}": b for (g, op), b in sorted(recorded.items())},

@@ -18,7 +18,9 @@ updated parameters after the step; ZeRO 3 gathers each unit before every micro-b
 before its backward (not the embedding, whose backward reads no weight, nor with zero3_keep_last_gathered the
 chunk's last unit) and reduce-scatters every micro-batch, looking the embedding up by rows
 (parallel/embedding_shards.lookup_worth_it) where that is smaller. HSDP reduces within its group and all-reduces the shard across the groups. Hierarchical reduction
-(parallel.hierarchical_node_size) is counted as the flat reduction it replaces.
+(parallel.hierarchical_node_size) is counted stage by stage, within the node block and across the blocks. Under
+ZeRO the gradients of TP-replicated parameters (norms under SP, KV projections kept whole) in a rank's shard
+are summed over TP in fp32 after the reduction.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config.schema import Config, data_parallel_size
-from engine.memory_estimate import DTYPE_BYTES, chunk_units, stage_chunks
+from engine.memory_estimate import DTYPE_BYTES, chunk_units, stage_chunks, tp_summed_later
 from parallel.ddp import reduces_in_fp32
 from parallel.embedding_rows import rows_worth_it
 from parallel.embedding_shards import lookup_worth_it
@@ -134,8 +136,45 @@ def fp32_width(cfg: Config, unit: list, shard_size: int) -> int:
     return max(max(0, min(numel, (r + 1) * shard) - max(start, r * shard)) for r in range(shard_size))
 
 
-def per_step(cfg: Config, stage: int, world_size: int, gpus_per_node: int) -> list[Collective]:
-    """The gradient and parameter collectives of data parallelism on `stage`, per step."""
+def tp_replicated(cfg: Config, units: list, shard_size: int, shard_rank: int) -> int:
+    """Elements of TP-replicated parameters (engine/memory_estimate.tp_summed_later) inside shard `shard_rank`
+    of the units: their reduced gradients are summed over TP in fp32 after the reduction (parallel/fsdp)."""
+    p = cfg.parallel
+    split = DTYPE_BYTES[cfg.train.precision] != 4
+    total = 0
+    for unit in units:
+        shard = -(-max(sum(n for _, n in unit), 1) // shard_size)
+        lo, hi = shard_rank * shard, (shard_rank + 1) * shard
+        placed = sorted(unit, key=lambda x: split and reduces_in_fp32(x[0], p.fp32_reduce))  # fp32 segment last
+        offset = 0
+        for name, n in placed:
+            if tp_summed_later(cfg, [(name, n)]):
+                total += max(0, min(hi, offset + n) - max(lo, offset))
+            offset += n
+    return total if p.tensor > 1 else 0
+
+
+def flat_or_hierarchical(cfg: Config, op: str, nbytes: float, count: float, ranks: int, link: str,
+                         gpus_per_node: int) -> list[Collective]:
+    """A gradient reduction over the DP × CP group, or, under parallel.hierarchical_node_size, its stages as
+    parallel/ddp.hierarchical_all_reduce and parallel/fsdp issue them: reduce-scatter within the node block,
+    then across the blocks on the block's share (all-reduce, and an all-gather back within the block, for an
+    all-reduce)."""
+    node = cfg.parallel.hierarchical_node_size
+    if not node or node >= ranks:
+        return [Collective("dp", op, nbytes, count, ranks, link, "reduce")]
+    intra = link_of(cfg.parallel.tensor * node, gpus_per_node)
+    out = [Collective("dp", "reduce_scatter", nbytes, count, node, intra, "reduce"),
+           Collective("dp", op, nbytes / node, count, ranks // node, link, "reduce")]
+    if op == "all_reduce":
+        out.append(Collective("dp", "all_gather", nbytes, count, node, intra, "reduce"))
+    return out
+
+
+def per_step(cfg: Config, stage: int, world_size: int, gpus_per_node: int,
+             shard_rank: int | None = None) -> list[Collective]:
+    """The gradient and parameter collectives of data parallelism on `stage`, per step, of the rank `shard_rank`
+    of its ZeRO shard group (by default the one with the most TP-replicated gradient elements to sum)."""
     p, m = cfg.parallel, cfg.model
     e = DTYPE_BYTES[cfg.train.precision]
     dp = data_parallel_size(cfg, world_size)
@@ -156,7 +195,8 @@ def per_step(cfg: Config, stage: int, world_size: int, gpus_per_node: int) -> li
         dense = e * sum(num for unit_list, _ in units for unit in unit_list for name, num in unit
                         if not (by_rows and name == EMBEDDING))
         buckets = max(1, -(-dense // int(p.bucket_mb * 2**20)))  # one reduction a step, in this many calls
-        out = [Collective("dp", "all_reduce", dense / buckets, 1, n, link, "reduce") for _ in range(buckets)]
+        out = [c for _ in range(buckets) for c in flat_or_hierarchical(cfg, "all_reduce", dense / buckets, 1, n, link,
+                                                                          gpus_per_node)]
         if by_rows:
             bound = min(micro_batches * tokens(cfg), rows)  # distinct rows this rank read at most
             out += [Collective("dp", "all_gather", n * bound * width * e, 1, n, link),
@@ -174,10 +214,10 @@ def per_step(cfg: Config, stage: int, world_size: int, gpus_per_node: int) -> li
             size = padded(sum(num for _, num in unit), k) * e
             embedding = [name for name, _ in unit] == [EMBEDDING]
             if not (embedding and lookup):
-                out.append(Collective("dp", "reduce_scatter", size, reductions, k, shard_link, "reduce"))
+                out += flat_or_hierarchical(cfg, "reduce_scatter", size, reductions, k, shard_link, gpus_per_node)
                 if fp32_width(cfg, unit, k):
-                    out.append(Collective("dp", "reduce_scatter", k * fp32_width(cfg, unit, k) * 4, reductions, k,
-                                          shard_link, "reduce"))
+                    out += flat_or_hierarchical(cfg, "reduce_scatter", k * fp32_width(cfg, unit, k) * 4, reductions,
+                                                k, shard_link, gpus_per_node)
             if p.zero_stage < 3:
                 out.append(Collective("dp", "all_gather", size, 1, k, shard_link, "after_step"))
                 continue
@@ -193,4 +233,8 @@ def per_step(cfg: Config, stage: int, world_size: int, gpus_per_node: int) -> li
     if k < n:
         shards = sum(padded(sum(num for _, num in unit), k) for unit_list, _ in units for unit in unit_list) // k
         out.append(Collective("dp-replicas", "all_reduce", shards * e, reductions, n // k, link))
+    flat_units = [u for unit_list, _ in units for u in unit_list]
+    replicated = max(tp_replicated(cfg, flat_units, k, r) for r in (range(k) if shard_rank is None else [shard_rank]))
+    if replicated:
+        out.append(Collective("tp", "all_reduce", replicated * 4, 1, p.tensor, link_of(p.tensor, gpus_per_node)))
     return out
