@@ -8,7 +8,8 @@ Per micro-batch, with T = micro batch × sequence / CP tokens on a rank and e th
   backward), six and five under full recomputation; the embedding and the output layer one more each (one of
   each kind under SP), the vocabulary-parallel loss three of T·4 bytes;
 - context parallelism (allgather): each layer gathers its keys and values (CP·T·2·kv·e) in forward (again under
-  full recomputation) and reduce-scatters their gradients in backward;
+  full recomputation) and reduce-scatters their gradients in backward; (alltoall) each layer exchanges q, k, v
+  and its output (T·q·e, T·kv·e each) in forward and their gradients in backward (ring is counted as allgather);
 - a pipeline boundary: T·h·e (÷ TP under SP) forward and the same back, per model chunk.
 Per step, over DP × CP (the gradient reduction group), unit by unit as parallel/fsdp_units cuts them (padded
 to the shard group): ZeRO 0 all-reduces every gradient (25 MB buckets), but exchanges the untied input
@@ -109,10 +110,16 @@ def per_micro_batch(cfg: Config, stage: int, world_size: int, gpus_per_node: int
             out.append(Collective("tp", "all_reduce", tokens(cfg) * 4, 3 * post, t, tp_link))
     if c > 1 and layers:
         kv = (m.kv_heads // t if m.kv_heads >= t else 1) * m.head_dim
-        gathered = c * tokens(cfg) * 2 * kv * e
         cp_link = link_of(t * c, gpus_per_node)
-        out += [Collective("cp", "all_gather", gathered, layers * (2 if full else 1), c, cp_link),
-                Collective("cp", "reduce_scatter", gathered, layers, c, cp_link)]
+        if p.context_attention == "alltoall":  # q, k, v to heads and the output back, forward and backward
+            q = m.num_attention_heads // t * m.head_dim
+            passes = 3 if full else 2
+            out += [Collective("cp", "all_to_all", tokens(cfg) * q * e, 2 * passes * layers, c, cp_link),
+                    Collective("cp", "all_to_all", tokens(cfg) * kv * e, 2 * passes * layers, c, cp_link)]
+        else:
+            gathered = c * tokens(cfg) * 2 * kv * e
+            out += [Collective("cp", "all_gather", gathered, layers * (2 if full else 1), c, cp_link),
+                    Collective("cp", "reduce_scatter", gathered, layers, c, cp_link)]
     if p.pipeline > 1:
         sent = activation // (t if p.sequence_parallel else 1)
         stride = t * c * data_parallel_size(cfg, world_size)  # pipeline neighbours are this many ranks apart
