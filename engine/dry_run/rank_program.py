@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from engine.config.schema import Config, validate
+from engine.dry_run.fast_meta import FastMeta
 from engine.dry_run.memory import held_bytes
 from engine.train import Trainer
 from parallel import comm
@@ -62,7 +63,7 @@ def simulate(cfg: Config, world_size: int, rank: int) -> dict:
     comm.register_group(dist.group.WORLD, "world")
     env = DistEnv(rank, world_size, device=torch.device("meta"), backend="fake")
     start = time.perf_counter()
-    with comm.RECORD.capture() as events:
+    with comm.RECORD.capture() as events, FastMeta():
         with torch.device("meta"):  # factories without a device (the model's parameters) allocate nothing
             trainer = Trainer(cfg, env)
         built = time.perf_counter() - start
