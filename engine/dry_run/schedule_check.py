@@ -2,7 +2,7 @@
 
 Three checks, in order, each stopping at its first violation with one line (the group's ranks, the operation's
 index, what each side issued):
-1. every simulated member of a group issues the same sequence of collectives (op, dtype, element count);
+1. every simulated member of a group (a communicator: its ranks and its name) issues the same sequence of collectives (op, dtype, element count);
 2. every send has a receive on its peer, k-th for k-th on that pair of ranks, of the same shape and dtype;
 3. the whole schedule runs to its end when each operation blocks as NCCL's do: a collective until every member
    has reached it, a batch of sends and receives (one batch_isend_irecv) until each of its transfers has met its
@@ -33,8 +33,8 @@ def collective_problem(schedule: dict) -> str | None:
     for rank, rows in schedule.items():
         for row in rows:
             if row[0] not in P2P:
-                by_group[row[1]].setdefault(rank, []).append(row)
-    for ranks, members in sorted(by_group.items()):
+                by_group[row[1], row[7]].setdefault(rank, []).append(row)
+    for (ranks, _), members in sorted(by_group.items()):
         missing = [r for r in ranks if r in schedule and r not in members]
         for r in missing:
             members[r] = []
@@ -78,15 +78,16 @@ def p2p_problem(schedule: dict) -> tuple[str | None, int]:
 
 
 def programs(schedule: dict) -> dict:
-    """{rank: [step]}: a step is ("c", group ranks, k, row) for the group's k-th collective, or ("p", [(kind,
+    """{rank: [step]}: a step is ("c", (group ranks, name), k, row) for the group's k-th collective, or ("p", [(kind,
     peer, k)], row) for a batch of transfers, the k-th on its pair of ranks in its direction."""
     out = {}
     for rank, rows in schedule.items():
         steps, per_group, per_pair = [], defaultdict(int), defaultdict(int)
         for row in rows:
             if row[0] not in P2P:
-                steps.append(("c", row[1], per_group[row[1]], row))
-                per_group[row[1]] += 1
+                group = (row[1], row[7])
+                steps.append(("c", group, per_group[group], row))
+                per_group[group] += 1
                 continue
             key = (row[0], row[5])
             op = (row[0], row[5], per_pair[key])
@@ -111,7 +112,7 @@ def deadlock_problem(schedule: dict) -> str | None:
         if step is None:
             return False
         if step[0] == "c":
-            members = [m for m in step[1] if m in schedule]
+            members = [m for m in step[1][0] if m in schedule]
             if all((s := current(m)) is not None and s[0] == "c" and s[1] == step[1] and s[2] == step[2]
                    for m in members):
                 for m in members:
@@ -142,7 +143,7 @@ def deadlock_problem(schedule: dict) -> str | None:
         return None
     rank = stuck[0]
     step = current(rank)
-    peers = sorted({m for m in step[1] if m in schedule} if step[0] == "c" else
+    peers = sorted({m for m in step[1][0] if m in schedule} if step[0] == "c" else
                    {peer for _, peer, _ in step[1] if peer in schedule}) or [rank]
     waits = ", ".join(f"rank {p} at {describe(current(p)[3]) if current(p) else 'its end'}"
                       for p in peers if p != rank)
