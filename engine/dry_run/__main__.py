@@ -30,12 +30,17 @@ def _one(rank: int) -> dict:
     return simulate(cfg, world, rank)
 
 
-def run(cfg, world: int, ranks: list[int], jobs: int) -> list[dict]:
+def run(cfg, world: int, ranks: list[int], jobs: int, progress: bool = False) -> list[dict]:
     global _JOB
     _JOB = (cfg, world)
     warm_up()
+    results = []
     with multiprocessing.get_context("fork").Pool(jobs, maxtasksperchild=1) as pool:
-        return pool.map(_one, ranks, chunksize=1)
+        for result in pool.imap(_one, ranks, chunksize=1):
+            results.append(result)
+            if progress and (len(results) % max(1, len(ranks) // 10) == 0 or len(results) == len(ranks)):
+                print(f"dry run: {len(results)} of {len(ranks)} ranks simulated", file=sys.stderr, flush=True)
+    return results
 
 
 def main(argv=None) -> int:
@@ -58,7 +63,7 @@ def main(argv=None) -> int:
         print(f"trilith: configuration error: {exc}", file=sys.stderr)
         return 2
     start = time.perf_counter()
-    results = run(cfg, args.world_size, ranks, max(1, args.jobs))
+    results = run(cfg, args.world_size, ranks, max(1, args.jobs), progress=True)
     simulated = time.perf_counter() - start
     schedule = {r["rank"]: r["events"] for r in results}
     problem, unchecked = schedule_check.check(schedule)
