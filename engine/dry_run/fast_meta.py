@@ -75,10 +75,60 @@ def _in_place(self, *operands, **kwargs):
     return self
 
 
+def _reduced(self, dim=None, keepdim=False, dtype=None, integral_to_long=True):
+    if _operands((self,)) is None:
+        return NotImplemented
+    dims = range(self.dim()) if dim is None or dim == [] else [d % max(self.dim(), 1) for d in
+                                                                 (dim if isinstance(dim, (list, tuple)) else [dim])]
+    shape = [1 if i in dims else n for i, n in enumerate(self.shape)] if keepdim else \
+        [n for i, n in enumerate(self.shape) if i not in dims]
+    if dtype is None:
+        dtype = self.dtype if self.dtype.is_floating_point or not integral_to_long else torch.int64
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _sum(self, dim=None, keepdim=False, *, dtype=None):
+    return _reduced(self, dim, keepdim, dtype)
+
+
+def _mean(self, dim=None, keepdim=False, *, dtype=None):
+    return _reduced(self, dim, keepdim, dtype, integral_to_long=False)
+
+
+def _like_first(self, *rest, dtype=None, **kwargs):
+    """An operator whose result has its first input's shape (softmax, tril)."""
+    if _operands((self,)) is None:
+        return NotImplemented
+    return torch.empty_like(self, dtype=dtype if isinstance(dtype, torch.dtype) else None)
+
+
+def _softmax_backward(grad, output, dim, input_dtype):
+    return NotImplemented if _operands((grad, output)) is None else torch.empty_like(grad, dtype=input_dtype)
+
+
+def _into(*args, out=None, grad_input=None, **kwargs):
+    """An out= variant of a shape-preserving operator: its output buffer, when every shape broadcasts to it."""
+    target = out if out is not None else grad_input
+    if target is None:
+        return NotImplemented
+    return _in_place(target, *[a for a in args if isinstance(a, torch.Tensor)])
+
+
+def _addmm_(self, mat1, mat2, **kwargs):
+    if _operands((self, mat1, mat2)) is None or mat1.dim() != 2 or mat2.dim() != 2 or \
+            (mat1.shape[0], mat2.shape[1]) != tuple(self.shape) or mat1.shape[1] != mat2.shape[0]:
+        return NotImplemented
+    return self
+
+
 FAST = {aten.add.Tensor: _binary, aten.sub.Tensor: _binary, aten.mul.Tensor: _binary,
         aten.add.Scalar: _binary, aten.sub.Scalar: _binary, aten.mul.Scalar: _binary,
         aten.div.Tensor: _true_divide, aten.div.Scalar: _true_divide, aten.where.self: _where,
-        aten.pow.Tensor_Scalar: _binary, aten.maximum.default: _binary, aten.minimum.default: _binary}
+        aten.pow.Tensor_Scalar: _binary, aten.maximum.default: _binary, aten.minimum.default: _binary,
+        aten.remainder.Scalar: _binary, aten.sum.dim_IntList: _sum, aten.mean.dim: _mean,
+        aten._safe_softmax.default: _like_first, aten.tril.default: _like_first,
+        aten._softmax_backward_data.default: _softmax_backward, aten.mul.out: _into,
+        aten.silu_backward.grad_input: _into, aten.addmm_.default: _addmm_}
 FAST.update({op: _in_place for op in (aten.add_.Tensor, aten.sub_.Tensor, aten.mul_.Tensor, aten.div_.Tensor,
                                       aten.add_.Scalar, aten.mul_.Scalar, aten.div_.Scalar, aten.addcmul_.default,
                                       aten.addcdiv_.default, aten.lerp_.Scalar, aten.copy_.default)})

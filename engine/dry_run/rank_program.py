@@ -63,7 +63,7 @@ def simulate(cfg: Config, world_size: int, rank: int) -> dict:
     comm.register_group(dist.group.WORLD, "world")
     env = DistEnv(rank, world_size, device=torch.device("meta"), backend="fake")
     start = time.perf_counter()
-    with comm.RECORD.capture() as events, FastMeta():
+    with comm.RECORD.capture() as events:
         with torch.device("meta"):  # factories without a device (the model's parameters) allocate nothing
             trainer = Trainer(cfg, env)
         built = time.perf_counter() - start
@@ -75,7 +75,8 @@ def simulate(cfg: Config, world_size: int, rank: int) -> dict:
             measured.update(held_bytes(trainer))
             zero_grad()
         trainer.optimizer.zero_grad = measure_then_zero
-        trainer.train_step()
+        with FastMeta():
+            trainer.train_step()
     topo = trainer.topo
     return {"rank": rank, "coords": {"tp": topo.tp_rank, "cp": topo.cp_rank, "pp": topo.pp_rank, "dp": topo.dp_rank},
             "events": [event_row(e) for e in events], "setup_events": setup, "memory": measured,
