@@ -84,7 +84,8 @@ def table(reports: list, limit: int = 24) -> str:
         c, m = r["coords"], r["memory"]
         lines.append(f"{r['rank']:>6} {c['tp']:>3} {c['cp']:>3} {c['pp']:>3} {c['dp']:>4} {mib(m['parameters']):>11} "
                      f"{mib(m['gradients']):>10} {mib(m['optimizer']):>10} {mib(r['estimate']['activations']):>9} "
-                     f"{'yes' if r['memory_equal'] else 'NO':>5} {'equal' if not r['volume_differences'] else 'DIFFER':>8} "
+                     f"{'yes' if r['memory_equal'] else 'NO':>5} "
+                     f"{'equal' if not r['volume_differences'] else 'DIFFER':>8} "
                      f"{r['collectives']:>6} {r['communicators']:>5} {r['build_s']:>7.2f}")
     if len(shown) < len(reports):
         lines.insert(limit, f"{'…':>6} ({len(reports) - limit} more ranks in the JSON)")

@@ -2,7 +2,8 @@
 
 Three checks, in order, each stopping at its first violation with one line (the group's ranks, the operation's
 index, what each side issued):
-1. every simulated member of a group (a communicator: its ranks and its name) issues the same sequence of collectives (op, dtype, element count);
+1. every simulated member of a group (a communicator: its ranks and its name) issues the same sequence of
+   collectives (op, dtype, element count);
 2. every send has a receive on its peer, k-th for k-th on that pair of ranks, of the same shape and dtype;
 3. the whole schedule runs to its end when each operation blocks as NCCL's do: a collective until every member
    has reached it, a batch of sends and receives (one batch_isend_irecv) until each of its transfers has met its

@@ -18,7 +18,8 @@ once and ZeRO 2 every micro-batch (below fp32 a unit's norm segment apart, in fp
 updated parameters after the step; ZeRO 3 gathers each unit before every micro-batch's forward and again
 before its backward (not the embedding, whose backward reads no weight, nor with zero3_keep_last_gathered the
 chunk's last unit) and reduce-scatters every micro-batch, looking the embedding up by rows
-(parallel/embedding_shards.lookup_worth_it) where that is smaller. HSDP reduces within its group and all-reduces the shard across the groups. Hierarchical reduction
+(parallel/embedding_shards.lookup_worth_it) where that is smaller. HSDP reduces within its group and
+all-reduces the shard across the groups. Hierarchical reduction
 (parallel.hierarchical_node_size) is counted stage by stage, within the node block and across the blocks. Under
 ZeRO the gradients of TP-replicated parameters (norms under SP, KV projections kept whole) in a rank's shard
 are summed over TP in fp32 after the reduction.
