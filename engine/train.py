@@ -55,6 +55,7 @@ from parallel import comm, heartbeat, nccl_semantics
 from parallel.context import ContextParallel
 from parallel.device import DeviceUnavailable
 from parallel.distributed import DistEnv, describe_failure, exit_now, init_distributed, shutdown
+from parallel.meta_values import host_values
 from parallel.micro_batch import MicroBatch
 from parallel.p2p import PipelineComm
 from parallel.pipeline_schedules import forward_backward_no_pipeline, forward_backward_pipeline
@@ -323,6 +324,7 @@ class Trainer:
             self.optimizer.zero_grad()
         if summing is not None:
             summing.wait()
+        losses_by_rank = host_values(losses_by_rank)  # read by the record and the monitors below
         self.step += 1
         elapsed = time.perf_counter() - start
 

@@ -7,6 +7,8 @@
 #   srun launch/run_pretrain.sh --config FILE                                  one task per rank in an allocation
 #   mpirun -np N launch/run_pretrain.sh --config FILE                          Open MPI / MPICH
 #   launch/run_pretrain.sh --preflight [--nproc N] --config FILE               scaled-down check, pass/fail report
+#   launch/run_pretrain.sh --dry-run --world-size N [--ranks all|cover|LIST] --config FILE   every rank's program
+#       on one CPU (fake process group, meta tensors): schedule, memory and volumes checked (engine/dry_run)
 #   --max-restarts K (with --nproc, or in an sbatch job): after a failure (a rank died, a collective timed
 #   out), start all ranks again, up to K times; they resume from the latest checkpoint.
 # Exit status: 0 done, 2 configuration error (or run.dir in use by a live training), 3 preempted after a
@@ -62,6 +64,7 @@ while [[ $# -gt 0 ]]; do
     --master-port=*) PORT="${1#*=}"; shift ;;
     --max-restarts=*) MAX_RESTARTS="${1#*=}"; shift ;;
     --preflight) MODULE=engine.preflight; MODE=(--preflight); shift ;;
+    --dry-run) MODULE=engine.dry_run; shift ;;  # one process: --world-size, --ranks, --jobs go to it
     *) ARGS+=("$1"); shift ;;
   esac
 done

@@ -1,8 +1,11 @@
 """Every collective Trilith issues, recorded, and the autograd pairs of Megatron's f/g operators.
 
 The low-level functions (`all_reduce`, `all_gather`, `reduce_scatter`, ...) are thin wrappers over
-torch.distributed that append (op, group, bytes, dtype) to `RECORD` while recording is on. A group of
-None means "size 1": the call is a no-op and is not recorded. Under torch.profiler each collective is a range
+torch.distributed that append (op, group, bytes, dtype) to `RECORD` while recording is on, with what a
+schedule check needs (engine/dry_run/schedule_check.py): the group's global ranks, the element count and shape,
+the peer of a send or receive and the batch it was posted in; an event's place in the list is its order. A
+group of None means "size 1": the call is a no-op and is not recorded (barrier and all_gather_object, whose
+None is the world, excepted). Under torch.profiler each collective is a range
 named `comm:<op>[<group>]`; on the steps that engine/observe/stragglers.py times, `TIMER` adds up its seconds. The autograd Functions below use them, so
 the record shows exactly what crosses the wire in forward and in backward.
 """
@@ -19,11 +22,20 @@ from torch.autograd.profiler import record_function
 from parallel import nccl_semantics as nccl
 
 _GROUP_NAMES: dict = {}
+_GROUP_RANKS: dict = {}  # group -> its global ranks, looked up once
 
 
 def register_group(group, name: str) -> None:
     if group is not None:
         _GROUP_NAMES[group] = name
+
+
+def group_ranks(group) -> tuple:
+    """The global ranks of `group` (None: the world)."""
+    group = dist.group.WORLD if group is None else group
+    if group not in _GROUP_RANKS:
+        _GROUP_RANKS[group] = tuple(dist.get_process_group_ranks(group))
+    return _GROUP_RANKS[group]
 
 
 def registered_groups() -> set:
@@ -37,6 +49,7 @@ def destroy_groups_since(before: set) -> None:
     (under gloo ~12 threads and ~40 sockets per layout of 8 ranks)."""
     for group in registered_groups() - before:
         del _GROUP_NAMES[group]
+        _GROUP_RANKS.pop(group, None)
         dist.destroy_process_group(group)
 
 
@@ -54,12 +67,18 @@ class CommEvent:
     group: str
     bytes: int
     dtype: str
+    ranks: tuple = ()  # the group's global ranks
+    count: int = 0  # elements
+    shape: tuple = ()
+    peer: int = -1  # a send's or receive's peer (global rank)
+    batch: int = -1  # send and receive events posted together share it
 
 
 class CommRecord:
     def __init__(self):
         self.events: list[CommEvent] = []
         self.enabled = False
+        self.batches = 0
 
     @contextlib.contextmanager
     def capture(self):
@@ -69,10 +88,15 @@ class CommRecord:
         finally:
             self.enabled = False
 
-    def add(self, op: str, group, tensor: torch.Tensor) -> None:
+    def add(self, op: str, group, tensor: torch.Tensor, peer: int = -1, batch: int = -1) -> None:
         if self.enabled:
             self.events.append(CommEvent(op, _GROUP_NAMES.get(group, "?"), tensor.numel() * tensor.element_size(),
-                                         str(tensor.dtype).replace("torch.", "")))
+                                         str(tensor.dtype).replace("torch.", ""), group_ranks(group), tensor.numel(),
+                                         tuple(tensor.shape), peer, batch))
+
+    def new_batch(self) -> int:
+        self.batches += 1
+        return self.batches
 
     def summary(self) -> dict:
         out: dict = {}
@@ -245,8 +269,9 @@ def batch_isend_irecv(ops: list[tuple[str, torch.Tensor, int, int]], group) -> l
     it coalesces them (NCCL) — callers must accept either."""
     if not ops:
         return []
-    for kind, tensor, _, _ in ops:
-        RECORD.add(kind, group, tensor)
+    batch = RECORD.new_batch()
+    for kind, tensor, peer, _ in ops:
+        RECORD.add(kind, group, tensor, peer, batch)
     nccl.check("send/recv", [tensor for _, tensor, _, _ in ops])
 
     def post(tensors):
@@ -296,13 +321,18 @@ class _Works:
             work.wait()
 
 
+_NOTHING = torch.empty(0)
+
+
 def barrier(group) -> None:
     nccl.require_bound_device("barrier")
+    RECORD.add("barrier", group or dist.group.WORLD, _NOTHING)
     dist.barrier(group=group)
 
 
 def all_gather_object(out: list, obj, group) -> None:
     nccl.require_bound_device("all_gather_object")
+    RECORD.add("all_gather_object", group or dist.group.WORLD, _NOTHING)  # its size is the object's pickle
     dist.all_gather_object(out, obj, group=group)
 
 

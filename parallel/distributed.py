@@ -279,6 +279,13 @@ def collective_timeout() -> datetime.timedelta | None:
     return _TIMEOUT
 
 
+def host_backend() -> str:
+    """The backend of groups that exchange small host objects beside the training's (NCCL) groups: gloo, or
+    the fake backend itself under a dry run (engine/dry_run), where no collective moves data."""
+    world = dist.get_backend() if dist.is_initialized() else ""
+    return world if "fake" in world else "gloo"
+
+
 def world_group():
     """The default group for job-wide agreement (stop flags), or None when running alone."""
     return dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None

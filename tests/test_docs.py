@@ -248,7 +248,7 @@ def launch_world_size(words: list[str]) -> int:
         return option("--nproc-per-node") * option("--nnodes", default=1)
     if first in ("sbatch", "srun"):
         return option("-n", "--ntasks") or option("--nodes", "-N", default=1) * option("--ntasks-per-node", default=8)
-    return option("--nproc", default=1) * option("--nnodes", default=1)
+    return option("--world-size") or option("--nproc", default=1) * option("--nnodes", default=1)  # or a dry run
 
 
 def documented_launches() -> list[tuple[str, str]]:

@@ -47,14 +47,18 @@ def test_long_context_recipe_continues_the_7b_model():
     assert long.parallel.context == 4
 
 
+PREFLIGHT_RANKS = {"llama_70b_1024gpu.yaml": 64}  # TP 8 × PP 8 split the model: 8 nodes, the fewest it fits
+
+
 @pytest.mark.parametrize("name", RECIPES)
 def test_every_recipes_preflight_passes_the_launch_check_on_eight_ranks(name):
     """What `launch/run_pretrain.sh --preflight --nproc 8 --config RECIPE` checks before any rank starts (the
-    data paths are only opened by the ranks). A GPU recipe runs here with train.device=cpu, the documented
-    way to train on the CPU on purpose."""
+    data paths are only opened by the ranks); a recipe whose model is split over more ranks, on that many. A GPU
+    recipe runs here with train.device=cpu, the documented way to train on the CPU on purpose."""
     recipe = f"launch/configs/{name}"
     device = ["train.device=cpu"] if load_config(ROOT / recipe, []).train.device == "cuda" else []
-    done = subprocess.run([sys.executable, "launch/check.py", "--world-size", "8", "--preflight", "--config", recipe,
+    world = str(PREFLIGHT_RANKS.get(name, 8))
+    done = subprocess.run([sys.executable, "launch/check.py", "--world-size", world, "--preflight", "--config", recipe,
                            *device], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
 

@@ -32,6 +32,8 @@ from engine.checkpoint.locations import MIRROR_DIR_NOTICE, DirLocation, S3Locati
 from engine.checkpoint.resume_plan import plan
 from engine.checkpoint.uploader import Uploader
 from engine.config.schema import to_dict
+from parallel import comm
+from parallel.distributed import host_backend
 from parallel.random import TRACKER, seed_all
 
 log = logging.getLogger("trilith")
@@ -87,7 +89,7 @@ def host_group():
     background save exchanges while training uses the world group (NCCL on GPUs): one per process and world,
     shared by every Checkpointer, so that a process building Trainer after Trainer does not add a group each."""
     if _HOST_GROUP[0] is not dist.group.WORLD:
-        _HOST_GROUP[:] = [dist.group.WORLD, dist.new_group(backend="gloo")]
+        _HOST_GROUP[:] = [dist.group.WORLD, dist.new_group(backend=host_backend())]
     return _HOST_GROUP[1]
 
 
@@ -123,13 +125,13 @@ class Checkpointer:
     # ---- coordination: small objects only -------------------------------------------------------
     def _barrier(self) -> None:
         if self.group is not None:
-            dist.barrier(group=self.group)
+            comm.barrier(self.group)
 
     def _gather(self, obj) -> list:
         if self.group is None:
             return [obj]
         out = [None] * self.world
-        dist.all_gather_object(out, obj, group=self.group)
+        comm.all_gather_object(out, obj, self.group)
         return out
 
     @property

@@ -6,6 +6,7 @@ import torch
 
 from parallel import comm
 from parallel.distributed import world_group
+from parallel.meta_values import item
 from parallel.replicas import differing
 
 
@@ -39,7 +40,7 @@ def check_replicas(sets: list, step: int, rank: int, device: torch.device) -> No
                          f"{' …' if len(names) > 3 else ''}")
     count = torch.tensor([len(found)], device=device)
     comm.all_reduce(count, world_group())  # all ranks stop together, not only those that saw it
-    if not int(count.item()):
+    if not int(item(count, 0)):
         return
     where = "; ".join(found) or "copies differ on other ranks (their messages name the parameters)"
     raise ReplicaMismatch(f"step {step}, rank {rank}: {where}. A rank computed a different update (a "

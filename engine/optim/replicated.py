@@ -17,6 +17,7 @@ from engine.optim.offload_overlap import SpeculativeHostSteps
 from engine.optim.param_groups import counts_in_norm, no_weight_decay, uses_muon
 from kernels.adamw import adamw
 from parallel import comm
+from parallel.meta_values import item
 
 
 class LossScaler:
@@ -171,7 +172,7 @@ class MixedPrecisionAdamW:
         total = torch.stack(norms).double().pow(2).sum().reshape(1) if norms else \
             torch.zeros(1, dtype=torch.float64, device=self.params[0].device)
         comm.all_reduce(total, self.topo.mp_group)
-        return math.sqrt(total.item())
+        return math.sqrt(item(total))  # a dry run (no values): 0, nothing clipped
 
     @torch.no_grad()
     def step(self, lr: float) -> tuple[float, bool]:

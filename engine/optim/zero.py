@@ -33,6 +33,7 @@ from engine.optim.muon_owners import MuonPart, Piece
 from engine.optim.param_groups import counts_in_norm, no_weight_decay, uses_muon
 from engine.optim.replicated import LossScaler
 from parallel import comm
+from parallel.meta_values import item
 from kernels.adamw import select_implementation
 from parallel.fsdp import ShardedDataParallel
 
@@ -65,7 +66,8 @@ class ZeroAdamW:
         self.decay_ranges = [[(r.shard_start, r.shard_end) for r in u.shard_ranges
                               if not no_weight_decay(r.name, r.param) and r.name not in muon_names] for u in sdp.units]
         self.norm_ranges = [[r for r in u.shard_ranges if counts_in_norm(r.param, topo.tp_rank)] for u in sdp.units]
-        self.implementation = select_implementation(cfg.implementation, sdp.units[0].param_shard.is_cuda)
+        self.implementation = select_implementation(cfg.implementation, sdp.units[0].param_shard.is_cuda,
+                                                    sdp.units[0].param_shard.is_meta)
         # offloaded units whose gradients are final once reduced (TP-replicated ones are summed over TP later)
         eligible = [i for i in self.host_grads if topo.tp_size == 1 or not any(
             getattr(r.param, "tp_replicated_grad", False) for r in sdp.units[i].shard_ranges)]
@@ -102,7 +104,7 @@ class ZeroAdamW:
             total += torch.stack(torch._foreach_norm(pieces, 2, dtype=torch.float64)).square().sum()
         comm.all_reduce(total, self.sdp.shard_group)  # HSDP replicas hold the same shards: not summed again
         comm.all_reduce(total, self.topo.mp_group)
-        return math.sqrt(total.item())
+        return math.sqrt(item(total))  # a dry run (no values): 0, nothing clipped
 
     @torch.no_grad()
     def step(self, lr: float) -> tuple[float, bool]:
@@ -160,7 +162,9 @@ class ZeroAdamW:
         exp_avg_sqs = [exp_avg_sqs[k][o:o + b - a] for k, a, b, o in runs]
         if not masters:
             return
-        steps = [torch.full((), float(adam_step), device=m.device) for m in masters]  # the kernel adds one
+        # the kernel adds one; foreach reads the count on the host (as torch.optim keeps it), fused on the device
+        steps = [torch.full((), float(adam_step), device=m.device if self.implementation == "fused" else "cpu")
+                 for m in masters]
         adamw(masters, grads, exp_avgs, exp_avg_sqs, [], steps,
               foreach=self.implementation == "foreach", fused=self.implementation != "foreach", amsgrad=False,
               beta1=c.beta1, beta2=c.beta2, lr=lr, weight_decay=0.0, eps=c.eps, maximize=False)

@@ -8,17 +8,21 @@ Per micro-batch, with T = micro batch × sequence / CP tokens on a rank and e th
   backward), six and five under full recomputation; the embedding and the output layer one more each (one of
   each kind under SP), the vocabulary-parallel loss three of T·4 bytes;
 - context parallelism (allgather): each layer gathers its keys and values (CP·T·2·kv·e) in forward (again under
-  full recomputation) and reduce-scatters their gradients in backward;
+  full recomputation) and reduce-scatters their gradients in backward; (alltoall) each layer exchanges q, k, v
+  and its output (T·q·e, T·kv·e each) in forward and their gradients in backward (ring is counted as allgather);
 - a pipeline boundary: T·h·e (÷ TP under SP) forward and the same back, per model chunk.
 Per step, over DP × CP (the gradient reduction group), unit by unit as parallel/fsdp_units cuts them (padded
 to the shard group): ZeRO 0 all-reduces every gradient (25 MB buckets), but exchanges the untied input
 embedding's by the rows the step read when parallel/embedding_rows.rows_worth_it says so; ZeRO 1 reduce-scatters
-once and ZeRO 2 every micro-batch, and both all-gather the updated parameters after the step; ZeRO 3
-gathers each unit before every micro-batch's forward and again before its backward (not the embedding, whose
-backward reads no weight, nor with zero3_keep_last_gathered the chunk's last unit) and reduce-scatters every
-micro-batch, looking the embedding up by rows (parallel/embedding_shards.lookup_worth_it) where that is smaller.
-HSDP reduces within its group and all-reduces the shard across the groups. Hierarchical reduction
-(parallel.hierarchical_node_size) is counted as the flat reduction it replaces.
+once and ZeRO 2 every micro-batch (below fp32 a unit's norm segment apart, in fp32), and both all-gather the
+updated parameters after the step; ZeRO 3 gathers each unit before every micro-batch's forward and again
+before its backward (not the embedding, whose backward reads no weight, nor with zero3_keep_last_gathered the
+chunk's last unit) and reduce-scatters every micro-batch, looking the embedding up by rows
+(parallel/embedding_shards.lookup_worth_it) where that is smaller. HSDP reduces within its group and
+all-reduces the shard across the groups. Hierarchical reduction
+(parallel.hierarchical_node_size) is counted stage by stage, within the node block and across the blocks. Under
+ZeRO the gradients of TP-replicated parameters (norms under SP, KV projections kept whole) in a rank's shard
+are summed over TP in fp32 after the reduction.
 """
 from __future__ import annotations
 
@@ -27,7 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.config.schema import Config, data_parallel_size
-from engine.memory_estimate import DTYPE_BYTES, chunk_units, stage_chunks
+from engine.memory_estimate import DTYPE_BYTES, chunk_units, stage_chunks, tp_summed_later
+from parallel.ddp import reduces_in_fp32
 from parallel.embedding_rows import rows_worth_it
 from parallel.embedding_shards import lookup_worth_it
 
@@ -106,10 +111,16 @@ def per_micro_batch(cfg: Config, stage: int, world_size: int, gpus_per_node: int
             out.append(Collective("tp", "all_reduce", tokens(cfg) * 4, 3 * post, t, tp_link))
     if c > 1 and layers:
         kv = (m.kv_heads // t if m.kv_heads >= t else 1) * m.head_dim
-        gathered = c * tokens(cfg) * 2 * kv * e
         cp_link = link_of(t * c, gpus_per_node)
-        out += [Collective("cp", "all_gather", gathered, layers * (2 if full else 1), c, cp_link),
-                Collective("cp", "reduce_scatter", gathered, layers, c, cp_link)]
+        if p.context_attention == "alltoall":  # q, k, v to heads and the output back, forward and backward
+            q = m.num_attention_heads // t * m.head_dim
+            passes = 3 if full else 2
+            out += [Collective("cp", "all_to_all", tokens(cfg) * q * e, 2 * passes * layers, c, cp_link),
+                    Collective("cp", "all_to_all", tokens(cfg) * kv * e, 2 * passes * layers, c, cp_link)]
+        else:
+            gathered = c * tokens(cfg) * 2 * kv * e
+            out += [Collective("cp", "all_gather", gathered, layers * (2 if full else 1), c, cp_link),
+                    Collective("cp", "reduce_scatter", gathered, layers, c, cp_link)]
     if p.pipeline > 1:
         sent = activation // (t if p.sequence_parallel else 1)
         stride = t * c * data_parallel_size(cfg, world_size)  # pipeline neighbours are this many ranks apart
@@ -121,8 +132,57 @@ def padded(numel: int, shard_size: int) -> int:
     return -(-max(numel, 1) // shard_size) * shard_size
 
 
-def per_step(cfg: Config, stage: int, world_size: int, gpus_per_node: int) -> list[Collective]:
-    """The gradient and parameter collectives of data parallelism on `stage`, per step."""
+def fp32_width(cfg: Config, unit: list, shard_size: int) -> int:
+    """Elements per rank of a ZeRO unit's fp32 norm segment, which below fp32 reduce-scatters on its own
+    (parallel/fsdp_units.Unit.fp32_send_buffer: the segment sits at the unit's end, each rank's part of it padded
+    to the largest); 0 in fp32 or without one."""
+    numel = sum(n for _, n in unit)
+    fp32 = sum(n for name, n in unit if reduces_in_fp32(name, cfg.parallel.fp32_reduce))
+    if DTYPE_BYTES[cfg.train.precision] == 4 or not fp32:
+        return 0
+    shard, start = -(-max(numel, 1) // shard_size), numel - fp32
+    return max(max(0, min(numel, (r + 1) * shard) - max(start, r * shard)) for r in range(shard_size))
+
+
+def tp_replicated(cfg: Config, units: list, shard_size: int, shard_rank: int) -> int:
+    """Elements of TP-replicated parameters (engine/memory_estimate.tp_summed_later) inside shard `shard_rank`
+    of the units: their reduced gradients are summed over TP in fp32 after the reduction (parallel/fsdp)."""
+    p = cfg.parallel
+    split = DTYPE_BYTES[cfg.train.precision] != 4
+    total = 0
+    for unit in units:
+        shard = -(-max(sum(n for _, n in unit), 1) // shard_size)
+        lo, hi = shard_rank * shard, (shard_rank + 1) * shard
+        placed = sorted(unit, key=lambda x: split and reduces_in_fp32(x[0], p.fp32_reduce))  # fp32 segment last
+        offset = 0
+        for name, n in placed:
+            if tp_summed_later(cfg, [(name, n)]):
+                total += max(0, min(hi, offset + n) - max(lo, offset))
+            offset += n
+    return total if p.tensor > 1 else 0
+
+
+def flat_or_hierarchical(cfg: Config, op: str, nbytes: float, count: float, ranks: int, link: str,
+                         gpus_per_node: int) -> list[Collective]:
+    """A gradient reduction over the DP × CP group, or, under parallel.hierarchical_node_size, its stages as
+    parallel/ddp.hierarchical_all_reduce and parallel/fsdp issue them: reduce-scatter within the node block,
+    then across the blocks on the block's share (all-reduce, and an all-gather back within the block, for an
+    all-reduce)."""
+    node = cfg.parallel.hierarchical_node_size
+    if not node or node >= ranks:
+        return [Collective("dp", op, nbytes, count, ranks, link, "reduce")]
+    intra = link_of(cfg.parallel.tensor * node, gpus_per_node)
+    out = [Collective("dp", "reduce_scatter", nbytes, count, node, intra, "reduce"),
+           Collective("dp", op, nbytes / node, count, ranks // node, link, "reduce")]
+    if op == "all_reduce":
+        out.append(Collective("dp", "all_gather", nbytes, count, node, intra, "reduce"))
+    return out
+
+
+def per_step(cfg: Config, stage: int, world_size: int, gpus_per_node: int,
+             shard_rank: int | None = None) -> list[Collective]:
+    """The gradient and parameter collectives of data parallelism on `stage`, per step, of the rank `shard_rank`
+    of its ZeRO shard group (by default the one with the most TP-replicated gradient elements to sum)."""
     p, m = cfg.parallel, cfg.model
     e = DTYPE_BYTES[cfg.train.precision]
     dp = data_parallel_size(cfg, world_size)
@@ -143,7 +203,8 @@ def per_step(cfg: Config, stage: int, world_size: int, gpus_per_node: int) -> li
         dense = e * sum(num for unit_list, _ in units for unit in unit_list for name, num in unit
                         if not (by_rows and name == EMBEDDING))
         buckets = max(1, -(-dense // int(p.bucket_mb * 2**20)))  # one reduction a step, in this many calls
-        out = [Collective("dp", "all_reduce", dense / buckets, 1, n, link, "reduce") for _ in range(buckets)]
+        out = [c for _ in range(buckets) for c in flat_or_hierarchical(cfg, "all_reduce", dense / buckets, 1, n, link,
+                                                                          gpus_per_node)]
         if by_rows:
             bound = min(micro_batches * tokens(cfg), rows)  # distinct rows this rank read at most
             out += [Collective("dp", "all_gather", n * bound * width * e, 1, n, link),
@@ -161,7 +222,10 @@ def per_step(cfg: Config, stage: int, world_size: int, gpus_per_node: int) -> li
             size = padded(sum(num for _, num in unit), k) * e
             embedding = [name for name, _ in unit] == [EMBEDDING]
             if not (embedding and lookup):
-                out.append(Collective("dp", "reduce_scatter", size, reductions, k, shard_link, "reduce"))
+                out += flat_or_hierarchical(cfg, "reduce_scatter", size, reductions, k, shard_link, gpus_per_node)
+                if fp32_width(cfg, unit, k):
+                    out += flat_or_hierarchical(cfg, "reduce_scatter", k * fp32_width(cfg, unit, k) * 4, reductions,
+                                                k, shard_link, gpus_per_node)
             if p.zero_stage < 3:
                 out.append(Collective("dp", "all_gather", size, 1, k, shard_link, "after_step"))
                 continue
@@ -177,4 +241,8 @@ def per_step(cfg: Config, stage: int, world_size: int, gpus_per_node: int) -> li
     if k < n:
         shards = sum(padded(sum(num for _, num in unit), k) for unit_list, _ in units for unit in unit_list) // k
         out.append(Collective("dp-replicas", "all_reduce", shards * e, reductions, n // k, link))
+    flat_units = [u for unit_list, _ in units for u in unit_list]
+    replicated = max(tp_replicated(cfg, flat_units, k, r) for r in (range(k) if shard_rank is None else [shard_rank]))
+    if replicated:
+        out.append(Collective("tp", "all_reduce", replicated * 4, 1, p.tensor, link_of(p.tensor, gpus_per_node)))
     return out

@@ -1,0 +1,45 @@
+"""The parameter, gradient and optimizer bytes a rank holds, read from its tensors (real or meta) as
+engine/memory_estimate.py counts them: distinct storages, so that views of one flat buffer count once."""
+from __future__ import annotations
+
+from engine.memory_estimate import estimate
+from parallel import comm
+
+
+def storages(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors`, told apart by the storage object itself (every meta
+    tensor's data pointer is 0)."""
+    seen = {}
+    for t in tensors:
+        if t is not None:
+            storage = t.untyped_storage()
+            seen[storage._cdata] = storage.nbytes()
+    return sum(seen.values())
+
+
+def held_bytes(trainer) -> dict:
+    """{parameters, gradients, optimizer} bytes of `trainer`'s rank, the gradients as the optimizer takes them
+    and its state once it has stepped (stage 0: the parameters, their .grad, fp32 masters below fp32 and the
+    moments; ZeRO: the units' flat buffers and shards and the sharded state)."""
+    dp, opt = trainer.data_parallel, trainer.optimizer
+    units = getattr(dp, "units", None)
+    if units is None:
+        params = [p for _, p in trainer.named_params]
+        weights, grads = storages(params), storages(p.grad for p in params)
+        state = [t for s in opt.inner.state.values() for k, t in s.items() if k != "step"]
+        optim = storages(state + [m for m, p in zip(opt.master, opt.params) if m is not p])
+    else:
+        stage = trainer.cfg.parallel.zero_stage
+        held = [u.param_shard if stage == 3 else u.flat for u in units]
+        weights = storages(held)
+        grads = sum(storages([u.full_grad, u.full_grad32, u.grad_shard, u.grad32]) for u in units)
+        optim = storages(held + opt.held_tensors()) - weights  # an fp32 stage-3 master is the shard itself
+    return {"parameters": weights, "gradients": grads, "optimizer": optim,
+            "shard_rank": comm.group_rank(dp.shard_group) if units is not None else 0}
+
+
+def estimated_bytes(cfg, world_size: int, stage: int, shard_rank: int) -> dict:
+    """engine/memory_estimate.py's figures for the rank of pipeline stage `stage` and ZeRO shard `shard_rank`."""
+    want = estimate(cfg, world_size, shard_rank)[stage]
+    return {"parameters": want.parameters, "gradients": want.gradients, "optimizer": want.optimizer,
+            "activations": want.activations}

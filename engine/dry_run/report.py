@@ -1,0 +1,97 @@
+"""The dry run's per-rank report: parameter, gradient and optimizer bytes from the meta tensors against
+engine/memory_estimate.py (equal, byte for byte), bytes per group of the training step against the planner's
+volumes (engine/plan/volumes.py), communicators, and build and step seconds; a console table and a JSON file."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from engine.config.schema import Config, data_parallel_size
+from engine.dry_run.memory import estimated_bytes
+from engine.plan import volumes
+
+MEMORY = ("parameters", "gradients", "optimizer")
+SMALL = 2**16  # the loss's statistics and the gradient norm: scalars the planner does not count
+
+
+def recorded_volumes(rows: list) -> dict:
+    """{(group kind, op): bytes} of a step's events, named as the planner names them (dp_cp, dp_unit3 -> dp;
+    send and recv -> p2p)."""
+    out: dict = {}
+    for op, _, dtype, count, shape, peer, batch, name in rows:
+        if op in ("barrier", "all_gather_object"):
+            continue
+        key = (name.split("_")[0] if name != "dp_replicate" else "dp-replicas", "p2p" if op in ("send", "recv") else op)
+        out[key] = out.get(key, 0) + count * _BYTES[dtype]
+    return out
+
+
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "int32": 4, "uint8": 1, "bool": 1,
+          "int16": 2, "int8": 1}
+
+
+def planned_volumes(cfg: Config, world_size: int, stage: int, shard_rank: int) -> dict:
+    """The planner's bytes of one step on a rank of pipeline stage `stage`. The planner counts one pipeline
+    boundary per model chunk (an activation forward, its gradient back); a rank sends and receives on both
+    boundaries of each of its chunks but the model's first and last: 2 × (2v - first - last) transfers."""
+    m = cfg.train.global_batch_size // (cfg.train.micro_batch_size * data_parallel_size(cfg, world_size))
+    v, ends = cfg.parallel.virtual_stages, (stage == 0) + (stage == cfg.parallel.pipeline - 1)
+    out: dict = {}
+    for c in volumes.per_micro_batch(cfg, stage, world_size, 8):
+        count = c.count if c.op != "p2p" else 2 * (2 * v - ends)
+        out[c.group, c.op] = out.get((c.group, c.op), 0) + m * count * c.nbytes
+    for c in volumes.per_step(cfg, stage, world_size, 8, shard_rank):
+        out[c.group, c.op] = out.get((c.group, c.op), 0) + c.count * c.nbytes
+    return out
+
+
+def volume_differences(recorded: dict, planned: dict) -> list[str]:
+    """(group, op) whose recorded bytes differ from the plan's, beyond the scalars the plan leaves out."""
+    out = []
+    for key in sorted(set(recorded) | set(planned)):
+        got, want = recorded.get(key, 0), planned.get(key, 0)
+        if abs(got - want) > (max(SMALL, 0.25 * want) if want < SMALL else 1e-4 * want + 64):
+            out.append(f"{key[0]} {key[1]}: recorded {got:.0f} B, planned {want:.0f} B")
+    return out
+
+
+def rank_report(cfg: Config, world_size: int, result: dict) -> dict:
+    c = result["coords"]
+    memory, step_rows = result["memory"], result["events"][result["setup_events"]:]
+    want = estimated_bytes(cfg, world_size, c["pp"], memory["shard_rank"])
+    recorded = recorded_volumes(step_rows)
+    planned = planned_volumes(cfg, world_size, c["pp"], memory["shard_rank"])
+    return {"rank": result["rank"], "coords": c, "memory": {k: memory[k] for k in MEMORY},
+            "estimate": want, "memory_equal": all(memory[k] == want[k] for k in MEMORY),
+            "volumes": {f"{g} {op}": b for (g, op), b in sorted(recorded.items())},
+            "planned_volumes": {f"{g} {op}": b for (g, op), b in sorted(planned.items())},
+            "volume_differences": volume_differences(recorded, planned),
+            "collectives": len(result["events"]), "communicators": result["communicators"],
+            "build_s": round(result["build_s"], 3), "step_s": round(result["step_s"], 3)}
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:,.1f}"
+
+
+def table(reports: list, limit: int = 24) -> str:
+    """The console table: one line per rank (the first `limit` and the last), MiB."""
+    head = (f"{'rank':>6} {'tp':>3} {'cp':>3} {'pp':>3} {'dp':>4} {'params MiB':>11} {'grads MiB':>10} "
+            f"{'optim MiB':>10} {'act MiB':>9} {'= est':>5} {'volumes':>8} {'ops':>6} {'comms':>5} {'build s':>7}")
+    shown = reports if len(reports) <= limit else reports[:limit - 1] + reports[-1:]
+    lines = [head]
+    for r in shown:
+        c, m = r["coords"], r["memory"]
+        lines.append(f"{r['rank']:>6} {c['tp']:>3} {c['cp']:>3} {c['pp']:>3} {c['dp']:>4} {mib(m['parameters']):>11} "
+                     f"{mib(m['gradients']):>10} {mib(m['optimizer']):>10} {mib(r['estimate']['activations']):>9} "
+                     f"{'yes' if r['memory_equal'] else 'NO':>5} "
+                     f"{'equal' if not r['volume_differences'] else 'DIFFER':>8} "
+                     f"{r['collectives']:>6} {r['communicators']:>5} {r['build_s']:>7.2f}")
+    if len(shown) < len(reports):
+        lines.insert(limit, f"{'…':>6} ({len(reports) - limit} more ranks in the JSON)")
+    return "\n".join(lines)
+
+
+def write_json(path: Path, summary: dict, reports: list) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**summary, "ranks": reports}, indent=1))

@@ -1,0 +1,128 @@
+"""The dry run (engine/dry_run): its recorded collectives of every rank equal what a real gloo run of the same
+layout records (op, group ranks, dtype, count, shape, peer, order) for TP + SP, CP (allgather, ring, alltoall),
+PP (1F1B, interleaved), ZeRO 0 and 3; the schedule check names an injected violation of each kind (a skipped
+all-reduce, two collectives in another order, a receive of another shape, a blocking send order that deadlocks);
+bad --world-size and --ranks are one line and status 2 before any rank runs."""
+import pytest
+
+from engine.config.schema import load_config, validate
+from engine.dry_run import schedule_check
+from engine.dry_run.__main__ import main, run
+from engine.dry_run.rank_program import dry_config, event_row
+from engine.train import Trainer
+from parallel import comm
+from parallel.distributed import DistEnv
+from tests.distributed import worker_pools
+
+TINY = "launch/configs/tiny.yaml"
+BASE = ["model.num_layers=4", "train.global_batch_size=8", "run.dir=/tmp/trilith-dry-run-test"]
+
+
+@pytest.fixture(scope="module")
+def pools():
+    with worker_pools(2, 4) as made:
+        yield made
+
+
+def comparable(rows) -> list:
+    """A record without what differs by construction: the batch numbers (a per-process counter) and the
+    names the ranks give their groups (the ranks themselves are compared)."""
+    return [row[:6] for row in rows]
+
+
+def real_record(rank, world, overrides) -> list:
+    """What parallel/comm.py records on a real gloo rank: the Trainer built and one training step."""
+    cfg = dry_config(load_config(TINY, [*BASE, *overrides]), world)
+    with comm.RECORD.capture() as events:
+        Trainer(cfg, DistEnv(rank, world)).train_step()
+    return comparable(event_row(e) for e in events)
+
+
+LAYOUTS = [
+    (2, ["parallel.tensor=2", "parallel.sequence_parallel=true"]),
+    (2, ["parallel.context=2"]),
+    (2, ["parallel.context=2", "parallel.context_attention=ring"]),
+    (2, ["parallel.context=2", "parallel.context_attention=alltoall"]),
+    (2, ["parallel.pipeline=2", "parallel.schedule=1f1b"]),
+    (2, ["parallel.pipeline=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2"]),
+    (2, ["parallel.zero_stage=0", "train.precision=bf16"]),
+    (2, ["parallel.zero_stage=3"]),
+    (4, ["parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.pipeline=2", "parallel.zero_stage=1",
+         "train.precision=bf16"]),
+]
+
+
+@pytest.mark.parametrize("world,overrides", LAYOUTS, ids=[" ".join(o) for _, o in LAYOUTS])
+def test_the_dry_run_records_what_a_real_run_records(pools, world, overrides):
+    real = pools[world].run(real_record, overrides)
+    cfg = dry_config(load_config(TINY, [*BASE, *overrides]), world)
+    simulated = run(cfg, world, list(range(world)), 2)
+    for rank, result in enumerate(simulated):
+        assert comparable(result["events"]) == real[rank], rank
+    assert schedule_check.check({r["rank"]: r["events"] for r in simulated}) == (None, 0)
+
+
+@pytest.fixture(scope="module")
+def schedule():
+    """The simulated schedule of a TP 2 × PP 2 layout with data parallelism: collectives and transfers."""
+    cfg = dry_config(load_config(TINY, [*BASE, "parallel.tensor=2", "parallel.pipeline=2"]), 8)
+    return {r["rank"]: r["events"] for r in run(cfg, 8, list(range(8)), 2)}
+
+
+def test_a_rank_that_skips_an_all_reduce_is_named(schedule):
+    broken = dict(schedule)
+    first = next(i for i, row in enumerate(broken[5]) if row[0] == "all_reduce" and row[7] == "tp")
+    broken[5] = broken[5][:first] + broken[5][first + 1:]
+    problem, _ = schedule_check.check(broken)
+    assert problem.startswith("group tp [4, 5]: collective #") and "rank 5 issued" in problem, problem
+
+
+def test_two_collectives_in_another_order_are_named(schedule):
+    broken = dict(schedule)
+    rows = list(broken[2])
+    tp = [k for k, row in enumerate(rows) if row[7] == "tp"]
+    i = next(k for k in tp if rows[k][:4] != rows[tp[0]][:4])  # the first TP collective unlike the first one
+    rows[tp[0]], rows[i] = rows[i], rows[tp[0]]
+    broken[2] = rows
+    problem, _ = schedule_check.check(broken)
+    assert problem.startswith("group tp [2, 3]: collective #0: rank 2 issued") and "rank 3 issued" in problem, problem
+
+
+def test_collectives_of_two_groups_in_crossed_order_deadlock():
+    def on(group):  # two communicators over the same ranks, as parallel.dp_unit_groups builds them
+        return ("all_reduce", (0, 1), "float32", 4, (4,), -1, -1, group)
+    crossed = {0: [on("dp_unit0"), on("dp_unit1")], 1: [on("dp_unit1"), on("dp_unit0")]}
+    problem, _ = schedule_check.check(crossed)
+    assert problem.startswith("deadlock: rank 0 waits in dp_unit0 [0, 1] at operation #0 (all_reduce of 4 "
+                              "float32); rank 1 at all_reduce of 4 float32"), problem
+
+
+def test_a_receive_of_another_shape_is_named(schedule):
+    broken = dict(schedule)
+    k = next(k for k, row in enumerate(broken[4]) if row[0] == "recv")
+    row = broken[4][k]
+    broken[4] = broken[4][:k] + [(row[0], row[1], row[2], row[3] // 2, (row[4][0] // 2,) + row[4][1:], *row[5:])] \
+        + broken[4][k + 1:]
+    problem, _ = schedule_check.check(broken)
+    assert problem.startswith(f"pipeline ranks {row[5]}->4: transfer #0") and "recv" in problem, problem
+
+
+def test_blocking_sends_in_the_same_order_deadlock_and_a_batch_does_not():
+    def transfer(op, peer, batch):
+        return (op, (0, 1), "float32", 4, (4,), peer, batch, "pp")
+    crossed = {0: [transfer("send", 1, 1), transfer("recv", 1, 2)], 1: [transfer("send", 0, 3), transfer("recv", 0, 4)]}
+    problem, _ = schedule_check.check(crossed)
+    assert problem.startswith("deadlock: rank 0 waits in pp [0, 1] at operation #0 (send float32[4] to rank 1)")
+    batched = {0: [transfer("send", 1, 1), transfer("recv", 1, 1)], 1: [transfer("recv", 0, 3), transfer("send", 0, 3)]}
+    assert schedule_check.check(batched) == (None, 0)
+
+
+@pytest.mark.parametrize("arguments,named", [
+    (["--world-size", "6", "parallel.tensor=4"], "--world-size 6: world size 6 is not divisible by TP×CP×PP"),
+    (["--world-size", "8", "--ranks", "3,9"], "--ranks '3,9': rank 9 is outside the world of --world-size 8"),
+    (["--world-size", "8", "--ranks", "first"], "--ranks 'first': 'first' is not a rank or a range"),
+])
+def test_bad_input_is_one_line_before_any_rank_runs(capsys, arguments, named):
+    assert main(["--config", TINY, *arguments]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and named in err, err
