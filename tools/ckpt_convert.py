@@ -75,8 +75,9 @@ def stage_of(name: str, model: ModelConfig, pp: int) -> int:
     return 0 if name.startswith("model.embed_tokens") else pp - 1
 
 
-def write_trilith(save_root: Path, model: ModelConfig, read_global, keys, meta: dict, tp: int, pp: int) -> Path:
-    """Write a checkpoint as the ranks of a (tp, pp, dp=1) layout would, committed atomically."""
+def write_trilith(save_root: Path, model: ModelConfig, read_global, keys_of, meta: dict, tp: int, pp: int) -> Path:
+    """Write a checkpoint as the ranks of a (tp, pp, dp=1) layout would, committed atomically; `keys_of(name)`:
+    the keys stored for a tensor (Muon's matrices keep `momentum`, the AdamW parameters their two moments)."""
     per_rank = [layout_params(model, tp, r) for r in range(tp)]
     name = step_dir_name(meta["step"])
     save_root.mkdir(parents=True, exist_ok=True)
@@ -88,6 +89,7 @@ def write_trilith(save_root: Path, model: ModelConfig, read_global, keys, meta: 
         tensors: list[dict] = [{} for _ in range(tp)]
         stage_entries: list[dict] = [{} for _ in range(tp)]
         for pname in [n for n in per_rank[0] if stage_of(n, model, pp) == stage]:
+            keys = keys_of(pname)
             for key in keys:
                 full = read_global(pname, key)
                 for r in range(tp):
@@ -289,7 +291,7 @@ def from_hf(args) -> None:
             "config": to_dict(cfg), "source": str(src.resolve())}
     meta["config"]["parallel"].update(tensor=args.tensor, pipeline=args.pipeline)
     record_tokens(meta, hf, src)
-    path = write_trilith(Path(args.save_dir), model, lambda n, k: weights[n].float(), ("master",), meta,
+    path = write_trilith(Path(args.save_dir), model, lambda n, k: weights[n].float(), lambda n: ("master",), meta,
                          args.tensor, args.pipeline)
     print(f"ckpt_convert: wrote {path} (TP={args.tensor}, PP={args.pipeline}, weights only: optimizer starts fresh)")
 
@@ -328,8 +330,10 @@ def reshard(args) -> None:
     meta = copy.deepcopy(reader.metadata)
     meta["layout"] = retarget(cfg, args.tensor, args.pipeline)
     meta["config"]["parallel"].update(tensor=args.tensor, pipeline=args.pipeline)
-    keys = [k for k in KEYS if all(k in e["keys"] for e in reader.tensors.values())]
-    path = write_trilith(Path(args.save_dir), cfg.model, reader.global_tensor, keys, meta, args.tensor, args.pipeline)
+    def keys_of(name: str) -> list[str]:
+        return [k for k in KEYS if k in reader.tensors[name]["keys"]]
+    path = write_trilith(Path(args.save_dir), cfg.model, reader.global_tensor, keys_of, meta, args.tensor,
+                         args.pipeline)
     print(f"ckpt_convert: wrote {path} at TP={args.tensor}, PP={args.pipeline} from {reader.dir}")
 
 
