@@ -4,7 +4,6 @@ ckpt_convert straight from the store."""
 import hashlib
 import json
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from engine.checkpoint.files import CheckpointError, read_latest
 from engine.checkpoint.load_check import check_load
 from engine.observe.metrics import MetricsLog
 from tests.helpers import LAUNCH_ENV, ROOT, tiny_trainer
-from tests.s3_server import S3Server, S3Unavailable
+from tests.s3_server import serve
 from tools.ckpt_convert import main as convert
 
 torch.set_num_threads(1)
@@ -27,17 +26,7 @@ FILE = "tp00-pp00-dp000.safetensors"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """One server for the module, its credentials in the environment as an S3 user sets them."""
-    try:
-        s3 = S3Server(tmp_path_factory.mktemp("s3") / "store", buckets=["ckpt"])
-        s3.start()
-    except S3Unavailable as exc:
-        pytest.skip(str(exc))
-    saved = {k: os.environ.get(k) for k in s3.env()}
-    os.environ.update(s3.env())
-    yield s3
-    s3.stop()
-    for k, v in saved.items():
-        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    yield from serve(tmp_path_factory, ["ckpt"])
 
 
 def trainer(run_dir, *overrides):
