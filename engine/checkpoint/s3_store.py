@@ -32,6 +32,9 @@ class S3Store:
         self.part_mb, self.threads = part_mb, threads
         self._s3 = None
 
+    def __getstate__(self) -> dict:  # to the copy process (copy_process.py): a client is made there anew
+        return {**self.__dict__, "_s3": None}
+
     @property
     def s3(self):
         if self._s3 is None:
