@@ -3,7 +3,7 @@ from setuptools import find_packages, setup
 MPI = ["mpi4py", "mpich"]  # the mpich wheel ships mpiexec (Hydra) and the library mpi4py loads
 CURATE = ["py3langid>=0.4", "datasketch>=2.0"]  # tools/curate_data.py: language id, MinHash LSH
 TRACKERS = ["tensorboard", "wandb"]  # run.tensorboard_dir, run.wandb_project (engine/observe/trackers.py)
-S3 = ["boto3"]  # checkpoint.mirrors / checkpoint.load s3://bucket/prefix (engine/checkpoint/s3_store.py)
+S3 = ["boto3"]  # s3:// in checkpoint.mirrors / checkpoint.load and data.paths (data/s3_client.py)
 FAST = ["tiktoken"]  # tools/preprocess_data.py: the exact fast BPE engine for byte-level vocabularies
 
 setup(

@@ -11,6 +11,12 @@ file) and the local copy still hashes to the recorded digest (a read of local st
 is copied again, never trusted. The dataset prefix /shared/web becomes <cache>/<hash of /shared>/web, so equal
 names in different directories do not collide, and its index cache (index-cache/ beside the prefix) moves
 with it.
+
+A prefix may be an s3://bucket/dir/name URL (data/s3_shards.py): its objects are fetched the same way, each
+checked against the store's listed size and its sidecar SHA-256 (or its single-part ETag) before it is renamed
+into place, and reused at a restart while the store lists the same size and ETag and the local copy still
+hashes to the recorded digest; only a listing is asked of the store then. Its sample-index arrays are built
+in the cache, beside the copy.
 """
 import hashlib
 import json
@@ -19,6 +25,7 @@ import socket
 import time
 
 from data.provenance import provenance_path
+from data.s3_shards import S3Shards, is_s3
 
 MANIFEST = "manifest.json"
 CHUNK = 16 << 20
@@ -26,10 +33,11 @@ INDEX_ARRAYS = ("_doc.npy", "_sample.npy", "_shuffle.npy")
 
 
 def local_prefix(prefix, cache_dir):
-    """Where the node-local copy of dataset `prefix` lives."""
-    source = os.path.abspath(prefix)
-    folder = hashlib.sha256(os.path.dirname(source).encode()).hexdigest()[:12]
-    return os.path.join(cache_dir, folder, os.path.basename(source))
+    """Where the node-local copy of dataset `prefix` (a path or an s3:// URL) lives."""
+    source = prefix.rstrip("/") if is_s3(prefix) else os.path.abspath(prefix)
+    parent, _, name = source.rpartition("/")
+    folder = hashlib.sha256(parent.encode()).hexdigest()[:12]
+    return os.path.join(cache_dir, folder, name)
 
 
 def source_files(prefix, index_cache_dir=None):
@@ -78,10 +86,11 @@ def _write_manifest(cache_dir, manifest):
     os.replace(tmp, path)
 
 
-def _intact(entry, source, stat, local):
-    return (isinstance(entry, dict) and entry.get("source") == source and entry.get("size") == stat.st_size
-            and entry.get("mtime_ns") == stat.st_mtime_ns and os.path.isfile(local)
-            and os.path.getsize(local) == stat.st_size and sha256_of(local) == entry.get("sha256"))
+def _intact(entry, stamp, local):
+    """The manifest's `entry` was made from the source version `stamp` ({"source", "size", and "mtime_ns" or
+    "etag"}) and the local copy still hashes to its digest."""
+    return (isinstance(entry, dict) and all(entry.get(k) == v for k, v in stamp.items()) and os.path.isfile(local)
+            and os.path.getsize(local) == stamp["size"] and sha256_of(local) == entry.get("sha256"))
 
 
 def _remove(path):
@@ -91,30 +100,62 @@ def _remove(path):
         pass
 
 
-def _copy(source, local):
-    """Copy `source` to `local` through a temporary file; returns the SHA-256 of what was read, after checking
-    that the written copy reads back with the same digest."""
+def _place(local, fill, source, fix):
+    """Write `local` through a temporary file that fill(file) writes, returning the SHA-256 of what it wrote;
+    the copy is re-read and checked against that digest before it is renamed into place. `fix`: what to do
+    when it cannot be written."""
     tmp = f"{local}.tmp.{socket.gethostname()}.{os.getpid()}"
-    digest = hashlib.sha256()
     try:
         os.makedirs(os.path.dirname(local), exist_ok=True)
-        with open(source, "rb") as src, open(tmp, "wb") as dst:
-            while chunk := src.read(CHUNK):
-                digest.update(chunk)
-                dst.write(chunk)
+        with open(tmp, "wb") as dst:
+            digest = fill(dst)
             dst.flush()
             os.fsync(dst.fileno())
-        intact = sha256_of(tmp) == digest.hexdigest()
+        intact = sha256_of(tmp) == digest
     except OSError as exc:
         _remove(tmp)
-        raise OSError(f"cannot copy {source} to {local}: {exc.strerror or exc}; free space there or set "
-                      f"data.local_cache_dir=\"\" to read the shards in place") from None
+        if getattr(exc, "strerror", None) is None:  # the source's own one line (a corrupt object, say)
+            raise
+        raise OSError(f"cannot copy {source} to {local}: {exc.strerror}; {fix}") from None
     if not intact:
         _remove(tmp)
         raise OSError(f"the copy of {source} in {os.path.dirname(local)} reads back differently (a failing local "
                       f"disk?); check the node or set data.local_cache_dir=\"\"")
     os.replace(tmp, local)
-    return digest.hexdigest()
+    return digest
+
+
+def _copy(source, local):
+    """Copy the shared file `source` to `local`; the SHA-256 of what was read."""
+    def fill(dst):
+        digest = hashlib.sha256()
+        with open(source, "rb") as src:
+            while chunk := src.read(CHUNK):
+                digest.update(chunk)
+                dst.write(chunk)
+        return digest.hexdigest()
+    return _place(local, fill, source, "free space there or set data.local_cache_dir=\"\" to read the shards "
+                                       "in place")
+
+
+def _fetch(shards, file, local):
+    """Download one object of `shards` (an S3Shards) to `local`, checked; its SHA-256."""
+    return _place(local, lambda dst: shards.download(file, dst), shards.where(file),
+                  "free space there or set data.local_cache_dir to a larger local disk")
+
+
+def _sources(prefix, index_cache_dir):
+    """(stamp, path relative to the prefix's local folder, copy(local) -> SHA-256) of each file to cache."""
+    if is_s3(prefix):
+        shards = S3Shards(prefix)
+        return [(shards.stamp(file), file, lambda local, file=file: _fetch(shards, file, local))
+                for file in shards.list()]
+    out = []
+    for source, relative in source_files(prefix, index_cache_dir):
+        stat = os.stat(source)
+        stamp = {"source": os.path.abspath(source), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+        out.append((stamp, relative, lambda local, source=source: _copy(source, local)))
+    return out
 
 
 def fill_cache(prefixes, cache_dir, index_cache_dir=None):
@@ -130,20 +171,17 @@ def fill_cache(prefixes, cache_dir, index_cache_dir=None):
     report = {"files_copied": 0, "bytes_copied": 0, "files_reused": 0, "bytes_reused": 0}
     for prefix in dict.fromkeys(prefixes):
         folder = os.path.dirname(local_prefix(prefix, cache_dir))
-        for source, relative in source_files(prefix, index_cache_dir):
+        for stamp, relative, copy in _sources(prefix, index_cache_dir):
             local = os.path.join(folder, relative)
             key = os.path.relpath(local, cache_dir)
-            stat = os.stat(source)
-            if _intact(manifest.get(key), os.path.abspath(source), stat, local):
+            if _intact(manifest.get(key), stamp, local):
                 report["files_reused"] += 1
-                report["bytes_reused"] += stat.st_size
+                report["bytes_reused"] += stamp["size"]
                 continue
             manifest.pop(key, None)  # an interrupted copy must not leave a stale entry behind
-            digest = _copy(source, local)
-            manifest[key] = {"source": os.path.abspath(source), "size": stat.st_size,
-                             "mtime_ns": stat.st_mtime_ns, "sha256": digest}
+            manifest[key] = {**stamp, "sha256": copy(local)}
             _write_manifest(cache_dir, manifest)
             report["files_copied"] += 1
-            report["bytes_copied"] += stat.st_size
+            report["bytes_copied"] += stamp["size"]
     report["copy_s"] = time.perf_counter() - start
     return report

@@ -4,6 +4,7 @@ node's other ranks wait, then every rank reads the node-local copies.
 The wait is one all-reduce of a failure flag over all ranks, so it must end within parallel.timeout_minutes;
 a copy that fails stops every rank with one line (the copier's names the file) instead of leaving the others
 waiting.
+An s3:// prefix in data.paths is fetched the same way (data/s3_shards.py); its failures name the object.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from data.local_cache import fill_cache, local_prefix
 from data.paths import parse_paths
+from data.s3_client import S3Error
 from data.stages import parse_stages
 from engine.config.schema import Config, ConfigError
 from parallel import comm
@@ -44,6 +46,8 @@ def localize_data(cfg: Config, env: DistEnv) -> tuple[Config, dict]:
     if env.local_rank == 0:
         try:
             report = fill_cache(prefixes, d.local_cache_dir, d.cache_dir or None)
+        except S3Error as exc:  # its line starts with the key that named the object
+            failure = str(exc)
         except (OSError, ValueError) as exc:
             failure = f"data.local_cache_dir: {exc}"
     failed = torch.tensor([failure is not None], dtype=torch.int32, device=env.device)

@@ -1,7 +1,8 @@
 """What launch/run_pretrain.sh checks before it starts any rank: the configuration loads and validates for
 the world size (--preflight: the pre-flight's scaled-down one, engine/preflight.py), CUDA is usable if GPUs
 were asked for (parallel/device.py), every checkpoint.mirrors location can be written (a test object is
-written and deleted), and (--lock) no live training holds run.dir. A failure is one line and
+written and deleted), every s3:// dataset of data.paths is listed with its .idx and .bin (data/s3_shards.py;
+their bytes are checked when the node-local cache fetches them), and (--lock) no live training holds run.dir. A failure is one line and
 exit status 2 (1 for an unreadable Hugging Face checkpoint.load), as from a rank, without torchrun's report
 of a failed child.
 
@@ -54,7 +55,7 @@ def main(argv=None) -> int:
     except (ConfigError, DeviceUnavailable) as exc:
         print(f"trilith: configuration error: {exc}", file=sys.stderr)
         return 2
-    return 2 if location_problems(cfg) else 0
+    return 2 if location_problems(cfg) | remote_data_problems(cfg) else 0
 
 
 def location_problems(cfg) -> bool:
@@ -66,6 +67,26 @@ def location_problems(cfg) -> bool:
     problems = check_locations(cfg.checkpoint)
     for problem in problems:
         print(f"trilith: checkpoint location error: {problem}", file=sys.stderr)
+    return bool(problems)
+
+
+def remote_data_problems(cfg) -> bool:
+    """Every s3:// prefix of data.paths (and of the stages) is there, and the store accepts the credentials:
+    one line for each that is not."""
+    from data.paths import parse_paths
+    from data.s3_client import S3Error
+    from data.s3_shards import S3Shards, is_s3
+    d = cfg.data
+    lists = ([d.paths] if d.paths else []) + [stage["paths"] for stage in d.stages]
+    urls = dict.fromkeys(p for paths in lists for _, p in parse_paths(paths) if is_s3(p))
+    problems = []
+    for url in urls if not d.mock else []:
+        try:
+            S3Shards(url).list()
+        except S3Error as exc:
+            problems.append(str(exc))
+    for problem in problems:
+        print(f"trilith: configuration error: {problem}", file=sys.stderr)
     return bool(problems)
 
 

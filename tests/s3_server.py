@@ -3,6 +3,7 @@ extra) serving a directory, whose top-level folders are the buckets.
 
     with S3Server(tmp_path / "store", buckets=["ckpt"]) as server:
         env = server.env()          # AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY
+        with server.environ(): ...  # those variables set in this process, as before afterwards
         server.stop(); server.start()   # a dead store, and its return (same port, same data)
 
 The server is stopped by its pid. `S3Unavailable` is raised (and the tests skip with its message) only when
@@ -10,6 +11,7 @@ no rclone binary can be found.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -54,6 +56,16 @@ class S3Server:
                 "AWS_DEFAULT_REGION": "us-east-1", "AWS_CONFIG_FILE": os.devnull,
                 "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
 
+    @contextlib.contextmanager
+    def environ(self):
+        saved = {k: os.environ.get(k) for k in self.env()}
+        os.environ.update(self.env())
+        try:
+            yield self
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
     def start(self) -> None:
         log = open(self.root.parent / f"rclone-{self.port}.log", "ab")
         self.process = subprocess.Popen(
@@ -83,3 +95,17 @@ class S3Server:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def serve(tmp_path_factory, buckets):
+    """A module fixture's body (`yield from serve(tmp_path_factory, ["ckpt"])`): a started server whose
+    variables are in this process's environment until the module ends; the tests skip without rclone."""
+    import pytest
+    try:
+        s3 = S3Server(tmp_path_factory.mktemp("s3") / "store", buckets=buckets)
+        s3.start()
+    except S3Unavailable as exc:
+        pytest.skip(str(exc))
+    with s3.environ():
+        yield s3
+    s3.stop()

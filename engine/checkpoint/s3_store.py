@@ -1,8 +1,5 @@
-"""An S3-compatible object store as a checkpoint location: `s3://bucket/prefix`, through boto3.
-
-The client is configured as S3 users expect, never from Trilith's config: AWS_ENDPOINT_URL (or
-AWS_ENDPOINT_URL_S3) for a store that is not AWS, AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, or AWS_PROFILE
-with ~/.aws/config and ~/.aws/credentials. No credential is ever logged or written anywhere.
+"""An S3-compatible object store as a checkpoint location: `s3://bucket/prefix`, through boto3 (the client and
+its configuration from the environment: data/s3_client.py).
 
 Every object is verified against the manifest's SHA-256 by reading it back: a server's own checksum is not
 enough (`rclone serve s3` stores a client's ChecksumSHA256 without checking it, and an ETag is an MD5, of
@@ -11,57 +8,19 @@ parts in flight × part size (boto3's TransferConfig).
 """
 from __future__ import annotations
 
-import hashlib
 import os
-import urllib.parse
 from pathlib import Path
 
-from engine.checkpoint.files import CHUNK, CheckpointError
+from data.s3_client import S3Error, client, split_url, stream
+from data.s3_client import describe as describe_request
+from engine.checkpoint.files import CheckpointError
 
 PROBE = ".trilith-write-check"  # the object the pre-start check writes and deletes
-
-
-def split_url(url: str) -> tuple[str, str]:
-    """('bucket', 'prefix') of s3://bucket/prefix (the prefix without its trailing slash)."""
-    rest = url[len("s3://"):]
-    bucket, _, prefix = rest.partition("/")
-    return bucket, prefix.strip("/")
-
-
-def credentials_hint() -> str:
-    return "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), and AWS_ENDPOINT_URL for a store " \
-           "that is not AWS"
-
-
-def _client(max_attempts: int = 2):
-    try:
-        import boto3
-        from botocore.config import Config
-    except ImportError as exc:
-        raise CheckpointError("s3:// locations need boto3: pip install boto3 (the s3 extra: pip install "
-                              "-e '.[s3]')") from exc
-    # Retries are the uploader's (with its back-off and a warning each); boto3's own stay few and quick.
-    config = Config(retries={"max_attempts": max_attempts, "mode": "standard"}, connect_timeout=5, read_timeout=30)
-    return boto3.session.Session().client("s3", config=config)
+SETTING = "checkpoint.mirrors"  # the key that names a bucket, for one that does not exist
 
 
 def describe(exc: BaseException, where: str) -> str:
-    """One line for a failed request: what failed and which variable (or setting) fixes it."""
-    from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError
-    if isinstance(exc, NoCredentialsError):
-        return f"{where}: no S3 credentials found; {credentials_hint()}"
-    if isinstance(exc, EndpointConnectionError):
-        url = urllib.parse.urlsplit(str(exc.kwargs.get("endpoint_url", "")))
-        return f"{where}: cannot reach the S3 endpoint {url.scheme}://{url.netloc}; check AWS_ENDPOINT_URL"
-    if isinstance(exc, ClientError):
-        code = str(exc.response.get("Error", {}).get("Code", ""))
-        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        if code in ("NoSuchBucket",) or (code == "404" and "bucket" in where):
-            return f"{where}: the bucket does not exist; create it, or name another in checkpoint.mirrors"
-        if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403") or status == 403:
-            return f"{where}: the store refused the credentials ({code}); {credentials_hint()}"
-        return f"{where}: {code or status} {exc.response.get('Error', {}).get('Message', '')}".strip()
-    return f"{where}: {type(exc).__name__}: {exc}"
+    return describe_request(exc, where, SETTING)
 
 
 class S3Store:
@@ -73,10 +32,16 @@ class S3Store:
         self.part_mb, self.threads = part_mb, threads
         self._s3 = None
 
+    def __getstate__(self) -> dict:  # to the copy process (copy_process.py): a client is made there anew
+        return {**self.__dict__, "_s3": None}
+
     @property
     def s3(self):
         if self._s3 is None:
-            self._s3 = _client()
+            try:
+                self._s3 = client()
+            except S3Error as exc:
+                raise CheckpointError(str(exc)) from None
         return self._s3
 
     def key(self, *parts: str) -> str:
@@ -131,18 +96,11 @@ class S3Store:
             raise CheckpointError(describe(exc, f"reading {self.where(*parts)}")) from exc
 
     def _stream(self, parts: tuple, sink) -> str:
-        """Read an object in CHUNK blocks into `sink` (or nowhere), hashing them; its SHA-256."""
-        digest = hashlib.sha256()
-        where = self.where(*parts)
-        body = self._call(f"reading {where}", self.s3.get_object, Bucket=self.bucket, Key=self.key(*parts))["Body"]
+        """Read an object in blocks into `sink` (or nowhere), hashing them; its SHA-256."""
         try:
-            while block := body.read(CHUNK):
-                digest.update(block)
-                if sink is not None:
-                    sink.write(block)
-        except Exception as exc:
-            raise CheckpointError(describe(exc, f"reading {where}")) from exc
-        return digest.hexdigest()
+            return stream(self.s3, self.bucket, self.key(*parts), sink, SETTING)[0]
+        except S3Error as exc:
+            raise CheckpointError(str(exc)) from exc
 
     def sha256(self, *parts: str) -> str:
         return self._stream(parts, None)

@@ -1,7 +1,8 @@
 """Background copies of committed checkpoints to every checkpoint.mirrors location, on rank 0.
 
 One thread per location, so that a slow or dead store holds back no other location and never a training
-step: a save only queues its step. A failed copy is a warning, retried after a back-off that doubles
+step: a save only queues its step. An object store's copies run in a child process (copy_process.py), the
+thread only waiting on it, so that boto3's Python work does not take the step's interpreter lock. A failed copy is a warning, retried after a back-off that doubles
 (checkpoint.upload_retries times); after the last try the next save tries again. A step still waiting
 when a newer one is queued is dropped for that location (never a multiple of checkpoint.keep_every).
 What each location holds is in `status()` (metrics.jsonl's `checkpoint_copies`); `finish(wait_s)` gives
@@ -14,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+from engine.checkpoint.copy_process import CopyProcess
 from engine.checkpoint.files import STEP_DIR, CheckpointError
 
 log = logging.getLogger("trilith")
@@ -30,6 +32,7 @@ class _Worker:
         self.failures, self.last_error = 0, ""
         self.cond = threading.Condition()
         self.closed = False
+        self.child = CopyProcess(location) if location.copies_in_child else None
         self.thread = threading.Thread(target=self._run, name=f"checkpoint-upload-{location.name}", daemon=True)
         self.thread.start()
 
@@ -67,7 +70,7 @@ class _Worker:
         where = self.location.describe(name)
         for attempt in range(1, self.retries + 2):
             try:
-                self.location.put(self.source / name, name, files)
+                self._call("put", self.source / name, name, files)
             except Exception as exc:  # any store failure: training goes on, the copy is retried
                 error = str(exc) if isinstance(exc, (CheckpointError, OSError)) else f"{type(exc).__name__}: {exc}"
                 with self.cond:
@@ -88,10 +91,13 @@ class _Worker:
                 self.last_complete = name
             log.info(f"checkpoint: copied {name} to {where} ({len(files) + 1} files, SHA-256 verified)")
             try:
-                self.location.prune(self.saved)
+                self._call("prune", self.saved)
             except Exception as exc:  # the copy is complete: a failed deletion only leaves more behind
                 log.warning(f"checkpoint: WARNING retention in {self.location.name} failed: {exc}")
             return
+
+    def _call(self, method: str, *args):
+        return self.child.call(method, *args) if self.child else getattr(self.location, method)(*args)
 
     def wait(self, deadline: float) -> bool:
         with self.cond:
@@ -103,6 +109,8 @@ class _Worker:
             self.closed = True
             self.queue.clear()
             self.cond.notify_all()
+        if self.child:
+            self.child.close()  # a copy still in flight stops here, its location never naming it
 
 
 class Uploader:

@@ -196,7 +196,8 @@ class OptimConfig:
 class DataConfig:
     """What training reads: token shards from tools/preprocess_data.py (or synthetic tokens), split and packing."""
 
-    paths: list = field(default_factory=list)  # dataset prefixes, optionally weighted: ["0.6", "a", "0.4", "b"]
+    paths: list = field(default_factory=list)  # dataset prefixes, optionally weighted: ["0.6", "a", "0.4", "b"];
+        # a prefix may be s3://bucket/dir/name, fetched and verified through data.local_cache_dir (docs/data.md)
     tokenizer: str = ""  # tokenizer.json (or SentencePiece .model) used for samples and HF export
     mock: bool = False  # deterministic random tokens instead of files (tests, benchmarks)
     split: str = "98,2,0"  # train,valid,test weights, split by document
@@ -211,7 +212,8 @@ class DataConfig:
         # [{until_step: 900, paths: ["0.8", web, "0.2", code]}, {until_step: 1000, paths: [...]}]; each stage
         # trains until its until_step, the last ≥ train.steps (engine/data_stages.py)
     local_cache_dir: str = ""  # node-local directory: one rank per node copies the shards read there first,
-        # checksum-verified, and reuses an intact copy on restart (data/local_cache.py); "" = read in place
+        # checksum-verified, and reuses an intact copy on restart (data/local_cache.py); "" = read in place;
+        # needed for s3:// entries of data.paths
 
 
 @dataclass
@@ -624,6 +626,9 @@ def validate(cfg: Config, world_size: int) -> None:
     if not cfg.data.mock and not cfg.data.paths and not d.stages:
         raise ConfigError("data.paths is empty: give dataset prefixes made by tools/preprocess_data.py, "
                           "or set data.mock=true for synthetic tokens")
+    problem = remote_data_problem(d)
+    if problem:
+        raise ConfigError(problem)
     r = cfg.run
     if r.attention_entropy_max and r.attention_entropy_max <= r.attention_entropy_min:
         raise ConfigError(f"run.attention_entropy_max={r.attention_entropy_max} must exceed "
@@ -644,6 +649,22 @@ def validate(cfg: Config, world_size: int) -> None:
     if r.rollback_after and not (cfg.checkpoint.interval or cfg.checkpoint.interval_minutes):
         raise ConfigError(f"run.rollback_after={r.rollback_after} reloads a checkpoint, but none is saved; set "
                           f"checkpoint.interval (or checkpoint.interval_minutes), or run.rollback_after=0")
+
+
+def remote_data_problem(d: DataConfig) -> str | None:
+    """s3:// entries of data.paths (or a stage's paths) are read through the node-local cache (data/s3_shards.py)
+    and must name a bucket and a dataset."""
+    entries = [str(p) for p in ([d.paths] if isinstance(d.paths, str) else d.paths)]
+    entries += [str(p) for stage in d.stages if isinstance(stage, dict) for p in stage.get("paths") or []]
+    for entry in (e[e.index("s3://"):] for e in entries if "s3://" in e):
+        bucket, _, key = entry[len("s3://"):].partition("/")
+        if not bucket or not key.strip("/"):
+            return f"data.paths entry {entry!r} names no bucket and dataset; write s3://BUCKET/DIR/NAME for the " \
+                   f"objects DIR/NAME.idx and DIR/NAME.bin"
+        if not d.local_cache_dir:
+            return f"data.paths entry {entry!r} is read through the node-local cache; set data.local_cache_dir " \
+                   f"to a local directory (e.g. /tmp/trilith-shards)"
+    return None
 
 
 def mirror_problem(entry: str) -> str | None:
