@@ -76,7 +76,7 @@ def _worker(rank: int, world: int, port: int, args, results) -> None:
             if step == args.steps - 1:
                 trainer.schedule_trace = ScheduleTrace(trainer.env.device)
             trainer.train_step()
-        trace = trainer.schedule_trace
+        trace, trainer.schedule_trace = trainer.schedule_trace, None  # the traced step's slots only
         with comm.RECORD.capture() as record:  # one more step, to count its messages
             trainer.train_step()
         sends = sum(1 for e in record if e.op == "send" and e.group == "pp")
