@@ -210,7 +210,9 @@ class Topology:
 
     @property
     def embedding_group(self):
-        return self.groups["embedding"]
+        """The first and last pipeline stage of this rank's pipeline, which hold the tied embedding's two copies;
+        None on the stages between (they hold neither) and without pipeline parallelism."""
+        return self.groups.get("embedding")
 
     @property
     def is_first_stage(self) -> bool:

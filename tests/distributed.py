@@ -66,10 +66,10 @@ class WorkerPool:
         for _ in range(self.world_size):
             try:
                 rank, ok, value = self.results.get(timeout=timeout)
-            except queue.Empty:
+            except queue.Empty:  # the ranks that failed first are usually why the others wait: show them
                 self.close(force=True)
                 raise TimeoutError(f"ranks {sorted(set(range(self.world_size)) - set(out))} did not finish "
-                                   f"{fn.__name__} within {timeout}s")
+                                   f"{fn.__name__} within {timeout}s" + "".join(f"; before that:\n{e}" for e in errors))
             out[rank] = value
             if not ok:
                 errors.append(f"--- rank {rank} ---\n{value}")

@@ -87,3 +87,21 @@ def test_bad_arguments_are_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         bench_peers.main(argv)
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_zero_bubble_case_trains_on_both_sides(capsys, tmp_path):
+    """Trilith's ZBV against torch's ScheduleZBVZeroBubble, two stages per rank as a V (one layer each): both
+    train, and Trilith sends each of the 8 micro-batches' activations and gradients across the V's 2p − 2 = 2
+    rank boundaries: 32 (1F1B would send 16, a looped placement 48)."""
+    argv = TINY + ["--modes", "zbv", "--layers", "4", "--steps", "3", "--workdir", str(tmp_path)]
+    assert bench_peers.main(argv) == 0
+    out = capsys.readouterr().out
+    [row] = [m.groups() for m in ROW.finditer(out)]
+    assert row[0] == "zbv" and float(row[3]) > 0, out
+    readings = ROUND.findall(out)
+    assert len(readings) == 2, out
+    for mode, side, first, last in readings:
+        assert abs(float(first) - math.log(512)) < bench_peers.LOSS_TOLERANCE and float(last) < float(first) - 0.06
+    sends = dict(re.findall(r"^round 1 zbv +(trilith|peer) .*send (\d+)\)$", out, re.MULTILINE))
+    # the peer's first step also sends its stages' shapes (its profiled step here is the first)
+    assert sends["trilith"] == "32" and int(sends["peer"]) >= 32, out

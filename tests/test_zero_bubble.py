@@ -151,11 +151,11 @@ def named_after_steps(rank, world, overrides):
 
 
 @pytest.mark.parametrize("layout", [["parallel.pipeline=2", "model.tie_embeddings=true"],
-                                    ["parallel.pipeline=4", "train.recompute=full"],
+                                    ["parallel.pipeline=4", "train.recompute=full", "model.tie_embeddings=true"],
                                     ["parallel.pipeline=2", "parallel.tensor=2", "parallel.sequence_parallel=true"],
                                     ["parallel.pipeline=2", "parallel.context=2"],
                                     ["parallel.pipeline=2", "parallel.zero_stage=1", "model.tie_embeddings=true"]],
-                         ids=["pp2-dp2-tied", "pp4-recompute", "tp2-sp-pp2", "pp2-cp2", "pp2-dp2-zero1-tied"])
+                         ids=["pp2-dp2-tied", "pp4-recompute-tied", "tp2-sp-pp2", "pp2-cp2", "pp2-dp2-zero1-tied"])
 def test_trained_parameters_equal_1f1b_bit_for_bit(pool, layout):
     """Through the Trainer (DP buckets or ZeRO-1 units, whose fused layers queue their weight gradients):
     every stage runs W slots, and two steps leave every parameter bit-equal to 1F1B's."""
@@ -175,12 +175,17 @@ def test_trained_parameters_equal_1f1b_bit_for_bit(pool, layout):
 
 
 def test_launched_zero_bubble_runs_follow_one_process(tmp_path):
-    """launch/run_pretrain.sh, 20 steps: ZBV at PP 2 × DP 2 and ZB-H1 at PP 4, each loss within 1e-4 of one
-    process."""
-    common = ["train.steps=20", "model.num_layers=8"]
+    """launch/run_pretrain.sh, 20 steps, tied embeddings: ZBV at PP 2 × ZeRO-1 DP 2 and at TP 2 + SP × PP 2,
+    ZB-H1 at PP 4 (where the middle stages hold no copy of the embedding) and at PP 2 × CP 2, each loss within
+    1e-4 of one process."""
+    common = ["train.steps=20", "model.tie_embeddings=true"]  # tiny.yaml: 4 layers, each V chunk one
     single = [r["loss"] for r in launch(tmp_path / "single", *common)]
-    for name, layout in (("zbv", ["parallel.pipeline=2", "parallel.schedule=zbv", "parallel.virtual_stages=2"]),
-                         ("zbh1", ["parallel.pipeline=4", "parallel.schedule=zb-h1"])):
+    zbv = ["parallel.schedule=zbv", "parallel.virtual_stages=2"]
+    for name, layout in (("zbv-zero1", ["parallel.pipeline=2", "parallel.zero_stage=1", *zbv]),
+                         ("zbv-tp2-sp", ["parallel.pipeline=2", "parallel.tensor=2", "parallel.sequence_parallel=true",
+                                         *zbv]),
+                         ("zbh1-pp4", ["parallel.pipeline=4", "parallel.schedule=zb-h1"]),
+                         ("zbh1-cp2", ["parallel.pipeline=2", "parallel.context=2", "parallel.schedule=zb-h1"])):
         losses = [r["loss"] for r in launch(tmp_path / name, *common, *layout, nproc=4)]
         assert len(losses) == len(single) == 20
         assert max(abs(a - b) for a, b in zip(single, losses)) <= 1e-4, (name, single, losses)

@@ -12,6 +12,9 @@ Trilith's CPU runs use (train.cpu_allocator=reuse: freed memory kept for reuse),
   tp      parallel.tensor=N                     DTensor, torchtitan's Llama plan
   tp_sp   ... + parallel.sequence_parallel      ... + SequenceParallel norms
   pp      parallel.pipeline=N, 1F1B             torch.distributed.pipelining Schedule1F1B
+  zbv     ... schedule=zbv, virtual_stages=2    ScheduleZBVZeroBubble, two stages per rank as a V
+  zbi     ... schedule=zbv, virtual_stages=2    ScheduleInterleavedZeroBubble, two looped stages per rank
+          (Trilith's two-chunk zero-bubble schedule against torch's; both as torchtitan sets them up)
 
 Each side's job runs W warm-up steps (the last one under torch.profiler) and S measured steps; tokens/s = tokens
 per step / median measured step time (rank 0's). Rounds interleave the sides (their order alternates per round); a
@@ -20,7 +23,7 @@ Collectives per step count the c10d operators in the profiled step on every rank
 collective's full buffer (an all-gather's output, a reduce-scatter's input). Both sides must train: step-1 loss
 within 0.3 of ln V and the last loss lower by 1% of ln V, else the tool stops with status 1 and one line.
 
-    python tools/bench_peers.py [--modes zero3,ddp,tp,tp_sp,pp] [--rounds 3] [--hidden 256 --layers 4 ...]
+    python tools/bench_peers.py [--modes zero3,ddp,tp,tp_sp,pp,zbv,zbi] [--rounds 3] [--hidden 256 --layers 4 ...]
         [--device cpu|cuda] [--nproc 2] [--trilith-set KEY=VALUE ...] [--workdir DIR]
 """
 from __future__ import annotations
@@ -37,7 +40,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MODES = ("zero3", "ddp", "tp", "tp_sp", "pp")
+MODES = ("zero3", "ddp", "tp", "tp_sp", "pp", "zbv", "zbi")
 LOSS_TOLERANCE = 0.3  # step-1 loss must be this close to ln V (uniform predictions)
 MIN_FALL = 0.01  # and the last loss lower by this fraction of ln V: more than an untrained model's batch noise
 SPREAD_WARNING = 0.2  # per-round ratios further apart than this fraction of their median are flagged
@@ -58,7 +61,9 @@ def layout(mode: str, nproc: int, batch: int) -> tuple[dict, int]:
         return {"zero_stage": 0, "bucket_mb": 25.0}, batch // nproc
     if mode in ("tp", "tp_sp"):
         return {"tensor": nproc, "sequence_parallel": mode == "tp_sp"}, batch
-    return {"pipeline": nproc, "schedule": "1f1b"}, 1
+    if mode == "pp":
+        return {"pipeline": nproc, "schedule": "1f1b"}, 1
+    return {"pipeline": nproc, "schedule": "zbv", "virtual_stages": 2}, 1
 
 
 def trilith_config(args, mode: str, run_dir: Path) -> dict:

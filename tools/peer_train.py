@@ -6,6 +6,10 @@ parallelism, each piece configured the way torchtitan configures it. One torchru
   tp     DTensor tensor parallelism with torchtitan's Llama plan, loss parallel, no sequence parallelism
   tp_sp  the same plan with `SequenceParallel` norms and sequence-sharded activations between blocks
   pp     `torch.distributed.pipelining`, two stages split by hand, `Schedule1F1B`
+  zbv    the same, two stages per rank placed as a V (rank r: stages r and 2N−1−r), `ScheduleZBVZeroBubble`
+  zbi    two stages per rank looped (rank r: stages r and N+r), `ScheduleInterleavedZeroBubble`
+  (zbv, zbi as torchtitan's pipeline_module_split and build_pipeline_schedule set them up: the loss divided
+  by the micro-batch count, scale_grads=False)
 
 Data follows Trilith's synthetic rule (engine/mock_data.py) sample for sample, re-implemented here so that the
 peer runs without Trilith. Each rank writes OUT/rank_K.json (its per-step losses where it knows them, and step
@@ -30,7 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-MODES = ("zero3", "ddp", "tp", "tp_sp", "pp")
+MODES = ("zero3", "ddp", "tp", "tp_sp", "pp", "zbv", "zbi")
+ZERO_BUBBLE = {"zbv": "ScheduleZBVZeroBubble", "zbi": "ScheduleInterleavedZeroBubble"}
 STRIDE, SEED_MULTIPLIER = 7, 1_000_003  # engine/mock_data.py's rule
 
 
@@ -158,11 +163,18 @@ class Trainer:
         hf = build_hf(args)
         mode, layers = args.mode, args.layers
         self.dp_rank, self.dp_size, self.pp_group, self.schedule = 0, 1, None, None
+        self.stage_ids = []
         if mode == "pp":
+            self.stage_ids = [rank]
+        elif mode in ZERO_BUBBLE:
+            self.stage_ids = [rank, 2 * world - 1 - rank] if mode == "zbv" else [rank, world + rank]
+        if self.stage_ids:
             # Trilith's even split: the earlier stages take the remainder
-            bounds = [sum(layers // world + (i < layers % world) for i in range(k)) for k in range(world + 1)]
-            span = range(bounds[rank], bounds[rank + 1])
-            self.model = Llama(hf, span, rank == 0, rank == world - 1, args.seq).to(device)
+            n = world * (1 if mode == "pp" else 2)
+            bounds = [sum(layers // n + (i < layers % n) for i in range(k)) for k in range(n + 1)]
+            self.parts = [Llama(hf, range(bounds[s], bounds[s + 1]), s == 0, s == n - 1, args.seq).to(device)
+                          for s in self.stage_ids]
+            self.model = self.parts[0] if mode == "pp" else nn.ModuleList(self.parts)
         else:
             self.model = Llama(hf, range(layers), True, True, args.seq).to(device)
         if mode in ("zero3", "ddp"):
@@ -178,6 +190,14 @@ class Trainer:
             self.pp_group = dist.group.WORLD
             stage = PipelineStage(self.model, rank, world, device)
             self.schedule = Schedule1F1B(stage, n_microbatches=args.micro_batches, loss_fn=loss_of)
+        elif mode in ZERO_BUBBLE:
+            from torch.distributed import pipelining
+            self.pp_group = dist.group.WORLD
+            stages = [pipelining.PipelineStage(part, s, 2 * world, device) for s, part in zip(self.stage_ids,
+                                                                                                self.parts)]
+            self.schedule = getattr(pipelining, ZERO_BUBBLE[mode])(
+                stages, n_microbatches=args.micro_batches, scale_grads=False,
+                loss_fn=lambda logits, labels: loss_of(logits, labels) / args.micro_batches)
         self.params = list(self.model.parameters())
         # the fused kernel takes one kind of tensor per group: plain TP leaves the norms undistributed
         groups = [[p for p in self.params if isinstance(p, DTensor) == sharded] for sharded in (True, False)]
@@ -188,14 +208,14 @@ class Trainer:
         inputs, labels = tokens[:, :-1].to(self.device), tokens[:, 1:].to(self.device)
         loss = None
         if self.schedule is not None:
-            rank, world = dist.get_rank(), dist.get_world_size()
+            world = dist.get_world_size()
+            stages = world if self.args.mode == "pp" else 2 * world
+            first, last = 0 in self.stage_ids, stages - 1 in self.stage_ids  # under the V both on rank 0
             losses: list = []
-            if rank == 0:
-                self.schedule.step(inputs)
-            else:
-                self.schedule.step(target=labels, losses=losses)
-            if rank == world - 1:
-                loss = torch.stack(losses).mean()
+            self.schedule.step(*([inputs] if first else []),
+                               **({"target": labels, "losses": losses} if last else {}))
+            if last:
+                loss = torch.stack(losses).mean() * (1 if self.args.mode == "pp" else self.args.micro_batches)
         elif self.args.mode in ("tp", "tp_sp"):
             from torch.distributed.tensor.parallel import loss_parallel
             with loss_parallel():

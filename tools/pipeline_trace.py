@@ -11,9 +11,12 @@ overrides), runs `--steps` training steps and traces the last one. For each stag
 bubble — idle time over the span from the first slot on any stage to the last — next to the analytic
 (p−1)/(m+p−1) (GPipe, 1F1B), (p−1)/(v·m+p−1) (interleaved) or the zero-bubble plan's (engine/plan/bubble.py),
 and the peak number of chunk activations held (1F1B: ≤ p; GPipe: m; ZB-H1 and ZBV hold one from its F to its
-W: p stages' worth at most). The idle fraction is read from the trace's slots: time no slot of the stage ran.
-`--compare` traces 1F1B, interleaved (v = --virtual), ZB-H1 and ZBV in turn and prints a table. Measured bubbles include transfer time and, when ranks share
-fewer cores than there are stages, CPU contention: read them as a check of the schedule's shape.
+W: p stages' worth at most). Two idle fractions are read from the trace's slots: measured, the time no slot of
+the stage ran, which includes transfers and, when ranks share fewer cores than there are stages, CPU
+contention; and replayed (engine/plan/trace_replay.py), the step's slots rerun in each rank's recorded order
+with their measured durations, each as soon as its inputs are done, transfers free: the schedule's bubble at
+the slots' real costs, without the cores' waits. `--compare` traces 1F1B, interleaved (v = --virtual), ZB-H1
+and ZBV in turn and prints a table.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine.plan.bubble import analytic_bubble  # noqa: E402
+from engine.plan.trace_replay import replayed_idle  # noqa: E402
 
 
 def bubble_fractions(traces: list[list[tuple]]) -> list[float]:
@@ -72,7 +76,7 @@ def _worker(rank: int, world: int, port: int, args, results) -> None:
             if step == args.steps - 1:
                 trainer.schedule_trace = ScheduleTrace(trainer.env.device)
             trainer.train_step()
-        trace = trainer.schedule_trace
+        trace, trainer.schedule_trace = trainer.schedule_trace, None  # the traced step's slots only
         with comm.RECORD.capture() as record:  # one more step, to count its messages
             trainer.train_step()
         sends = sum(1 for e in record if e.op == "send" and e.group == "pp")
@@ -136,7 +140,8 @@ def main(argv=None) -> int:
             print(f"pipeline_trace: configuration error ({schedule}): {exc}", file=sys.stderr)
             return 2
     if args.compare:
-        print("schedule     v  analytic  idle (mean, max over stages)  peak live (max, in stages)  sends/step")
+        print("schedule     v  analytic  replayed idle (mean, max)  measured idle (mean, max)  "
+              "peak live (max, in stages)  sends/step")
     for schedule in schedules:
         args.schedule = schedule
         report(args, run_traced(args), table=args.compare)
@@ -150,16 +155,18 @@ def report(args, gathered: list, table: bool) -> None:
     p, m, v = args.pipeline, args.micro_batches, virtual_of(args)
     expected = analytic_bubble(args.schedule, p, m, v)
     measured = bubble_fractions(traces)
+    replayed = replayed_idle(traces, args.schedule)
     peaks = [peak for _, _, peak, _ in gathered]
     if table:
-        print(f"{args.schedule:<12}{v:>2}  {expected:8.3f}  {sum(measured) / p:10.3f} {max(measured):8.3f}"
+        print(f"{args.schedule:<12}{v:>2}  {expected:8.3f}  {sum(replayed) / p:14.3f} {max(replayed):8.3f}"
+              f"{sum(measured) / p:18.3f} {max(measured):8.3f}"
               f"{max(peaks) / v:>20.2f} ({max(peaks)} of 1/{v}){sum(s for *_, s in gathered):>12}")
         return
     print(f"schedule {args.schedule}: p={p} m={m} v={v}; analytic bubble {expected:.3f}; digits = forward, "
           f"lower-case letters = backward (input gradient), upper-case = its weight gradients")
-    for stage, (line, idle, peak) in enumerate(zip(timeline(traces), measured, peaks)):
-        print(f"stage {stage}: bubble {idle:.3f} (analytic {expected:.3f})  peak live micro-batches {peak:>2}"
-              f"  |{line}|")
+    for stage, (line, idle, again, peak) in enumerate(zip(timeline(traces), measured, replayed, peaks)):
+        print(f"stage {stage}: replayed bubble {again:.3f}, measured {idle:.3f} (analytic {expected:.3f})  "
+              f"peak live micro-batches {peak:>2}  |{line}|")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,63 @@
+"""The bubble of a recorded pipeline step with the machine's contention taken out: the step's slots replayed.
+
+A measured idle fraction (time no slot of a stage ran) counts as bubble every moment a rank was ready but not
+on a core: with 4 ranks on 2 shared cores that is most of the step, and it ranks nothing. The replay keeps what
+the trace knows for sure: each rank's order of slots (ScheduleTrace: kind, micro-batch, chunk, start, end) and
+what a slot costs there, the median duration of that rank's slots of the same kind and chunk (the same work on
+the same shapes; a slot whose rank lost its core midway lasts longer, and the median leaves it out). It starts
+every slot as soon as its rank's previous slot and its inputs from the other ranks are done, with transfers
+free (as the analytic bubble, engine/plan/bubble.py):
+    F of model chunk c, micro-batch i   after F(c − 1, i)
+    B of model chunk c, micro-batch i   after B(c + 1, i) (the last chunk: after its own F)
+    W                                   after its own B, on its rank (the rank's order has it)
+A stage's replayed idle is what is left idle by the schedule's shape and its slots' real, unequal costs (the
+loss layer's, the embedding's, a B's against its W), not by the cores. tools/pipeline_trace.py prints both.
+"""
+from __future__ import annotations
+
+import statistics
+
+from parallel.stage_layers import model_chunk
+
+
+def replay(traces: list[list[tuple]], schedule: str) -> list[list[tuple[float, float]]]:
+    """traces[rank] = [(kind, micro-batch, chunk on the rank, start, end), ...]; returns each rank's slots as
+    (start, end) replayed from time 0, in that rank's recorded order."""
+    p = len(traces)
+    v_shape = schedule == "zbv"
+    chunks = max(e[2] for t in traces for e in t) + 1 if schedule in ("interleaved", "zbv") else 1
+    last = p * chunks - 1
+    ordered = [sorted(t, key=lambda e: e[3]) for t in traces]
+    costs = [{} for _ in range(p)]  # rank -> (kind, chunk) -> the median duration
+    for rank, trace in enumerate(ordered):
+        for kind, chunk in {(e[0], e[2]) for e in trace}:
+            costs[rank][kind, chunk] = statistics.median(e[4] - e[3] for e in trace if (e[0], e[2]) == (kind, chunk))
+    done: dict = {}  # (kind, model chunk, micro-batch) -> replayed end
+    out: list[list[tuple[float, float]]] = [[] for _ in range(p)]
+    position, free = [0] * p, [0.0] * p
+    while any(position[r] < len(ordered[r]) for r in range(p)):
+        progressed = False
+        for rank in range(p):
+            while position[rank] < len(ordered[rank]):
+                kind, mb, chunk, *_ = ordered[rank][position[rank]]
+                stage = model_chunk(rank, p, chunk, v_shape)
+                need = {"F": [("F", stage - 1, mb)] if stage > 0 else [],
+                        "B": [("B", stage + 1, mb)] if stage < last else [("F", stage, mb)]}.get(kind, [])
+                if any(key not in done for key in need):
+                    break
+                begin = max([free[rank]] + [done[key] for key in need])
+                free[rank] = begin + costs[rank][kind, chunk]
+                done[kind, stage, mb] = free[rank]
+                out[rank].append((begin, free[rank]))
+                position[rank] += 1
+                progressed = True
+        if not progressed:
+            raise ValueError("the traces' slots wait on each other in a circle: not one step of one schedule")
+    return out
+
+
+def replayed_idle(traces: list[list[tuple]], schedule: str) -> list[float]:
+    """Each rank's idle fraction of the replayed step (from its first slot on any rank to the last)."""
+    slots = replay(traces, schedule)
+    span = max(e for s in slots for _, e in s) - min(b for s in slots for b, _ in s)
+    return [1.0 - sum(e - b for b, e in s) / span for s in slots]

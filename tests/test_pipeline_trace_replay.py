@@ -1,0 +1,59 @@
+"""engine/plan/trace_replay.py: a recorded step replayed with its slots' typical durations and free transfers
+gives the schedule's own bubble, whatever waits and slow slots the cores added to the recording."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.plan.bubble import analytic_bubble
+from engine.plan.trace_replay import replay, replayed_idle
+from parallel.zero_bubble_plan import critical_order, plan
+
+
+def stretched(slots_by_rank: list[list[tuple]], cost: dict, seed: int = 0) -> list[list[tuple]]:
+    """Traces of (kind, mb, chunk) slots run back to back on each rank, `cost[kind]` seconds each, with
+    random waits between them and one slot in ten taking longer: what a rank taken off its core records."""
+    rng = random.Random(seed)
+    traces = []
+    for slots in slots_by_rank:
+        now, trace = rng.uniform(0, 5), []
+        for i, (kind, mb, chunk) in enumerate(slots):
+            now += rng.choice([0.0, 0.0, rng.uniform(0, 7)])
+            took = cost[kind] * (1 + rng.uniform(0, 5) if i % 10 == 3 else 1)
+            trace.append((kind, mb, chunk, now, now + took))
+            now += took
+        traces.append(trace)
+    return traces
+
+
+def measured_idle(traces):
+    start, end = min(e[3] for t in traces for e in t), max(e[4] for t in traces for e in t)
+    return [1 - sum(e[4] - e[3] for e in t) / (end - start) for t in traces]
+
+
+@pytest.mark.parametrize("p, m", [(4, 8), (4, 16), (3, 5)])
+def test_the_replay_of_a_contended_trace_gives_the_analytic_bubble(p, m):
+    # 1F1B: its order (warm-up forwards, pairs, cool-down backwards), B twice an F's cost (it holds W)
+    ones = [[(k, mb, c) for k, c, mb in critical_order("zb-h1", p, m, r)] for r in range(p)]
+    traces = stretched(ones, {"F": 1.0, "B": 2.0})
+    assert min(measured_idle(traces)) > analytic_bubble("1f1b", p, m) + 0.05  # the waits look like bubble
+    assert replayed_idle(traces, "1f1b") == pytest.approx([analytic_bubble("1f1b", p, m)] * p)
+    # the zero-bubble plans, F = B = W one unit: the plan's own idle fraction on every rank
+    for schedule in ("zb-h1", "zbv"):
+        slots = [[(k, mb, c) for _, k, c, mb in r.slots] for r in plan(schedule, p, m)]
+        traces = stretched(slots, {"F": 1.0, "B": 1.0, "W": 1.0}, seed=p * m)
+        assert replayed_idle(traces, schedule) == pytest.approx([analytic_bubble(schedule, p, m)] * p)
+
+
+def test_a_slot_waits_for_its_input_from_the_neighbour_and_keeps_its_rank_order():
+    # PP 2, one micro-batch: F0 on rank 0 (1 s), F1 on rank 1 (1 s), B1 (2 s), B0 (3 s); recorded late.
+    # The replay's clock starts at 0.
+    traces = [[("F", 0, 0, 10, 11), ("B", 0, 0, 30, 33)], [("F", 0, 0, 20, 21), ("B", 0, 0, 21, 23)]]
+    assert replay(traces, "1f1b") == [[(0, 1), (4, 7)], [(1, 2), (2, 4)]]
+    assert replayed_idle(traces, "1f1b") == pytest.approx([1 - 4 / 7, 1 - 3 / 7])
+    # the interleaved placement: rank 0's chunk 1 is model chunk 2 and waits for rank 1's chunk 0
+    traces = [[("F", 0, 0, 0, 1), ("F", 0, 1, 5, 6)], [("F", 0, 0, 2, 3), ("F", 0, 1, 9, 10)]]
+    assert [r[-1] for r in replay(traces, "interleaved")] == [(2, 3), (3, 4)]
+    with pytest.raises(ValueError, match="in a circle"):
+        replay([[("B", 0, 0, 0, 1), ("F", 0, 0, 1, 2)], [("F", 0, 0, 0, 1), ("B", 0, 0, 1, 2)]], "1f1b")
