@@ -80,9 +80,10 @@ def _encode_task(records):
     per_key = []
     for column in texts:
         docs = encoder.encode_batch(column) if column else []
-        if eod is not None:
-            docs = [np.append(d, eod) for d in docs]
         lengths = np.fromiter(map(len, docs), np.int64, len(docs))
+        if eod is not None and docs:  # each document, then the EOD id: one concatenation
+            end = np.asarray([eod], np.int64)
+            docs, lengths = [docs[k // 2] if k % 2 == 0 else end for k in range(2 * len(docs))], lengths + 1
         # int32 ids (any vocabulary fits): half the bytes of int64 to send to the main process
         per_key.append((lengths, np.concatenate(docs, dtype=np.int32, casting="same_kind") if docs
                         else np.zeros(0, np.int32)))
@@ -310,6 +311,8 @@ def main(argv=None):
         p.error(str(e))
     options = (not args.no_cache, not args.no_fast_engine)
     encoder = _loaded[(spec, *options)] = load_encoder(spec, *options)
+    if hasattr(encoder, "prepare"):
+        encoder.prepare()  # once here: forked workers inherit what encoding a miss needs
     if args.eod_token is not None and not args.append_eod:
         p.error("--eod-token is the token --append-eod appends; add --append-eod")
     eod = None

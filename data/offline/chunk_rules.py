@@ -187,7 +187,7 @@ def _metaspace_rule(pre, model, vocab):
         return None, "Metaspace whose '\u2581' is not a token of its own"
     pairs = [tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1)) for m in model.get("merges") or ()]
     made = ["".join(p) for p in pairs]
-    crossing = next((t for t in made if re.search("[^\u2581]\u2581", t)), None)
+    crossing = next(filter(re.compile("[^\u2581]\u2581").search, made), None)
     if crossing is not None:
         return None, (f"Metaspace merges make {crossing!r}, with '\u2581' after another character (a merge may "
                       f"cross a space)")
@@ -203,7 +203,7 @@ def _even_runs_hold(pairs, made):
     merge of two runs of "▁" or with "▁" on the left, and no merge makes "▁▁" followed by another character.
     Ranks as the tokenizer keeps them: a merge's place in the list, the last one where a pair repeats."""
     mark = "\u2581"
-    if any(re.match(mark + "{2,}[^" + mark + "]", t) for t in made):
+    if any(map(re.compile(mark + "{2,}[^" + mark + "]").match, made)):
         return False
     rank = {pair: i for i, pair in enumerate(pairs)}
     lowest = rank.get((mark, mark))

@@ -39,7 +39,7 @@ import numpy as np
 from data.eod import eod_id_from_tokenizer
 from data.offline.chunk_rules import OTHER_SPACES, SAFE_SPACES, cut_rule  # noqa: F401 (the spaces: re-exported)
 from data.offline.fast_bpe import tiktoken_engine
-from data.offline.pieces import piece_cutter
+from data.offline.pieces import key_text, piece_cutter
 
 _OTHER_SPACE_RE = re.compile("[" + re.escape(OTHER_SPACES) + "]")
 _strip_run = operator.methodcaller("lstrip", " \u2581")
@@ -94,14 +94,14 @@ class HFEncoder:
         self.tokenizer = Tokenizer.from_str(tokenizer_json)
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         config = json.loads(tokenizer_json)
-        self.rule, self.cache_reason = (None, "disabled by the caller") if not use_cache else cut_rule(
-            config, self.tokenizer.get_vocab(with_added_tokens=False))
+        vocab = self.tokenizer.get_vocab(with_added_tokens=False)
+        self.rule, self.cache_reason = (None, "disabled by the caller") if not use_cache else cut_rule(config, vocab)
         if self.rule is not None:
             self.cache_reason = self._find_template()
         # The Llama 2 layout's new chunks are cut again, into pieces no token spans, each encoded once.
         self.cutter, self.piece_reason = None, "not the Metaspace whitespace-run layout"
         if self.rule is not None and self.rule.runs:
-            self.cutter, self.piece_reason = piece_cutter(config["model"], self.tokenizer.get_vocab(False))
+            self.cutter, self.piece_reason = piece_cutter(config["model"], vocab)
         self.cached = self.cache_reason is None
         if self.cached:
             # The tokenizers that encode misses are built at the first miss: the main process never needs them.
@@ -128,6 +128,11 @@ class HFEncoder:
     def token_id(self, text):
         return self.tokenizer.token_to_id(text)
 
+    def prepare(self):
+        """Build the tokenizers that encode misses now rather than at the first miss (before forking workers)."""
+        if self.cached and self._inner is None:
+            self._build_inner()
+
     def _find_template(self):
         """The ids a post-processor puts before and after a document's own (Llama 3's BOS, say): read off
         two probes; None, or why the cache cannot reproduce what it does."""
@@ -150,7 +155,7 @@ class HFEncoder:
         self._flat = _Growable(np.int32)
         self._starts = _Growable(np.int64)
         self._lens = _Growable(np.int64)
-        self._pieces = _Index()
+        self._pieces = _Index()  # a piece's text, or a short piece's integer key (pieces.py) -> its slot
         self._piece_flat = _Growable(np.int32)
         self._piece_starts = _Growable(np.int64)
         self._piece_lens = _Growable(np.int64)
@@ -307,16 +312,18 @@ class HFEncoder:
 
     def _encode_by_pieces(self, chunks):
         """(ids, tokens per chunk) of chunks joined into one word, from their pieces' ids: the pieces not cached
-        yet are encoded each as a text of its own."""
+        yet are encoded each as a text of its own. A short piece is looked up by its integer key (no string made),
+        a long one by its text."""
         text = self.rule.joined_text("".join(chunks))
         lengths = np.fromiter(map(len, chunks), np.int64, len(chunks))
-        starts = np.cumsum(lengths) - lengths
-        pieces, first = self.cutter.cut(text, starts)
+        cut = self.cutter.cut(text, np.cumsum(lengths) - lengths)
         index = self._pieces
-        pid = np.fromiter(map(index.__getitem__, pieces), np.int64, len(pieces))
+        pid = np.empty(len(cut.lengths), np.int64)
+        pid[cut.short] = np.fromiter(map(index.__getitem__, cut.keys.tolist()), np.int64, len(cut.keys))
+        pid[~cut.short] = np.fromiter(map(index.__getitem__, cut.long), np.int64, len(cut.long))
         if index.new:
             new, index.new = index.new, []
-            ids, counts = self._encode_apart(new)
+            ids, counts = self._encode_apart([key_text(p) if isinstance(p, int) else p for p in new])
             slots = np.arange(len(index) - len(new), len(index))
             self._piece_starts.resize(len(index))
             self._piece_lens.resize(len(index))
@@ -327,7 +334,7 @@ class HFEncoder:
         n = self._piece_lens.data[pid]
         ends = np.cumsum(n)
         ids = self._piece_flat.data[np.repeat(self._piece_starts.data[pid] - (ends - n), n) + np.arange(int(ends[-1]))]
-        return ids, np.add.reduceat(n, first)
+        return ids, np.add.reduceat(n, cut.first)
 
     def _counts_by_length(self, chunks, ids):
         """(ids, tokens per chunk) of chunks joined into one word, from the tokens' lengths."""

@@ -6,23 +6,40 @@ vocabulary (fused unknowns). The cutter works on code points with numpy: each ch
 outside it), a boolean table over pairs of codes says where a token may span, and the text is split at the
 other positions.
 """
+import collections
 import re
 
 import numpy as np
 
 _BYTE_TOKEN = re.compile("<0x[0-9A-F]{2}>")
 _MAX_CODE_POINT = 0x10FFFF
+SHORT = 3  # pieces of up to this many characters are keyed by an integer: 21 bits a character
+_MASK = (1 << 21) - 1
+# lengths: characters per piece; short: which pieces are short; keys: the short ones' keys; long: the others'
+# texts; first: the piece each start begins.
+Cut = collections.namedtuple("Cut", "lengths short keys long first")
 
 
 def piece_cutter(model, vocab):
     """(a PieceCutter for this BPE model config and vocabulary, None) or (None, why no piece cut is proven)."""
     unk = model.get("unk_token")
     pairs = [tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1)) for m in model.get("merges") or ()]
-    for part in (p for pair in pairs for p in pair):
-        if part == unk or (model.get("byte_fallback") and _BYTE_TOKEN.fullmatch(part)):
-            return None, f"a merge joins {part!r}, whose text is not the characters it covers"
-    return PieceCutter({t[i:i + 2] for left, right in pairs for t in [left + right] for i in range(len(t) - 1)},
-                       {t for t in vocab if len(t) == 1} - {unk}), None
+    parts = dict.fromkeys(p for pair in pairs for p in pair)  # in the merges' order: the first one is named
+    wrong = (p for p in parts if p == unk or (model.get("byte_fallback") and _BYTE_TOKEN.fullmatch(p)))
+    for part in wrong:
+        return None, f"a merge joins {part!r}, whose text is not the characters it covers"
+    # The adjacent characters of every merge's result, read off the results joined by a character none holds.
+    made = [left + right for left, right in pairs]
+    sep = _absent("".join(made))
+    points = np.frombuffer(sep.join(made).encode("utf-32-le"), np.uint32).astype(np.int64)
+    inner = (points[:-1] != ord(sep)) & (points[1:] != ord(sep))
+    adjacent = np.unique(points[:-1][inner] << 21 | points[1:][inner])
+    return PieceCutter(adjacent >> 21, adjacent & _MASK, {t for t in vocab if len(t) == 1} - {unk}), None
+
+
+def _absent(text):
+    """A character `text` does not hold (a private-use one, as a rule)."""
+    return next(chr(c) for c in range(0xE000, _MAX_CODE_POINT + 1) if chr(c) not in text)
 
 
 class PieceCutter:
@@ -30,26 +47,31 @@ class PieceCutter:
     `separator`: a character of the vocabulary that no merge takes, or None. No token spans either side of it,
     so pieces joined by it encode as each alone, one token for each separator between them."""
 
-    def __init__(self, inner_pairs, vocab_chars):
-        joined = sorted({c for pair in inner_pairs for c in pair})
-        self.separator = next((c for c in sorted(vocab_chars) if c not in joined), None)
+    def __init__(self, left, right, vocab_chars):
+        """`left[i]`, `right[i]`: the code points of two characters some merge's result holds adjacent."""
+        joined = np.unique(np.concatenate((left, right)))
+        taken = set(joined.tolist())
+        self.separator = next((c for c in sorted(vocab_chars) if ord(c) not in taken), None)
         oov, other = len(joined) + 1, 0  # codes: 0 other vocabulary characters, 1.. joined ones, then outside
         self._code = np.full(_MAX_CODE_POINT + 1, oov, np.uint16 if oov < 1 << 16 else np.uint32)
         self._code[[ord(c) for c in vocab_chars]] = other
-        self._code[[ord(c) for c in joined]] = np.arange(1, oov)
+        self._code[joined] = np.arange(1, oov)
         self._width = oov + 1
         spans = np.zeros((self._width, self._width), bool)
-        code = {c: i + 1 for i, c in enumerate(joined)}
-        for a, b in inner_pairs:
-            spans[code[a], code[b]] = True
+        spans[self._code[left].astype(np.int64), self._code[right].astype(np.int64)] = True
         outside = np.zeros(self._width, bool)
         outside[oov] = True
-        outside[[code[c] for c in joined if c not in vocab_chars]] = True
+        in_vocab = np.zeros(_MAX_CODE_POINT + 1, bool)
+        in_vocab[[ord(c) for c in vocab_chars]] = True
+        outside[1:oov] = ~in_vocab[joined]
         spans |= outside[:, None] & outside[None, :]  # fuse_unk may join a run of unknown characters
         self._spans = spans.ravel()
 
     def cut(self, text, starts):
-        """(pieces, the index of the piece each of `starts` begins): `starts` must be places no token spans."""
+        """Cut `text` at `starts` too, which must be places no token spans, and wherever no token may span:
+        a Cut. The pieces of up to SHORT characters come as integer keys (each code point + 1 in 21 bits,
+        so no two texts share a key), the others as texts: the short ones, most of a text's pieces, need no
+        string of their own."""
         points = np.frombuffer(text.encode("utf-32-le"), np.uint32)
         codes = self._code[points].astype(np.int64)
         cut = np.ones(len(points), bool)
@@ -58,7 +80,24 @@ class PieceCutter:
             raise RuntimeError("preprocess: a token spans two chunks of the Metaspace cache (a merge joins their "
                                "characters); the cut rule is wrong")
         at = np.flatnonzero(cut)
-        # Split in one C call at a character the text lacks, put before every cut.
-        mark = next(chr(c) for c in range(0xE000, 0x110000) if chr(c) not in text)
-        marked = np.insert(points, at[1:], ord(mark)).tobytes().decode("utf-32-le")
-        return marked.split(mark), np.searchsorted(at, starts)
+        lengths = np.diff(at, append=len(points))
+        short = lengths <= SHORT
+        padded = np.concatenate((points.astype(np.int64) + 1, np.zeros(SHORT, np.int64)))
+        begin = at[short]
+        keys = np.zeros(len(begin), np.int64)
+        for k in range(SHORT):
+            keys |= np.where(lengths[short] > k, padded[begin + k], 0) << (21 * k)
+        long = []
+        if not short.all():
+            # The long pieces' characters, split in one C call at a character the text lacks, put between pieces.
+            inside = np.repeat(~short, lengths)
+            kept = points[inside]
+            bounds = np.cumsum(lengths[~short])[:-1]
+            mark = _absent(text)
+            long = np.insert(kept, bounds, ord(mark)).tobytes().decode("utf-32-le").split(mark)
+        return Cut(lengths, short, keys, long, np.searchsorted(at, starts))
+
+
+def key_text(key):
+    """The text of a short piece's integer key (PieceCutter.cut)."""
+    return "".join(chr((key >> (21 * k) & _MASK) - 1) for k in range(SHORT) if key >> (21 * k) & _MASK)
