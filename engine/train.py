@@ -523,6 +523,8 @@ def run(cfg: Config, env: DistEnv) -> list[dict]:
         return trainer.train(metrics, control)
     finally:
         trainer.checkpointer.wait()  # also on errors: never exit with a background save half-written
+        if trainer.memory is not None:
+            trainer.memory.settle()
         # A prefetch thread still reading when the interpreter exits (after a configuration error found in
         # the first batch, say) aborted the process ("terminate called without an active exception").
         trainer.loader.close()

@@ -91,8 +91,8 @@ def recover(checkpointer, memory) -> dict | None:
             manifest, state = store.read(rank, step)
         meta = restore_shard(checkpointer, manifest, state)
         sent = sorted(owner for _, owner in moves)
-        tier = "memory" + (f" (ranks {', '.join(map(str, sent))} from their partners' copies)" if sent else
-                           " (every rank its own shard)")
+        tier = "memory " + (f"(partner copies for rank{'s' if len(sent) > 1 else ''} {', '.join(map(str, sent))})"
+                            if sent else "(own shards)")
     else:
         meta = checkpointer.resume()
         tier = "the disk checkpoint (" + ("no complete memory snapshot)" if step < 0 else
@@ -100,7 +100,8 @@ def recover(checkpointer, memory) -> dict | None:
     resumed = meta["step"] if meta else 0
     store.drop_after(resumed)
     if rank == 0 and (meta or last >= 0):
-        lost = f"{last - resumed} step{"" if last - resumed == 1 else "s"} lost" if last >= 0 else "steps lost unknown"
+        n = last - resumed
+        lost = f"{n} step{'' if n == 1 else 's'} lost" if last >= 0 else "steps lost unknown"
         log.info(f"recovery: from {tier if meta else 'nothing (a fresh start)'} at step {resumed}: {lost}, "
                  f"{time.perf_counter() - start:.2f} s")
     return meta

@@ -132,6 +132,14 @@ class MemorySnapshots:
         except BaseException as exc:  # surfaced by wait() in the training thread
             self._error = exc
 
+    def settle(self) -> None:
+        """At exit, also after a failure: let a snapshot in flight finish (a dead partner fails its transfer at
+        once), so that what this node received is committed; its error, if any, is only logged here."""
+        try:
+            self.wait()
+        except CheckpointError as exc:
+            log.warning(f"memory snapshot: {exc}")
+
     def wait(self) -> None:
         if self._thread is not None:
             self._thread.join()
