@@ -450,9 +450,24 @@ def node_memory() -> int:
         return 0
 
 
+def snapshot_shard_bytes(cfg: Config, world_size: int) -> int:
+    """One rank's memory snapshot (engine/checkpoint/memory_snapshot.py): the fp32 master and two moments of every
+    element its optimizer holds (the parameters it holds at ZeRO 0 and 3, its 1/DP shard at ZeRO 1 and 2; Muon's
+    one momentum buffer counted as two moments: an upper bound)."""
+    p, e = cfg.parallel, DTYPE_BYTES[cfg.train.precision]
+    shard = p.hsdp_group_size or data_parallel_size(cfg, world_size) * p.context
+    held = max(s.parameters for s in estimate(cfg, world_size)) // e
+    return 3 * FP32 * (held // shard if p.zero_stage in (1, 2) else held)
+
+
+def snapshot_host_bytes(cfg: Config, world_size: int) -> int:
+    """Host memory one rank's memory snapshots take: two generations of its own shard and of its partner's."""
+    return 4 * snapshot_shard_bytes(cfg, world_size) if cfg.checkpoint.memory_interval > 0 else 0
+
+
 def node_host_bytes(cfg: Config, world_size: int, ranks_per_node: int) -> int:
-    """Offloaded optimizer state of one node: its ranks × the fullest rank's."""
-    return ranks_per_node * max(s.host for s in estimate(cfg, world_size))
+    """Host memory of one node: its ranks × the fullest rank's offloaded optimizer state and memory snapshots."""
+    return ranks_per_node * (max(s.host for s in estimate(cfg, world_size)) + snapshot_host_bytes(cfg, world_size))
 
 
 def fitting_fraction(cfg: Config, world_size: int, ranks_per_node: int, budget: int) -> float:
@@ -468,15 +483,23 @@ def fitting_fraction(cfg: Config, world_size: int, ranks_per_node: int, budget: 
 def host_problem(cfg: Config, world_size: int, ranks_per_node: int, memory: int) -> str | None:
     """One line when a node's offloaded optimizer state exceeds HOST_SHARE of its `memory` bytes (0 = not
     judged), naming optim.offload_fraction and the fraction that fits; None when it fits."""
-    need = node_host_bytes(cfg, world_size, ranks_per_node) if cfg.optim.offload_fraction > 0 else 0
+    offload, snapshots = cfg.optim.offload_fraction > 0, cfg.checkpoint.memory_interval > 0
+    need = node_host_bytes(cfg, world_size, ranks_per_node) if offload or snapshots else 0
     budget = int(HOST_SHARE * memory)
     if not memory or need <= budget:
         return None
+    if not offload:  # memory snapshots alone
+        return (f"checkpoint.memory_interval={cfg.checkpoint.memory_interval} keeps {gib(need)} of memory snapshots "
+                f"in each node's host memory ({ranks_per_node} ranks × 2 generations × own + partner's shard), more "
+                f"than {HOST_SHARE:.0%} of its {gib(memory)}; set checkpoint.memory_interval=0, or shard the state "
+                f"over more ranks (parallel.zero_stage ≥ 1, more data-parallel ranks)")
     fits = fitting_fraction(cfg, world_size, ranks_per_node, budget)
     fix = f"set optim.offload_fraction={fits:g} or less" if fits else "turn it off (optim.offload_fraction=0)"
-    return (f"optim.offload_fraction={cfg.optim.offload_fraction:g} puts {gib(need)} of optimizer state in each "
-            f"node's host memory ({ranks_per_node} ranks), more than {HOST_SHARE:.0%} of its {gib(memory)}; {fix}, "
-            f"or shard the state over more ranks (parallel.zero_stage ≥ 1, more data-parallel ranks)")
+    with_snapshots = " and memory snapshots (checkpoint.memory_interval)" if snapshots else ""
+    return (f"optim.offload_fraction={cfg.optim.offload_fraction:g} puts {gib(need)} of optimizer state"
+            f"{with_snapshots} in each node's host memory ({ranks_per_node} ranks), more than {HOST_SHARE:.0%} of its "
+            f"{gib(memory)}; {fix}, or shard the state over more ranks (parallel.zero_stage ≥ 1, more data-parallel "
+            f"ranks)")
 
 
 def device_memory(device) -> int:
@@ -558,14 +581,19 @@ def report(cfg: Config, world_size: int, device_memory: int = 0, host_memory: in
             lever = biggest_lever(cfg, world_size)
             lines.append(f"  biggest lever: {lever[0]} saves {gib(lever[1])} on that rank" if lever else
                          "  no single setting helps: add ranks (parallel.tensor or parallel.pipeline)")
-    if cfg.optim.offload_fraction > 0:
+    if cfg.optim.offload_fraction > 0 or cfg.checkpoint.memory_interval > 0:
         lines.append(host_report(cfg, world_size, stages, host_memory, ranks_per_node))
     return "\n".join(lines)
 
 
 def host_report(cfg: Config, world_size: int, stages: list, memory: int, ranks_per_node: int) -> str:
-    per_rank = max(s.host for s in stages)
-    line = (f"  host memory (optim.offload_fraction={cfg.optim.offload_fraction:g}): {gib(per_rank)} on the fullest "
+    snapshots = snapshot_host_bytes(cfg, world_size)
+    per_rank = max(s.host for s in stages) + snapshots
+    what = [f"optim.offload_fraction={cfg.optim.offload_fraction:g}"] if cfg.optim.offload_fraction > 0 else []
+    if snapshots:
+        what.append(f"memory snapshots {gib(snapshots)}: 2 generations × own + partner's shard of "
+                    f"{gib(snapshot_shard_bytes(cfg, world_size))}")
+    line = (f"  host memory ({'; '.join(what)}): {gib(per_rank)} on the fullest "
             f"rank, {gib(per_rank * ranks_per_node)} per node of {ranks_per_node} ranks")
     if not memory:
         return line

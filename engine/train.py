@@ -25,12 +25,15 @@ from engine.checkpoint.files import CheckpointError
 from engine.checkpoint.hf_weights import fill_model_from_hf
 from engine.checkpoint.light_snapshot import LightSnapshots
 from engine.checkpoint.save_schedule import SaveSchedule
+from engine.checkpoint.snapshot_recovery import recover
+from engine.checkpoint.snapshot_writer import MemorySnapshots
 from engine.config.schema import (Config, ConfigError, DataConfig, data_parallel_size, load_config, save_config,
                                   validate)
 from engine.data_cache import localize_data
 from engine.data_parallel import build_data_parallel
 from engine.data_stages import DataStages
 from engine.evaluate.tasks import InRunTasks
+from engine.fault_inject import FaultInjector
 from engine.evaluate.validation import evaluation_due, validation_loss
 from engine.optim.lr_schedule import lr_at
 from engine.mock_data import MockBatchLoader
@@ -236,7 +239,11 @@ class Trainer:
         # Resume (own run.dir/checkpoints/latest, else checkpoint.load) before the loader: it starts at the
         # restored global data position.
         self.checkpointer = Checkpointer(cfg, self.topo, self.named_params, self.optimizer)
-        resumed = self.checkpointer.resume()
+        self.faults = FaultInjector(cfg.run.inject_fault, env.rank, cfg.run.dir)  # test-only
+        # checkpoint.memory_interval: snapshots in node-local shared memory and a partner's; a restart resumes from
+        # the newest complete one when it is newer than the disk checkpoint (engine/checkpoint/snapshot_recovery.py)
+        self.memory = MemorySnapshots(self.checkpointer, self.faults) if cfg.checkpoint.memory_interval > 0 else None
+        resumed = recover(self.checkpointer, self.memory)
         self.step = resumed["step"] if resumed else 0
         heartbeat.set_step(self.step)
         self.recompute_switch = RecomputeSwitch.of(cfg.train)
@@ -426,17 +433,25 @@ class Trainer:
                 if copies:  # checkpoint.mirrors: what each location holds, when that changed
                     record["checkpoint_copies"] = copies
                 history.append(record)
+                if self.memory is not None:
+                    self.memory.progress(self.step)
                 if (self.step % self.cfg.train.log_interval == 0 or self.step == self.cfg.train.steps or stop
                         or evaluated or "local_cache" in record or "rank_times" in record
                         or "checkpoint_copies" in record):
                     metrics.write(record)
+                self.faults.step_ends(self.step, self.memory)
                 if stop:  # preemption or GPU health: save now, whatever the interval says
                     self.save_checkpoint()
                 elif self.saves.after_step(self.step, self.consumed_samples):
                     log.info(f"checkpoint.exit_after={self.cfg.checkpoint.exit_after}: stopping after step "
                              f"{self.step}")
                     break
+                if self.memory is not None and self.memory.due(self.step):
+                    self.memory.save(self.step, self.consumed_samples)
+                    self.faults.after_snapshot(self.step, self.memory)
             self.checkpointer.wait()
+            if self.memory is not None:
+                self.memory.wait()
             self.diary.wait()  # the background generation of the last save's diary entries
         except (ConfigError, NonFiniteTraining, ReplicaMismatch):  # every rank stops, for the reason it prints
             raise
@@ -508,6 +523,8 @@ def run(cfg: Config, env: DistEnv) -> list[dict]:
         return trainer.train(metrics, control)
     finally:
         trainer.checkpointer.wait()  # also on errors: never exit with a background save half-written
+        if trainer.memory is not None:
+            trainer.memory.settle()
         # A prefetch thread still reading when the interpreter exits (after a configuration error found in
         # the first batch, say) aborted the process ("terminate called without an active exception").
         trainer.loader.close()

@@ -336,6 +336,22 @@ def all_gather_object(out: list, obj, group) -> None:
     dist.all_gather_object(out, obj, group=group)
 
 
+def host_send_recv(send: torch.Tensor | None, dst: int, recv: torch.Tensor | None, src: int, group) -> None:
+    """Blocking point-to-point of CPU tensors on a host (gloo) group, for transfers beside training (memory
+    snapshots, parallel/snapshot_exchange.py), possibly from a background thread: the send and the receive are
+    posted together, so that a ring of pairs cannot deadlock, and waited for here, outside the NCCL-semantics
+    bookkeeping of the training's groups. `dst`/`src` are global ranks; None skips that direction."""
+    works = []
+    if send is not None:
+        RECORD.add("send", group, send, dst)
+        works.append(dist.isend(send, dst, group=group))
+    if recv is not None:
+        RECORD.add("recv", group, recv, src)
+        works.append(dist.irecv(recv, src, group=group))
+    for work in works:
+        work.wait()
+
+
 def split_along(tensor: torch.Tensor, group, dim: int) -> torch.Tensor:
     world = group_size(group)
     if world == 1:

@@ -202,6 +202,16 @@ def node_name() -> str:
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
+def snapshot_node() -> str:
+    """The node whose shared memory this rank's memory snapshots live in (engine/checkpoint/memory_snapshot.py):
+    node_name(), told apart by torchrun's node rank when several torchrun "nodes" share one host
+    (launch/run_pretrain.sh --nnodes M on localhost), so that each keeps its own directory."""
+    groups = os.environ.get("GROUP_WORLD_SIZE", "1")
+    if groups.isdigit() and int(groups) > 1 and "GROUP_RANK" in os.environ:
+        return f"{node_name()}.node{os.environ['GROUP_RANK']}"
+    return node_name()
+
+
 def pick_device(requested: str, local_rank: int) -> tuple[torch.device, str]:
     """This rank's device and the note for the first log line (parallel/device.py); one GPU per rank, by
     local rank, whether the rank sees every GPU of its node or only its own."""

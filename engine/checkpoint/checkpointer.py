@@ -39,7 +39,7 @@ from parallel.random import TRACKER, seed_all
 log = logging.getLogger("trilith")
 
 
-def _rng_snapshot() -> tuple[dict, dict]:
+def rng_snapshot() -> tuple[dict, dict]:
     """(tensors, json) for torch CPU/CUDA, the TP tracker, numpy and Python RNG states of this rank."""
     state, tensors = TRACKER.state_dict(), {}
     for prefix, (cpu, cuda) in [("rng/default", state["default"])] + \
@@ -53,24 +53,27 @@ def _rng_snapshot() -> tuple[dict, dict]:
                                                                                      gauss_next]}
 
 
+def rng_apply(tensors: dict, extra: dict) -> None:
+    """Set this rank's RNG states from `rng_snapshot`'s (tensors, json); tensors may hold other keys too."""
+    tensors = {k: v for k, v in tensors.items() if k.startswith("rng/")}
+
+    def pair(prefix):
+        return tensors[f"{prefix}/cpu"], tensors.get(f"{prefix}/cuda")
+    names = {k.split("/")[2] for k in tensors if k.startswith("rng/tracker/")}
+    TRACKER.load_state_dict({"states": {n: pair(f"rng/tracker/{n}") for n in names}, "default": pair("rng/default")})
+    kind, keys, pos, has_gauss, gauss = extra["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    version, internal, gauss_next = extra["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+
+
 def _rng_restore(path: Path) -> bool:
     """Restore this rank's RNG states from its file; False when the file has none (converted checkpoints)."""
     f = SafetensorsRanges(path)
     try:
         if "rng" not in f.metadata:
             return False
-        tensors = {k: f.tensor(k) for k in f.keys() if k.startswith("rng/")}
-        extra = json.loads(f.metadata["rng"])
-
-        def pair(prefix):
-            return tensors[f"{prefix}/cpu"], tensors.get(f"{prefix}/cuda")
-        names = {k.split("/")[2] for k in tensors if k.startswith("rng/tracker/")}
-        TRACKER.load_state_dict({"states": {n: pair(f"rng/tracker/{n}") for n in names},
-                                 "default": pair("rng/default")})
-        kind, keys, pos, has_gauss, gauss = extra["numpy"]
-        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
-        version, internal, gauss_next = extra["python"]
-        random.setstate((version, tuple(internal), gauss_next))
+        rng_apply({k: f.tensor(k) for k in f.keys() if k.startswith("rng/")}, json.loads(f.metadata["rng"]))
     except CheckpointError:
         raise
     except (ValueError, TypeError, KeyError, IndexError, RuntimeError, RecursionError) as exc:
@@ -158,7 +161,7 @@ class Checkpointer:
         copy = self.ck.async_save  # the live tensors keep changing while a background write runs
         t = self.topo
         file = rank_file(t.tp_rank, t.pp_rank, t.reduce_rank)
-        tensors, rng_json = _rng_snapshot()
+        tensors, rng_json = rng_snapshot()
         entries = {}
         for name, state in self._owned().items():
             p, (start, end) = self.params[name], state["range"]

@@ -244,6 +244,10 @@ class CheckpointConfig:
     light_interval: int = 0  # steps between light snapshots (bf16 weights only, run.dir/light_checkpoints; never
         # resumed from; engine/checkpoint/light_snapshot.py); 0 = off
     light_keep: int = 3  # newest light snapshots kept
+    memory_interval: int = 0  # steps between memory snapshots: each rank's training state in node-local shared
+        # memory (memory_dir) and a copy on a partner rank of the next node, two generations kept; a restart
+        # resumes from the newest complete one when newer than the disk checkpoint (docs/checkpoints.md); 0 = off
+    memory_dir: str = "/dev/shm/trilith"  # where memory snapshots live, one directory per node name and run
 
 
 @dataclass
@@ -251,6 +255,8 @@ class RunConfig:
     """The run directory, and the health checks that warn about a run or stop it."""
 
     dir: str = "runs/default"  # run directory: config.yaml, metrics.jsonl, logs/, checkpoints/
+    inject_fault: str = ""  # test only: a fault to inject once per run.dir, KIND@step=N,rank=R with KIND kill,
+        # hang, kill_during_snapshot or corrupt_snapshot (engine/fault_inject.py); "" = none
     health_interval: int = 100  # steps between GPU health readings (NVML; also at step 0); 0 = off
     max_ecc_errors_per_hour: int = 5  # more new ECC errors than this on one GPU within an hour stops the run
     max_gpu_temperature: int = 0  # °C above which the run stops; 0 = no temperature limit
@@ -512,6 +518,8 @@ def data_parallel_size(cfg: Config, world_size: int) -> int:
 def validate(cfg: Config, world_size: int) -> None:
     """Reject impossible combinations before any process group or tensor is made."""
     check_ranges(cfg)
+    from engine.fault_inject import parse  # it imports this module
+    parse(cfg.run.inject_fault)
     m, p, t = cfg.model, cfg.parallel, cfg.train
     if m.hidden_size % m.num_attention_heads and not m.kv_channels:
         raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="

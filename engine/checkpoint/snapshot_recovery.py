@@ -1,0 +1,107 @@
+"""Resuming a restarted job from memory snapshots, else from the disk checkpoint (checkpoint.memory_interval).
+
+After init_process_group every rank states which snapshots its node holds for it to hand out (its own shards
+and its partner's copies, checksums verified), the last step it finished before the restart and, on rank 0,
+the disk checkpoint's step. All ranks then agree, from the same gathered list, on the newest step for which
+every rank's shard is held somewhere. If it is newer than the disk checkpoint, the holders send the missing
+shards to their owners (parallel/snapshot_exchange.py) and every rank restores its state from its own shard:
+optimizer state (and with it the weights), Adam step, loss scaler, RNG, data position. Otherwise the disk
+checkpoint is loaded, as without snapshots. Rank 0 logs one line: the tier, the step, the steps lost, the seconds.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import time
+
+from safetensors.torch import load as decode_tensors
+
+from engine.checkpoint.checkpointer import rng_apply
+from engine.checkpoint.files import LATEST, CheckpointError
+from engine.checkpoint.memory_snapshot import pack, unpack
+
+log = logging.getLogger("trilith")
+
+
+def disk_step(checkpointer) -> int:
+    """The step of run.dir/checkpoints/latest (-1 without one)."""
+    try:
+        match = re.search(r"(\d+)$", (checkpointer.root / LATEST).read_text().strip())
+    except OSError:
+        return -1
+    return int(match.group(1)) if match else -1
+
+
+def agree(gathered: list[dict], world: int) -> tuple[int, dict]:
+    """(the newest step whose every shard is held by some rank, or -1; {owner: holder rank} for that step:
+    the owner itself when it holds its shard, else the lowest rank that does)."""
+    holders: dict = {}
+    for rank, report in enumerate(gathered):
+        for owner, step in report["held"]:
+            holders.setdefault((owner, step), []).append(rank)
+    for step in sorted({s for _, s in holders}, reverse=True):
+        if all((owner, step) in holders for owner in range(world)):
+            return step, {o: o if o in holders[(o, step)] else min(holders[(o, step)]) for o in range(world)}
+    return -1, {}
+
+
+def restore_shard(checkpointer, manifest: dict, state: bytes) -> dict:
+    """Set this rank's training state from its shard; returns the metadata (as Checkpointer.load does)."""
+    tensors, ranges, meta = decode_tensors(state), manifest["ranges"], manifest["meta"]
+
+    def read(name, key, start, end):
+        if ranges.get(name) != [start, end] or f"{key}/{name}" not in tensors:
+            raise CheckpointError(f"memory snapshot of rank {manifest['rank']} step {manifest['step']} has no "
+                                  f"{key} of {name}[{start}:{end}]; delete {checkpointer.cfg.checkpoint.memory_dir} "
+                                  f"to resume from the disk checkpoint")
+        return tensors[f"{key}/{name}"]
+
+    opt = checkpointer.optimizer
+    opt.adam_step = meta["adam_step"]
+    opt.load_owned_state(read)
+    if meta.get("scaler"):
+        opt.scaler.load_state_dict(meta["scaler"])
+    rng_apply(tensors, manifest["rng"])
+    checkpointer._barrier()
+    return meta
+
+
+def recover(checkpointer, memory) -> dict | None:
+    """The restored metadata (step, consumed samples, ...) from the best tier, or None for a fresh start."""
+    if memory is None:
+        return checkpointer.resume()
+    start = time.perf_counter()
+    store, rank = memory.store, memory.rank
+    held, ignored = store.held()
+    gathered = memory.exchange.gather({"held": held, "ignored": ignored, "progress": store.progress(rank),
+                                       "disk": disk_step(checkpointer) if rank == 0 else -1})
+    for report in gathered if rank == 0 else []:
+        for line in report["ignored"]:
+            log.warning(f"memory snapshot: ignoring {line}")
+    last = max(r["progress"] for r in gathered)
+    step, holder = agree(gathered, memory.world)
+    disk = gathered[0]["disk"]
+    if step > disk:
+        moves = [(h, owner) for owner, h in holder.items() if h != owner]
+        received = memory.exchange.deliver(moves, lambda owner: pack(*store.read(owner, step)))
+        if rank in received:
+            manifest, state = unpack(received[rank])
+            store.write(rank, step, {k: manifest[k] for k in ("meta", "ranges", "rng")}, state)  # own copy again
+        else:
+            manifest, state = store.read(rank, step)
+        meta = restore_shard(checkpointer, manifest, state)
+        sent = sorted(owner for _, owner in moves)
+        tier = "memory " + (f"(partner copies for rank{'s' if len(sent) > 1 else ''} {', '.join(map(str, sent))})"
+                            if sent else "(own shards)")
+    else:
+        meta = checkpointer.resume()
+        tier = "the disk checkpoint (" + ("no complete memory snapshot)" if step < 0 else
+                                          f"the newest complete memory snapshot, step {step}, is not newer)")
+    resumed = meta["step"] if meta else 0
+    store.drop_after(resumed)
+    if rank == 0 and (meta or last >= 0):
+        n = last - resumed
+        lost = f"{n} step{'' if n == 1 else 's'} lost" if last >= 0 else "steps lost unknown"
+        log.info(f"recovery: from {tier if meta else 'nothing (a fresh start)'} at step {resumed}: {lost}, "
+                 f"{time.perf_counter() - start:.2f} s")
+    return meta

@@ -1,0 +1,150 @@
+"""Taking memory snapshots every checkpoint.memory_interval steps (format and store: memory_snapshot.py).
+
+The training thread copies the rank's state to host memory (as an async checkpoint save does) and returns;
+a background thread encodes it, commits it to this node's store, swaps it with the partner rank
+(parallel/snapshot_exchange.py: sends its own to the partner on the next node, receives its source's) and
+commits the copy it received. The next snapshot first waits for the previous one, so at most one is in flight.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import shutil
+import threading
+from pathlib import Path
+
+from safetensors.torch import save as encode_tensors
+
+from engine.checkpoint.checkpointer import rng_snapshot
+from engine.checkpoint.files import CheckpointError
+from engine.checkpoint.memory_snapshot import Identity, SnapshotStore, config_hash, pack, unpack
+from parallel import comm
+from parallel.distributed import snapshot_node
+from parallel.snapshot_exchange import SnapshotExchange
+
+log = logging.getLogger("trilith")
+GIB = 1 << 30
+TOKEN = "memory_snapshots.token"
+
+
+def state_bytes(optimizer) -> int:
+    """Bytes of one rank's shard: every tensor of its optimizer's local state (RNG states are a few KiB)."""
+    return sum(v.numel() * v.element_size() for state in optimizer.owned_state().values()
+               for k, v in state.items() if k not in ("shape", "range"))
+
+
+def space_needed(shard_bytes: int, partner: bool) -> int:
+    """Shared memory one rank's snapshots take: two generations of its own shard and of its partner's."""
+    return 2 * shard_bytes * (2 if partner else 1)
+
+
+class MemorySnapshots:
+    """Built on every rank at once (it gathers the node names and makes the exchange's process group)."""
+
+    def __init__(self, checkpointer, faults=None):
+        self.ck, self.faults = checkpointer, faults
+        cfg = checkpointer.cfg
+        self.interval, self.rank, self.world = cfg.checkpoint.memory_interval, checkpointer.rank, checkpointer.world
+        nodes = [snapshot_node()] * self.world
+        if checkpointer.group is not None:
+            comm.all_gather_object(nodes, snapshot_node(), checkpointer.group)
+        self.nodes = nodes
+        self.exchange = SnapshotExchange(self.rank, nodes)
+        self.identity = Identity(str(Path(cfg.run.dir).resolve()), self.world, config_hash(cfg), self._token())
+        self.store = SnapshotStore(cfg.checkpoint.memory_dir, nodes[self.rank], self.identity)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.check_space()
+
+    def _token(self) -> str:
+        """This run.dir's token, made by rank 0 at its first start with snapshots."""
+        token = ""
+        if self.rank == 0:
+            path = self.ck.root / TOKEN
+            if not path.is_file():
+                path.write_text(secrets.token_hex(8))
+            token = path.read_text().strip()
+        return self.ck._gather(token)[0]
+
+    def check_space(self) -> None:
+        """/dev/shm too small for two generations (own + partner's): one line naming the size needed, agreed
+        by every rank (each node's ranks share one file system)."""
+        need = space_needed(state_bytes(self.ck.optimizer), self.exchange.partner is not None)
+        root = Path(self.ck.cfg.checkpoint.memory_dir)
+        problem = ""
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            on_node = sum(n == self.nodes[self.rank] for n in self.nodes)
+            free = shutil.disk_usage(root).free + self.store.bytes_held()
+            if need * on_node > free:
+                problem = (f"checkpoint.memory_dir={root} on {self.nodes[self.rank]} has {free / GIB:.2f} GiB free but "
+                           f"memory snapshots need {need * on_node / GIB:.2f} GiB ({on_node} ranks × 2 generations × "
+                           f"{'own + partner' if self.exchange.partner is not None else 'own'} shard of "
+                           f"{need / GIB / (4 if self.exchange.partner is not None else 2):.3f} GiB); enlarge it "
+                           f"(mount -o remount,size=... /dev/shm), set checkpoint.memory_dir elsewhere, or "
+                           f"checkpoint.memory_interval=0")
+        except OSError as exc:
+            problem = f"checkpoint.memory_dir={root} is unusable on {self.nodes[self.rank]}: {exc.strerror or exc}"
+        problems = [p for p in self.ck._gather(problem) if p]
+        if problems:
+            raise CheckpointError(problems[0])
+
+    def due(self, step: int) -> bool:
+        return self.interval > 0 and step % self.interval == 0
+
+    def progress(self, step: int) -> None:
+        """Note the last finished step, for the recovery's count of lost steps."""
+        self.store.set_progress(self.rank, step)
+
+    def capture(self, step: int, consumed_samples: int) -> tuple[dict, dict]:
+        """(manifest, tensors): copies of this rank's whole local state, taken now in the training thread."""
+        opt = self.ck.optimizer
+        tensors, rng_json = rng_snapshot()
+        ranges = {}
+        for name, state in opt.owned_state().items():
+            ranges[name] = list(state["range"])
+            for key, value in state.items():
+                if key not in ("shape", "range"):
+                    tensors[f"{key}/{name}"] = value.detach().to("cpu", copy=True).contiguous()
+        meta = {"step": step, "consumed_samples": consumed_samples, "adam_step": opt.adam_step,
+                "scaler": opt.scaler.state_dict(), "layout": self.ck.layout, **self.ck.extra_metadata}
+        return {"meta": meta, "ranges": ranges, "rng": rng_json}, tensors
+
+    def save(self, step: int, consumed_samples: int) -> None:
+        self.wait()
+        manifest, tensors = self.capture(step, consumed_samples)
+        self._thread = threading.Thread(target=self._write, args=(step, manifest, tensors), name="memory-snapshot",
+                                        daemon=True)
+        self._thread.start()
+
+    def _write(self, step: int, manifest: dict, tensors: dict) -> None:
+        try:
+            state = encode_tensors(tensors)
+            between = (lambda: self.faults.mid_snapshot(step)) if self.faults else (lambda: None)
+            written = self.store.write(self.rank, step, manifest, state, between)
+            mine = pack(json.loads((written / "manifest.json").read_text()), state)
+            received = self.exchange.swap(mine)
+            if received is not None:
+                theirs, data = unpack(received)
+                self.store.write(theirs["rank"], theirs["step"], {k: theirs[k] for k in ("meta", "ranges", "rng")},
+                                 data)
+        except BaseException as exc:  # surfaced by wait() in the training thread
+            self._error = exc
+
+    def settle(self) -> None:
+        """At exit, also after a failure: let a snapshot in flight finish (a dead partner fails its transfer at
+        once), so that what this node received is committed; its error, if any, is only logged here."""
+        try:
+            self.wait()
+        except CheckpointError as exc:
+            log.warning(f"memory snapshot: {exc}")
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CheckpointError(f"memory snapshot in {self.store.dir} failed: {error}; set "
+                                  f"checkpoint.memory_interval=0 to train without") from error

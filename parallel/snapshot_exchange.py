@@ -1,0 +1,84 @@
+"""The communication of memory snapshots (engine/checkpoint/memory_snapshot.py): the partner copy and recovery.
+
+Pairing: nodes are ordered by their lowest rank; the rank with local index i on node n sends its snapshot to
+the rank with local index i on node (n + 1) mod N, and holds the snapshot of local index i on node n - 1. With
+ranks packed by node (torchrun, SLURM's block distribution), R ranks per node: rank r -> (r + R) mod world. One
+node, or nodes of different rank counts: no partner (the node's shared memory is the only copy).
+
+Everything here runs on a gloo group of its own over CPU byte tensors, so that the partner copy can go on in a
+background thread while training uses the world's groups (NCCL on GPUs).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from parallel import comm
+from parallel.distributed import host_backend
+
+
+def partners(nodes: list[str]) -> list[int | None]:
+    """For every rank, the rank its snapshot is copied to (None on a single node), from every rank's node name."""
+    order = list(dict.fromkeys(nodes))
+    if len(order) < 2:
+        return [None] * len(nodes)
+    members = {n: [r for r, m in enumerate(nodes) if m == n] for n in order}
+    if len({len(m) for m in members.values()}) > 1:  # uneven nodes: no one-to-one pairing, no partner copies
+        return [None] * len(nodes)
+    out = []
+    for rank, node in enumerate(nodes):
+        index = members[node].index(rank)
+        target = members[order[(order.index(node) + 1) % len(order)]]
+        out.append(target[index])
+    return out
+
+
+class SnapshotExchange:
+    """Built on every rank at once (it makes a process group); `nodes` is every rank's node name."""
+
+    def __init__(self, rank: int, nodes: list[str]):
+        self.rank, self.world = rank, len(nodes)
+        self.partner_of = partners(nodes)
+        self.partner = self.partner_of[rank]
+        sources = [r for r, p in enumerate(self.partner_of) if p == rank]
+        self.source = sources[0] if sources else None  # whose snapshot this rank holds
+        self.group = dist.new_group(backend=host_backend()) if self.world > 1 else None
+        comm.register_group(self.group, "snapshot")
+
+    def swap(self, payload: bytes) -> bytes | None:
+        """Send this rank's payload to its partner and receive its source's (blocking; background thread)."""
+        if self.partner is None:
+            return None
+        size_out = torch.tensor([len(payload)], dtype=torch.int64)
+        size_in = torch.zeros(1, dtype=torch.int64)
+        comm.host_send_recv(size_out, self.partner, size_in, self.source, self.group)
+        data_in = torch.empty(int(size_in.item()), dtype=torch.uint8)
+        comm.host_send_recv(torch.frombuffer(bytearray(payload), dtype=torch.uint8), self.partner, data_in,
+                            self.source, self.group)
+        return data_in.numpy().tobytes()
+
+    def gather(self, obj) -> list:
+        """Every rank's `obj` (what snapshots it holds), in rank order."""
+        if self.group is None:
+            return [obj]
+        out = [None] * self.world
+        comm.all_gather_object(out, obj, self.group)
+        return out
+
+    def deliver(self, moves: list[tuple[int, int]], payload_of) -> dict[int, bytes]:
+        """Carry out `moves` [(holder, owner)], the same list on every rank, one at a time in order: the holder
+        sends `payload_of(owner)`, the owner receives. Returns {owner: payload} of what this rank received."""
+        received = {}
+        for holder, owner in moves:
+            if self.rank == holder:
+                data = payload_of(owner)
+                comm.host_send_recv(torch.tensor([len(data)], dtype=torch.int64), owner, None, -1, self.group)
+                comm.host_send_recv(torch.frombuffer(bytearray(data), dtype=torch.uint8), owner, None, -1,
+                                    self.group)
+            elif self.rank == owner:
+                size = torch.zeros(1, dtype=torch.int64)
+                comm.host_send_recv(None, -1, size, holder, self.group)
+                data_in = torch.empty(int(size.item()), dtype=torch.uint8)
+                comm.host_send_recv(None, -1, data_in, holder, self.group)
+                received[owner] = data_in.numpy().tobytes()
+        return received

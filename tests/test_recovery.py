@@ -1,0 +1,104 @@
+"""Injected faults (run.inject_fault) recovered through the real restart paths: launch/run_pretrain.sh --nnodes 2 on
+localhost with --max-restarts (a lost node), --nproc 2 (corrupt snapshots: the disk tier), a process killed in
+the middle of a snapshot and started again. The numerical equality of resumed runs over several layouts is in
+tests/test_memory_snapshots.py; here each re-run step must equal the same step before the fault, bit for bit
+(metrics.jsonl keeps both attempts), and the recovery line must name the tier.
+"""
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from engine.checkpoint.files import CheckpointError
+from tests.distributed import free_port
+from tests.helpers import LAUNCH_ENV, ROOT, TINY, read_metrics, tiny_trainer
+
+
+def command(run_dir: Path, *args: str, steps: int = 6) -> list[str]:
+    return ["bash", "launch/run_pretrain.sh", *args, "--config", TINY, f"run.dir={run_dir}", f"train.steps={steps}",
+            "checkpoint.memory_interval=2", f"checkpoint.memory_dir={run_dir.parent / 'shm'}"]
+
+
+def popen(cmd: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=ROOT, env=LAUNCH_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(proc: subprocess.Popen) -> str:
+    try:
+        out = proc.communicate(timeout=400)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def redone_steps(run_dir: Path) -> list[int]:
+    """The steps trained twice (before the fault and after the restart), each checked to have given the same
+    loss and gradient norm both times."""
+    seen: dict = {}
+    for r in read_metrics(run_dir):
+        seen.setdefault(r["step"], []).append((r["loss"], r["grad_norm"]))
+    assert all(len(v) == 1 or (len(v) == 2 and v[0] == v[1]) for v in seen.values()), seen
+    return sorted(s for s, v in seen.items() if len(v) == 2)
+
+
+@pytest.mark.skip(reason="not yet verified: timed out (>420 s) on the shared 2-core machine at load 50-130; see the report")
+def test_lost_node_on_two_localhost_nodes_resumes_from_the_partner_copy(tmp_path):
+    """Node 1 (rank 1) deletes its shared-memory directory and dies after the snapshot of step 4; both launchers
+    restart (--max-restarts 1), node 1 comes back empty and takes its shard from rank 0's partner copy."""
+    run, port = tmp_path / "run", str(free_port())
+    nodes = [popen(command(run, "--nproc", "1", "--nnodes", "2", "--node-rank", str(r), "--master-addr", "127.0.0.1",
+                           "--master-port", port, "--max-restarts", "1", "run.inject_fault=lose_node@step=4,rank=1"))
+             for r in (0, 1)]
+    out = [finish(p) for p in nodes]
+    assert "recovery: from memory (partner copies for rank 1) at step 4: 0 steps lost" in out[0], out[0][-4000:]
+    assert redone_steps(run) == []  # killed right after step 4's snapshot: nothing to redo
+    # the two "nodes" keep separate directories, and node 1's holds its own shard and rank 0's copy again
+    node1 = next((tmp_path / "shm").glob("*.node1"))
+    assert sorted(p.name for p in next(node1.iterdir()).glob("rank_*")) == ["rank_00000", "rank_00001"]
+
+
+@pytest.mark.skip(reason="not yet verified: timed out (>420 s) on the shared 2-core machine at load 50-130; see the report")
+def test_corrupt_snapshots_fall_back_to_the_disk_checkpoint_and_say_so(tmp_path):
+    run = tmp_path / "run"
+    out = finish(popen(command(run, "--nproc", "2", "--max-restarts", "1", "checkpoint.interval=3",
+                               "run.inject_fault=corrupt_snapshot@step=4,rank=1")))
+    assert re.search(r"memory snapshot: ignoring \S+rank_00001/step_00000004 \(state.safetensors does not match its "
+                     r"manifest's size and SHA-256\)", out), out[-4000:]
+    assert "recovery: from the disk checkpoint (no complete memory snapshot) at step 3: 1 step lost" in out, out[-4000:]
+    assert redone_steps(run) == [4]
+
+
+@pytest.mark.skip(reason="not yet verified: timed out (>420 s) on the shared 2-core machine at load 50-130; see the report")
+def test_killed_during_a_snapshot_the_previous_generation_serves(tmp_path):
+    run = tmp_path / "run"
+    cmd = ["bash", "launch/run_pretrain.sh", *command(run, steps=5)[2:]]
+    first = subprocess.run(cmd + ["run.inject_fault=kill_during_snapshot@step=4,rank=0"], cwd=ROOT, env=LAUNCH_ENV,
+                           capture_output=True, text=True, timeout=300)
+    assert first.returncode == -9 or first.returncode == 137, first.stdout[-3000:] + first.stderr[-3000:]
+    again = subprocess.run(cmd + ["run.inject_fault=kill_during_snapshot@step=4,rank=0"], cwd=ROOT, env=LAUNCH_ENV,
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    # the training thread may finish step 5 before the snapshot thread reaches the fault
+    lost = re.search(r"recovery: from memory \(own shards\) at step 2: ([23]) steps lost", again.stdout)
+    assert lost, again.stdout[-3000:]
+    assert redone_steps(run) == list(range(3, 3 + int(lost.group(1))))
+
+
+def test_shared_memory_too_small_is_one_line_with_the_size(tmp_path, monkeypatch):
+    import shutil
+    from engine.checkpoint import snapshot_writer
+    monkeypatch.setattr(snapshot_writer.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(1 << 30, 1 << 30, 4096))
+    with pytest.raises(CheckpointError, match=r"checkpoint.memory_dir=\S+ on \S+ has 0.00 GiB free but memory "
+                                              r"snapshots need 0.00 GiB \(1 ranks × 2 generations × own shard"):
+        tiny_trainer(f"run.dir={tmp_path / 'run'}", "checkpoint.memory_interval=2",
+                     f"checkpoint.memory_dir={tmp_path / 'shm'}")
+
+
+def test_a_malformed_fault_is_a_configuration_error(tmp_path):
+    done = subprocess.run(command(tmp_path / "run") + ["run.inject_fault=explode@step=1"], cwd=ROOT, env=LAUNCH_ENV,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "run.inject_fault='explode@step=1' is not KIND@step=N,rank=R" in done.stderr, \
+        done.stderr[-2000:]
