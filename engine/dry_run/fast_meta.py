@@ -1,12 +1,18 @@
-"""Elementwise kernels on the meta device at the cost of their shape arithmetic.
+"""Operators on the meta device at the cost of a dictionary look-up.
 
-torch registers Python meta functions for the elementwise operators (over the C++ ones): about a millisecond
-per call, which made up most of a simulated training step (a 7B rank issues tens of thousands). Under
-`FastMeta` the commonest ones, when every tensor is on the meta device (or a 0-dim scalar), are answered
-directly: the broadcast shape, torch's type promotion, the first input's layout where the shape is its own;
-an in-place one returns its input. Anything else (another operator, a shape that does not broadcast, a real
-tensor) goes to torch's own kernel, which also raises torch's errors. tests/test_dry_run.py holds the records of
-dry runs under it against real gloo runs.
+On the meta device an operator's result is its shape, strides and dtype, and those follow from its inputs'
+shapes, strides and dtypes and its other arguments alone. torch answers them with Python meta functions for
+many operators (about a millisecond per elementwise call) behind a dispatch that costs tens of microseconds
+more, and a training step asks the same questions again for every layer and micro-batch. `FastMeta` asks
+once: the first answer to (operator, every input's shape, strides, dtype and offset, every other argument) is
+kept, and the next identical call gets a fresh tensor of the kept shape and strides, or, for an in-place or
+out= operator, the tensor it writes. Only aten operators are kept whose inputs are all meta tensors (or 0-dim
+scalars); views, operators that change their input's shape, and anything whose result is not a fresh meta
+tensor or its written input go to torch each time (so do the fake process group's c10d collectives).
+A first call of a common elementwise operator is answered by its shape arithmetic (`FAST`): the broadcast
+shape, torch's type promotion, the first input's layout where the shape is its own; an in-place one returns
+its input; anything it does not cover goes to torch's own kernel, which also raises torch's errors.
+tests/test_dry_run.py holds the records of dry runs under it against real gloo runs.
 """
 from __future__ import annotations
 
@@ -134,12 +140,112 @@ FAST.update({op: _in_place for op in (aten.add_.Tensor, aten.sub_.Tensor, aten.m
                                       aten.addcdiv_.default, aten.lerp_.Scalar, aten.copy_.default)})
 
 
+_SKIP = {torch.Tag.inplace_view, torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output}
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
+
+
+def _describe(values, key: list, tensors: list) -> bool:
+    """Appends `values` (args, kwargs' values) to `key` (a tensor as is_meta, shape, strides, dtype, offset; a
+    list as its type and length, then its items; a plain value as its type and itself) and their tensors to
+    `tensors`; False if one is neither a meta tensor, a 0-dim scalar tensor nor a plain hashable value."""
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            meta = v.is_meta
+            if not meta and v.dim():
+                return False
+            key += (meta, v.shape, v.stride(), v.dtype, v.storage_offset())
+            tensors.append(v)
+        elif isinstance(v, (list, tuple)):
+            key += (list, len(v))
+            if not _describe(v, key, tensors):
+                return False
+        elif isinstance(v, _PLAIN):
+            key += (type(v), v)
+        else:
+            return False
+    return True
+
+
+def _signature(func, args, kwargs):
+    """The cache key of a call and its tensors, or (None, None) where the call is not one to keep."""
+    key, tensors = [id(func), torch.get_default_dtype(), len(args)], []
+    if not _describe(args, key, tensors):
+        return None, None
+    if kwargs:
+        key.append(tuple(kwargs))
+        if not _describe(kwargs.values(), key, tensors):
+            return None, None
+    return tuple(key), tensors
+
+
+def _keepable(func) -> bool:
+    """aten operators whose every result is a fresh tensor or (in place, out=) an input it writes."""
+    if func.namespace != "aten" or _SKIP.intersection(func.tags):
+        return False
+    returns = func._schema.returns
+    return bool(returns) and (all(r.alias_info is None for r in returns) or
+                              all(r.alias_info is not None and r.alias_info.is_write for r in returns))
+
+
+def _answer(out, before: list, tensors: list):
+    """What to keep of a result: ("new", (shape, strides, dtype)) or ("input", position) per tensor, and
+    whether it was one tensor; None if a result is neither, or an input it wrote changed shape (resized)."""
+    single = isinstance(out, torch.Tensor)
+    results = [out] if single else out
+    if not isinstance(results, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in results):
+        return None
+    kept = []
+    for t in results:
+        position = next((i for i, v in enumerate(tensors) if v is t), None)
+        if position is not None:
+            if before[position] != (t.shape, t.stride()):
+                return None
+            kept.append(("input", position))
+        elif t.is_meta and t.storage_offset() == 0 and t.untyped_storage().nbytes() == \
+                torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta").untyped_storage().nbytes():
+            kept.append(("new", (t.shape, t.stride(), t.dtype)))
+        else:
+            return None
+    return kept, single
+
+
+def _replay(answer, tensors):
+    kept, single = answer
+    out = [tensors[how] if kind == "input" else torch.empty_strided(how[0], how[1], dtype=how[2], device="meta")
+           for kind, how in kept]
+    return out[0] if single else tuple(out)
+
+
 class FastMeta(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.kept: dict = {}
+        self.keepable: dict = {}  # id(operator) -> _keepable (an OpOverload's own hash is Python, and slow)
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # nothing is compiled in a dry run: no torch._dynamo guard around every dispatch
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        keep = self.keepable.get(id(func))
+        if keep is None:
+            keep = self.keepable[id(func)] = _keepable(func)
+        key = tensors = None
+        if keep:
+            key, tensors = _signature(func, args, kwargs)
+            answer = self.kept.get(key) if key is not None else None
+            if answer is not None:
+                return _replay(answer, tensors)
+            before = [(t.shape, t.stride()) for t in tensors or ()]
+        out = NotImplemented
         fast = FAST.get(func)
         if fast is not None:
             out = fast(*args, **kwargs)
-            if out is not NotImplemented:
-                return out
-        return func(*args, **kwargs)
+        if out is NotImplemented:
+            out = func(*args, **kwargs)
+        if key is not None:
+            answer = _answer(out, before, tensors)
+            if answer is not None:
+                self.kept[key] = answer
+        return out
