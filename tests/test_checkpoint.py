@@ -139,34 +139,67 @@ def test_reshard_matrix_gives_the_same_next_step_loss(pool, tmp_path):
         assert abs(loss - reference) <= 1e-5, (name, loss, reference)
 
 
-# Saved at TP×PP×DP = 2×2×2 with ZeRO-3 (8 processes), loaded at other layouts and stages.
-THREE_D_LOAD_AT = {"1x1x1": (1, []), "4x1x2": (8, ["parallel.tensor=4"]),
-                   "1x4x2-zero1": (8, ["parallel.pipeline=4", "parallel.zero_stage=1"])}
+# Saved at TP×PP×DP = 2×2×2 with ZeRO-3 (8 ranks), loaded at other layouts and stages.
+THREE_D = ["parallel.tensor=2", "parallel.pipeline=2", "parallel.zero_stage=3"]
+THREE_D_LOAD_AT = {"4x1x2": ["parallel.tensor=4"], "1x4x2-zero1": ["parallel.pipeline=4", "parallel.zero_stage=1"]}
 
 
-def test_reshard_from_3d_zero3(tmp_path):
-    saved = launch(tmp_path / "src", "parallel.tensor=2", "parallel.pipeline=2", "parallel.zero_stage=3",
-                   "checkpoint.interval=3", "checkpoint.exit_after=4", nproc=8)
-    reference = saved[-1]["loss"]
+@pytest.fixture(scope="module")
+def pool8():
+    workers = WorkerPool(8)
+    yield workers
+    workers.close()
+
+
+def _save_3d_and_continue(rank, world, run_dir):
+    torch.set_num_threads(1)
+    t = trainer(run_dir, *THREE_D, rank=rank, world=world)
+    train(t, 3)
+    t.save_checkpoint()
+    t.checkpointer.wait()
+    return train(t, 1)[0]
+
+
+def test_reshard_from_3d_zero3(pool8, tmp_path):
+    reference = pool8.run(_save_3d_and_continue, str(tmp_path / "src"))[0]
     source = tmp_path / "src" / "checkpoints" / "step_00000003"
-    for name, (nproc, overrides) in THREE_D_LOAD_AT.items():
-        records = launch(tmp_path / name, f"checkpoint.load={source}", "checkpoint.exit_after=4", *overrides,
-                         nproc=nproc)
-        assert [r["step"] for r in records] == [4], name
-        assert abs(records[0]["loss"] - reference) <= 1e-5, (name, records[0]["loss"], reference)
+    losses = {name: pool8.run(_load_and_step, str(tmp_path / name), str(source), overrides)[0]
+              for name, overrides in THREE_D_LOAD_AT.items()}
+    single = trainer(tmp_path / "1x1x1", f"checkpoint.load={source}")
+    assert single.step == STEPS_BEFORE_SAVE
+    losses["1x1x1"] = train(single, 1)[0]
+    for name, loss in losses.items():
+        assert abs(loss - reference) <= 1e-5, (name, loss, reference)
 
 
-def test_hsdp_checkpoint_is_written_once_and_resumes(tmp_path):
+HSDP = ["parallel.zero_stage=3", "parallel.hsdp_group_size=2"]
+
+
+def _hsdp_save_and_continue(rank, world, run_dir):
+    torch.set_num_threads(1)
+    t = trainer(run_dir, *HSDP, rank=rank, world=world)
+    train(t, 2)
+    t.save_checkpoint()
+    t.checkpointer.wait()
+    return train(t, 1)[0]
+
+
+def _hsdp_resume(rank, world, run_dir, source):
+    torch.set_num_threads(1)
+    t = trainer(run_dir, *HSDP, f"checkpoint.load={source}", rank=rank, world=world)
+    return t.step, train(t, 1)[0]
+
+
+def test_hsdp_checkpoint_is_written_once_and_resumes(pool, tmp_path):
     """ZeRO-3 sharded within pairs, replicated across them: only the first replica group writes."""
-    hsdp = ["parallel.zero_stage=3", "parallel.hsdp_group_size=2"]
-    straight = launch(tmp_path / "a", *hsdp, "checkpoint.interval=2", "checkpoint.exit_after=3", nproc=4)
+    straight = pool.run(_hsdp_save_and_continue, str(tmp_path / "a"))[0]
     step2 = tmp_path / "a" / "checkpoints" / "step_00000002"
     for dp in range(4):  # every rank saves its RNG; optimizer state comes from the first replica group only
         with safe_open(str(step2 / f"tp00-pp00-dp{dp:03d}.safetensors"), "pt") as f:
             has_state = any(not key.startswith("rng/") for key in f.keys())
         assert has_state == (dp < 2), dp
-    resumed = launch(tmp_path / "b", *hsdp, f"checkpoint.load={step2}", "checkpoint.exit_after=3", nproc=4)
-    assert resumed[0]["step"] == 3 and resumed[0]["loss"] == straight[-1]["loss"]
+    step, resumed = pool.run(_hsdp_resume, str(tmp_path / "b"), str(step2))[0]
+    assert step == 2 and resumed == straight
 
 
 def test_checkpoints_by_wall_time(tmp_path, monkeypatch):
