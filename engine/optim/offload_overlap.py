@@ -34,13 +34,20 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 
+def worker_threads(threads: int) -> None:
+    """On the worker: its OpenMP team's size. torch initialises a thread's team from the process default at the
+    thread's first parallel region (get_num_threads), which would undo a setting made before it."""
+    torch.get_num_threads()
+    torch.set_num_threads(threads)
+
+
 class SpeculativeHostSteps:
     def __init__(self, opt, eligible: list[int], on_cuda: bool, threads: int = 0):
         self.opt, self.eligible = opt, set(eligible)
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="trilith-offload")
         if threads > 0:
             main = torch.get_num_threads()
-            self.worker.submit(torch.set_num_threads, threads).result()
+            self.worker.submit(worker_threads, threads).result()
             torch.set_num_threads(main)
         self.stream = torch.cuda.Stream() if on_cuda else None
         self.jobs: dict = {}
