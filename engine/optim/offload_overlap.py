@@ -100,7 +100,8 @@ class SpeculativeHostSteps:
         """Commit the speculative steps (waiting for them) or drop them: queued ones are cancelled, a running
         one is waited for. Returns (pieces committed, pieces whose host gradient is landed and unscaled).
         Records the host seconds and the part of them before `backward_end`."""
-        spans = [job.result() for job in self.jobs.values() if commit or not job.cancel()]
+        running = [job for job in self.jobs.values() if commit or not job.cancel()]  # all cancelled before a wait
+        spans = [job.result() for job in running]
         host = sum(end - start for start, end in spans)
         hidden = sum(max(0.0, min(end, backward_end) - start) for start, end in spans)
         self.readings = {"offload_host_s": host, "offload_hidden_s": hidden}
