@@ -10,7 +10,8 @@ dtype and fp32 masters (below fp32) plus the two Adam moments (under optim.name=
 blocks' matrices instead); stage ≥ 1 keeps a fp32 master and moments (or Muon's momentum) of its shard; stage 1 keeps full gradients, stages 2-3 their reduced shards (fp32 for the norm segment under
 bf16/fp16); stage 3 keeps only the parameter shard. `optim.offload_fraction` moves the state of some tensors
 (engine/optim/offload.py: whole parameters at stage 0, whole unit shards at stage ≥ 1, chosen as the engine chooses)
-to the host: 16 bytes per element there (fp32 master, two moments, the pinned gradient buffer), none left on
+to the host: 16 bytes per element there (fp32 master, two moments, the fp32 gradient buffer) and, under
+bf16/fp16, the 2-byte staging buffer the gradient crosses in (engine/optim/offload.HostGrad), none left on
 the device, and 12 more per element of a ZeRO unit stepped during backward (optim.offload_overlap: spare master
 and moments; under DDP, of a parameter stepped as its bucket is reduced: see ddp_overlaps). The host total of a
 node is its ranks × the fullest rank's, judged against HOST_SHARE of its memory.
@@ -146,7 +147,8 @@ def state_bytes(cfg: Config, units: list, shard_size: int, shard_rank: int | Non
         n = sum(params)
         muon = sum(k for name, k in named if muon_stepped(cfg, name))  # one momentum buffer, not two moments
         state = (n - host) * (8 if e == FP32 else 12) - muon * FP32
-        return n * e, n * e, state, 0, host * HOST_STATE + spares * HOST_SPARE
+        staging = sum(staging_bytes(e, k) for k, off in zip(params, on_host) if off) if e != FP32 else 0
+        return n * e, n * e, state, 0, host * HOST_STATE + spares * HOST_SPARE + staging
     shards = [-(-max(sum(n for _, n in unit), 1) // shard_size) for unit in units]
     on_host = offloaded(shards[::-1], fraction)[::-1]
     split = e != FP32
@@ -154,6 +156,7 @@ def state_bytes(cfg: Config, units: list, shard_size: int, shard_rank: int | Non
     optim = [0] * shard_size  # per rank: Muon's elements hold one fp32 buffer, not two moments
     spares = 0
     fp32_held = [0] * shard_size  # per rank: elements of the units' fp32 norm segments its shards hold
+    staging = [0] * shard_size  # per rank: the offloaded units' 16-bit gradient staging buffers (offload.HostGrad)
     for unit, host in zip(units, on_host):
         if host and cfg.optim.offload_overlap and not tp_summed_later(cfg, unit):
             spares += -(-max(sum(n for _, n in unit), 1) // shard_size)
@@ -162,8 +165,12 @@ def state_bytes(cfg: Config, units: list, shard_size: int, shard_rank: int | Non
         shard = -(-max(numel, 1) // shard_size)
         largest = max(largest, shard * shard_size * e)
         fp32_start = numel - fp32_numel
+        held32 = [0] * shard_size
         for rank in range(fp32_start // shard, -(-numel // shard)) if fp32_numel else ():
-            fp32_held[rank] += min(numel, (rank + 1) * shard) - max(fp32_start, rank * shard)
+            held32[rank] = min(numel, (rank + 1) * shard) - max(fp32_start, rank * shard)
+        fp32_held = [a + b for a, b in zip(fp32_held, held32)]
+        if host and split:
+            staging = [a + staging_bytes(e, shard, k) for a, k in zip(staging, held32)]
         weights += shard * (e if stage == 3 else e * shard_size)
         grads += shard * shard_size * e + fp32_numel * FP32 if stage == 1 else shard * e
         if not host:  # fp32 stage 3: the shard is the master
@@ -172,7 +179,13 @@ def state_bytes(cfg: Config, units: list, shard_size: int, shard_rank: int | Non
     grads += FP32 * (max(fp32_held) if shard_rank is None else fp32_held[shard_rank])
     optim = max(optim) if shard_rank is None else optim[shard_rank]
     return weights, grads, optim, largest, HOST_STATE * sum(s for s, host in zip(shards, on_host) if host) + \
-        HOST_SPARE * spares
+        HOST_SPARE * spares + (max(staging) if shard_rank is None else staging[shard_rank])
+
+
+def staging_bytes(e: int, numel: int, fp32_numel: int = 0) -> int:
+    """engine/optim/offload.HostGrad's 16-bit staging buffer: `numel` elements rounded up to even, then the
+    `fp32_numel` fp32-reduced ones in fp32."""
+    return e * (numel + numel % 2) + FP32 * fp32_numel
 
 
 def muon_stepped(cfg: Config, name: str) -> bool:

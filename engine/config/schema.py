@@ -177,7 +177,9 @@ class OptimConfig:
     offload_fraction: float = 0.0  # share of each rank's fp32 masters + Adam moments kept and stepped in host
         # memory, in whole tensors (engine/optim/offload.py, docs/offload.md); 0 = none, 1 = all
     offload_overlap: bool = True  # ZeRO: step each offloaded unit on a host thread as soon as its gradients are
-        # reduced during backward, speculatively, redone after backward when the step clips (engine/optim/offload_overlap.py)
+        # reduced during backward, speculatively, redone from its host gradient when the step clips (engine/optim/offload_overlap.py)
+    offload_threads: int = 0  # intra-op threads of the host step's worker thread; 0 = the node's cores over its
+        # local ranks (LOCAL_WORLD_SIZE), minus one for the rank's autograd and loader threads, at least one
     # Muon (engine/optim/muon.py), torch.optim.Muon's options and defaults; its learning rate follows the schedule
     muon_lr: float = 1e-3  # Muon's peak learning rate (scaled by the schedule as optim.lr is)
     muon_weight_decay: float = 0.1  # decoupled: each step the matrix is scaled by 1 - lr × weight_decay

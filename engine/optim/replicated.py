@@ -68,8 +68,9 @@ class MixedPrecisionAdamW:
         self.master = [offload.host_copy(p).requires_grad_(True) if host else
                        p if p.dtype == torch.float32 else p.detach().float().clone().requires_grad_(True)
                        for p, host in zip(self.params, on_host)]
-        # the pinned host buffers that an offloaded master's gradient arrives in
-        self.host_grads = {i: offload.host_empty(self.master[i]) for i, host in enumerate(on_host) if host}
+        # where an offloaded master's gradient arrives, in the parameter's dtype, upcast on the host
+        self.host_grads = {i: offload.HostGrad(self.master[i], self.params[i].dtype)
+                           for i, host in enumerate(on_host) if host}
         self.muon_ids = [i for i, (n, p) in enumerate(named_params) if uses_muon(n, p, cfg.name)]
         self.muon = muon_part([(named_params[i], self.master[i]) for i in self.muon_ids], cfg, topo) \
             if cfg.name == "muon" else None
@@ -87,12 +88,12 @@ class MixedPrecisionAdamW:
         eligible = [i for i in self.host_grads if gradients is not None and
                     overlaps(self.names[i], self.params[i], gradients, topo.tp_size)]
         if cfg.offload_overlap and eligible:
-            self.speculation = SpeculativeHostSteps(self, eligible, self.params[0].is_cuda)
+            self.speculation = SpeculativeHostSteps(self, eligible, self.params[0].is_cuda, offload.host_threads(cfg))
             self.spares = {i: [offload.host_empty(self.master[i]) for _ in range(3)] for i in eligible}
             self.spare_steps: dict = {}
             self.group_of = {id(m): g for g in self.inner.param_groups for m in g["params"]}
             index = {id(self.params[i]): i for i in eligible}
-            gradients.on_reduced = lambda params: [self.speculation.reduced(index[id(p)], p.grad.float())
+            gradients.on_reduced = lambda params: [self.speculation.reduced(index[id(p)])
                                                    for p in params if id(p) in index]
 
     def begin_step(self, lr: float) -> None:
@@ -158,12 +159,26 @@ class MixedPrecisionAdamW:
             grads.append(g)
         return grads
 
-    def _grads_to_host(self, grads: list, done: set) -> None:
-        """The offloaded masters' gradients into their host buffers, but for those `done` (stepped during
-        backward and committed: no gradient, so inner.step() passes them by)."""
-        offload.copy_to_host([(self.host_grads[i], grads[i]) for i in self.host_grads if i not in done])
+    def send_grad(self, i: int) -> list:
+        """Issue the copy of parameter i's gradient (its own dtype) to its host buffer; returns the tensor read."""
+        p = self.params[i]
+        grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        self.host_grads[i].send(grad)
+        return [grad]
+
+    def _grads_on_host(self, late: list, done: set, landed: set, coef: float | None) -> None:
+        """The offloaded masters' gradients, as the device has them (upcast, unscaled, clipped by `coef`), as
+        their `.grad`, but for those `done` (stepped during backward and committed: no gradient, so inner.step()
+        passes them by); those `landed` are upcast and unscaled already."""
+        offload.wait_for_device(late)
+        fresh = [self.host_grads[i].land() for i in self.host_grads if i not in done and i not in landed]
+        if self.scaler.enabled and fresh:
+            torch._foreach_div_(fresh, self.scaler.scale)
+        on_host = [self.host_grads[i].fp32 for i in self.host_grads if i not in done]
+        if coef is not None and on_host:
+            torch._foreach_mul_(on_host, coef)
         for i, buffer in self.host_grads.items():
-            self.master[i].grad = None if i in done else buffer
+            self.master[i].grad = None if i in done else buffer.fp32
 
     def global_grad_norm(self, grads: list) -> float:
         counted = [g for p, g in zip(self.params, grads) if counts_in_norm(p, self.topo.tp_rank)]
@@ -178,8 +193,12 @@ class MixedPrecisionAdamW:
     def step(self, lr: float) -> tuple[float, bool]:
         """Unscale, clip, update; returns (gradient norm before clipping, whether the step was skipped)."""
         backward_end = time.perf_counter()
+        sent = set()
         if self.speculation is not None:
             self.speculation.fence()
+            sent = self.speculation.sent()
+        # the other offloaded gradients cross now, before unscaling changes an fp32 gradient in place
+        late = [t for i in self.host_grads if i not in sent for t in self.send_grad(i)]
         grads = self._device_grads()
         if self.scaler.enabled:
             torch._foreach_div_(grads, self.scaler.scale)
@@ -187,16 +206,18 @@ class MixedPrecisionAdamW:
         overflow = not math.isfinite(norm)
         self.scaler.update(overflow)
         clip = not overflow and self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad
-        done = set()
+        done = landed = set()
         if self.speculation is not None:
             self.redos += int(clip and bool(self.speculation.jobs))
-            done = self.speculation.settle(not overflow and not clip, backward_end)
+            done, landed = self.speculation.settle(not overflow and not clip, backward_end)
         if overflow:
             return norm, True
-        if clip:
-            torch._foreach_mul_(grads, self.cfg.clip_grad / (norm + 1e-6))
+        coef = self.cfg.clip_grad / (norm + 1e-6) if clip else None
+        on_device = [g for i, g in enumerate(grads) if i not in self.host_grads]
+        if clip and on_device:  # the offloaded ones are clipped on the host, by the same coefficient
+            torch._foreach_mul_(on_device, coef)
         start = time.perf_counter()
-        self._grads_to_host(grads, done)
+        self._grads_on_host(late, done, landed, coef)
         if self.muon is not None:
             self.muon.step([grads[i].view(-1) for i in self.muon_ids], lr)
         for group in self.inner.param_groups:
@@ -216,7 +237,8 @@ class MixedPrecisionAdamW:
         spare masters and moments that overlapped steps write into."""
         masters = [self.master[i] for i in self.host_grads]
         moments = [t for m in masters for key, t in self.inner.state.get(m, {}).items() if key != "step"]
-        return masters + moments + list(self.host_grads.values()) + [t for s in self.spares.values() for t in s]
+        grads = [t for g in self.host_grads.values() for t in g.tensors()]
+        return masters + moments + grads + [t for s in self.spares.values() for t in s]
 
     def state_dict(self) -> dict:
         return {"inner": self.inner.state_dict(), "scaler": self.scaler.state_dict(),

@@ -16,8 +16,9 @@ momentum buffer for its shard ranges of them, their Newton–Schulz runs on the 
 and AdamW keeps moments for (and steps) only the stretches of each shard between them.
 
 `optim.offload_fraction` puts the masters and moments of some units' shards on the host (engine/optim/offload.py):
-their gradients are unscaled, measured and clipped on the device as the others', then copied to pinned host
-buffers; the same kernel steps them there, and write_shards copies the new masters back.
+their gradients cross to the host in their own dtype before the device unscales them (engine/optim/offload.HostGrad),
+are measured and the step decided on the device as the others', then upcast, unscaled and clipped on the host
+with the same operations; the same kernel steps them there, and write_shards copies the new masters back.
 """
 from __future__ import annotations
 
@@ -49,7 +50,9 @@ class ZeroAdamW:
         self.master = [offload.host_copy(u.param_shard) if host else
                        u.param_shard if sdp.stage == 3 and u.param_shard.dtype == torch.float32
                        else u.param_shard.detach().float().clone() for u, host in zip(sdp.units, on_host)]
-        self.host_grads = {i: offload.host_empty(m) for i, (m, host) in enumerate(zip(self.master, on_host)) if host}
+        # each offloaded unit's gradient crosses in its own dtype and is upcast on the host (offload.HostGrad)
+        self.host_grads = {i: offload.HostGrad(m, sdp.units[i].flat.dtype, sdp.units[i].fp32_local)
+                           for i, (m, host) in enumerate(zip(self.master, on_host)) if host}
         self.adam_step = 0
         self.scaler = LossScaler(precision == "fp16")
         # Muon's ranges (optim.name=muon) hold a momentum buffer; Adam's moments cover the rest of each shard, the
@@ -71,14 +74,14 @@ class ZeroAdamW:
         # offloaded units whose gradients are final once reduced (TP-replicated ones are summed over TP later)
         eligible = [i for i in self.host_grads if topo.tp_size == 1 or not any(
             getattr(r.param, "tp_replicated_grad", False) for r in sdp.units[i].shard_ranges)]
-        self.speculation = SpeculativeHostSteps(self, eligible, sdp.units[0].param_shard.is_cuda) \
+        self.speculation = SpeculativeHostSteps(self, eligible, sdp.units[0].param_shard.is_cuda,
+                                                offload.host_threads(cfg)) \
             if cfg.offload_overlap and eligible else None
         self.spares = {i: [offload.host_empty(self.master[i]) for _ in range(3)] for i in eligible} \
             if self.speculation is not None else {}
         if self.speculation is not None:
             index = {id(sdp.units[i]): i for i in eligible}
-            sdp.on_reduced = lambda unit: self.speculation.reduced(index[id(unit)], unit.master_grad()) \
-                if id(unit) in index else None
+            sdp.on_reduced = lambda unit: self.speculation.reduced(index[id(unit)]) if id(unit) in index else None
         self.redos = 0
 
     def _muon_part(self, cfg, topo) -> MuonPart:
@@ -110,8 +113,12 @@ class ZeroAdamW:
     def step(self, lr: float) -> tuple[float, bool]:
         """Unscale, clip, update the owned shards, refresh the parameters; returns (norm, skipped)."""
         backward_end = time.perf_counter()
+        sent = set()
         if self.speculation is not None:
             self.speculation.fence()
+            sent = self.speculation.sent()
+        # the other offloaded units' gradients cross now, before unscaling changes an fp32 shard in place
+        late = [t for i in self.host_grads if i not in sent for t in self.send_grad(i)]
         grads = [u.master_grad() for u in self.sdp.units]
         if self.scaler.enabled:
             torch._foreach_div_(grads, self.scaler.scale)
@@ -119,31 +126,47 @@ class ZeroAdamW:
         overflow = not math.isfinite(norm)
         self.scaler.update(overflow)
         clip = not overflow and self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad
-        done = self._settle(not overflow and not clip, clip, backward_end)
+        done, landed = self._settle(not overflow and not clip, clip, backward_end)
         if overflow:
             return norm, True
-        if clip:
-            torch._foreach_mul_(grads, self.cfg.clip_grad / (norm + 1e-6))
+        start = time.perf_counter()
+        offload.wait_for_device(late)
+        on_host = {i: self.host_grads[i].land() if i not in landed else self.host_grads[i].fp32
+                   for i in self.host_grads if i not in done}
+        if self.scaler.enabled and any(i not in landed for i in on_host):
+            torch._foreach_div_([g for i, g in on_host.items() if i not in landed], self.scaler.scale)
+        if clip:  # the same coefficient, on each gradient where it is stepped
+            on_device = [g for i, g in enumerate(grads) if i not in self.host_grads]
+            for group in (on_device, list(on_host.values())):
+                if group:
+                    torch._foreach_mul_(group, self.cfg.clip_grad / (norm + 1e-6))
         if self.muon is not None:
             self.muon.step([grads[i][r.shard_start:r.shard_end] for i, r in self.muon_ranges], lr)
         rest = [i for i in range(len(grads)) if i not in done]
-        start = time.perf_counter()
-        offload.copy_to_host([(self.host_grads[i], grads[i]) for i in rest if i in self.host_grads])
-        self.update(rest, [self.host_grads.get(i, grads[i]) for i in rest], lr, self.adam_step)
+        self.update(rest, [on_host.get(i, grads[i]) for i in rest], lr, self.adam_step)
         if self.speculation is not None:  # what the host stepped after backward, in full view
             self.speculation.readings["offload_host_s"] += time.perf_counter() - start
         self.adam_step += 1
         self.sdp.write_shards(self.master)
         return norm, False
 
-    def _settle(self, commit: bool, clip: bool, backward_end: float) -> set:
-        """The units whose speculative host step is committed; counts a redo when clipping discards some."""
+    def _settle(self, commit: bool, clip: bool, backward_end: float) -> tuple[set, set]:
+        """(units whose speculative host step is committed, units whose host gradient is landed and unscaled);
+        counts a redo when clipping discards some."""
         if self.speculation is None:
-            return set()
+            return set(), set()
         speculated = len(self.speculation.jobs)
         done = self.speculation.settle(commit, backward_end)
         self.redos += int(clip and speculated > 0)
         return done
+
+    def send_grad(self, i: int) -> list:
+        """Issue the copies of unit i's reduced gradient to its host buffers; returns the device tensors read."""
+        unit = self.sdp.units[i]
+        grad = unit.grad_shard if unit.grad_shard is not None else \
+            torch.zeros(unit.shard_numel, dtype=unit.flat.dtype, device=unit.param_shard.device)
+        self.host_grads[i].send(grad, unit.grad32 if unit.grad_shard is not None else None)
+        return [t for t in (grad, unit.grad32) if t is not None]
 
     def update(self, indices: list, grads: list, lr: float, adam_step: int, masters=None, exp_avgs=None,
                exp_avg_sqs=None) -> None:
@@ -231,7 +254,7 @@ class ZeroAdamW:
         spare masters and moments that overlapped steps write into."""
         spares = [t for spare in self.spares.values() for t in spare]
         return [t for i, grad in self.host_grads.items()
-                for t in (self.master[i], self.exp_avg[i], self.exp_avg_sq[i], grad)] + spares
+                for t in (self.master[i], self.exp_avg[i], self.exp_avg_sq[i], *grad.tensors())] + spares
 
 
 def adam_runs(numel: int, muon: list[tuple[int, int]]) -> list[tuple[int, int, int]]:

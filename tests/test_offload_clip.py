@@ -1,0 +1,125 @@
+"""Offload's clipped steps and 16-bit transfers (issue 49, items 2, 3 and 6's fp16 case): with clipping on every
+step or on none, bf16 and fp16, DDP and ZeRO, offload with overlap changes no bit against no offload; every
+offloaded gradient crosses to the host exactly once per step (a clipped step scales the host copy it has); a
+16-bit gradient crosses in 16 bits; a speculative job still queued when the step clips is cancelled, not run.
+"""
+import threading
+import time
+
+import pytest
+import torch
+
+from engine.config.schema import validate
+from engine.optim.offload import HostGrad
+from engine.optim.offload_overlap import SpeculativeHostSteps
+from engine.train import Trainer
+from parallel.distributed import DistEnv
+from tests.distributed import worker_pools
+from tests.test_data_parallel import make_config
+from tests.test_offload import assert_same, owned
+
+STEPS = 6
+BASE = {"model": dict(hidden_size=32, num_layers=2, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=64,
+                      vocab_size=61, seq_length=16),
+        "train": dict(micro_batch_size=1, global_batch_size=8, steps=STEPS, seed=11),
+        "optim": dict(lr=3e-3, warmup_steps=2), "data": dict(mock=True)}
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with worker_pools(2) as made:
+        yield made[2]
+
+
+def run(rank, world, precision, fraction, clip, parallel):
+    """STEPS steps; (steps, owned state, host pieces, sends per step, 16-bit bytes sent, overlap readings)."""
+    base = {**BASE, "train": dict(BASE["train"], precision=precision),
+            "optim": dict(BASE["optim"], offload_fraction=fraction, clip_grad=clip)}
+    cfg = make_config(base, **parallel)
+    validate(cfg, world)
+    trainer = Trainer(cfg, DistEnv(rank, world, 0, torch.device("cpu"), "gloo"))
+    opt, sends = trainer.optimizer, []
+    if fraction:
+        send = opt.send_grad
+
+        def counted(i):
+            sent = send(i)
+            sends.append(sum(t.element_size() for t in sent[:1]))  # the bytes per element the gradient crosses in
+            return sent
+        opt.send_grad = counted
+    records, per_step = [], []
+    for _ in range(STEPS):
+        before = len(sends)
+        records.append(trainer.train_step())
+        per_step.append(len(sends) - before)
+    trainer.loader.close()
+    return ([(r["loss"], r["grad_norm"], r["skipped"]) for r in records], owned(trainer),
+            len(opt.host_grads) if fraction else 0, per_step, set(sends),
+            [r.get("offload_redos") for r in records])
+
+
+# (id, precision, clip, parallel): clipping bites on every step (0.01) or never (0: off)
+CASES = [
+    ("ddp-bf16-clip-every-step", "bf16", 0.01, dict(zero_stage=0)),
+    ("zero1-bf16-clip-every-step", "bf16", 0.01, dict(zero_stage=1)),
+    ("zero2-fp16-no-clip", "fp16", 0.0, dict(zero_stage=2)),
+    ("ddp-fp16-clip-every-step", "fp16", 0.01, dict(zero_stage=0)),
+]
+
+
+@pytest.mark.parametrize("precision,clip,parallel", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_offload_with_overlap_is_exact_and_copies_each_gradient_once(pool, precision, clip, parallel):
+    off = pool.run(run, precision, 0.0, clip, parallel)
+    on = pool.run(run, precision, 1.0, clip, parallel)
+    for (steps_off, state_off, *_), (steps_on, state_on, pieces, per_step, widths, redos) in zip(off, on):
+        assert pieces > 0
+        assert steps_on == steps_off
+        assert_same(state_off, state_on)
+        assert per_step == [pieces] * STEPS  # once per step, clipped or not
+        assert widths == {2}  # 16-bit gradients cross in 16 bits
+        finite = [n for _, n, skipped in steps_off if not skipped]
+        if clip:
+            assert all(n > clip for n in finite)
+            assert redos[-1] == len(finite)  # each clipped step discarded its speculation
+        else:
+            assert redos[-1] == 0
+
+
+class _Scaler:
+    enabled, scale = False, 1.0
+
+
+class _Optimizer:
+    """The state interface SpeculativeHostSteps steps through: piece 0's job blocks until released."""
+
+    def __init__(self):
+        self.host_grads = {i: HostGrad(torch.zeros(4), torch.bfloat16) for i in range(3)}
+        self.scaler, self.adam_step, self.stepped = _Scaler(), 0, []
+        self.release = threading.Event()
+
+    def send_grad(self, i):
+        grad = torch.full((4,), float(i + 1), dtype=torch.bfloat16)
+        self.host_grads[i].send(grad)
+        return [grad]
+
+    def speculate(self, i, grad, lr, adam_step):
+        assert not torch.is_grad_enabled()  # the worker runs without autograd
+        if i == 0:
+            self.release.wait(10)
+        self.stepped.append((i, grad.clone()))
+
+
+def test_a_clipped_step_cancels_the_jobs_not_started():
+    opt = _Optimizer()
+    steps = SpeculativeHostSteps(opt, [0, 1, 2], on_cuda=False, threads=1)
+    steps.begin(lr=1.0)
+    for i in range(3):
+        steps.reduced(i)
+    threading.Timer(0.2, opt.release.set).start()
+    started = time.perf_counter()
+    committed, landed = steps.settle(commit=False, backward_end=started)
+    assert committed == set() and landed == {0}  # piece 0 was running: waited for; 1 and 2 cancelled
+    assert [i for i, _ in opt.stepped] == [0]
+    assert torch.equal(opt.stepped[0][1], torch.ones(4))  # upcast on the host
+    assert opt.host_grads[1].land().tolist() == [2.0] * 4  # the copy made stays usable for the redo
+    assert steps.worker.submit(torch.get_num_threads).result() == 1  # optim.offload_threads
