@@ -7,6 +7,7 @@ corrupt file, a snapshot cut short, another run's snapshots), starts a new Train
 trains to the end. The resumed steps' losses and gradient norms must equal the uninterrupted run's exactly
 (same process, same layout: bit for bit), and the recovery line must name the tier and the step.
 """
+import contextlib
 import json
 import logging
 import os
@@ -33,7 +34,7 @@ BASE = {"model": dict(hidden_size=32, num_layers=2, num_attention_heads=4, num_k
 
 
 class Failure(Exception):
-    pass
+    """The injected failure that ends the first run."""
 
 
 class FailAfter:
@@ -90,10 +91,8 @@ def run_case(rank, world, tmp, parallel, case, interval):
     try:
         run = f"{case}-{parallel.get('tensor', 1)}"
         first = trainer(rank, world, tmp, run, parallel, interval=interval)
-        try:
+        with contextlib.suppress(Failure):
             first.train(MetricsLog(Path(tmp), enabled=False), FailAfter(FAIL_AT))
-        except Failure:
-            pass
         first.memory.wait()
         dist.barrier()
         damage(rank, tmp, run, case)

@@ -10,6 +10,7 @@ A child that dies is a failed copy, retried by the uploader like any other, in a
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 
@@ -19,10 +20,8 @@ NICE = 10  # added to the child's niceness: the copy yields the CPU to the train
 
 
 def _serve(location, conn) -> None:
-    try:
+    with contextlib.suppress(OSError):  # not permitted here: the copy still leaves the parent's GIL alone
         os.nice(NICE)
-    except OSError:  # not permitted here: the copy still leaves the parent's GIL alone
-        pass
     while True:
         try:
             method, args = conn.recv()
