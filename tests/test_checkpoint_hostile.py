@@ -13,6 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import engine.checkpoint.checkpointer
 from engine.checkpoint.files import CheckpointError, copy_verified, read_latest, step_dirs
+from engine.checkpoint.hf_config import KERNELS_CLASH
 from engine.checkpoint.manifest import SafetensorsRanges
 from engine.train import main as train_main
 from tests.distributed import WorkerPool
@@ -255,3 +256,23 @@ def test_damaged_files_without_checksums_are_named(tmp_path):
     one_line_error(lambda: trainer(tmp_path, "checkpoint.verify=false"), step / "metadata.json", "scaler")
     edit_manifest(step, lambda manifest: manifest.pop("tensors"))
     one_line_error(lambda: trainer(tmp_path, "checkpoint.verify=false"), step / "manifest.json", "'tensors'")
+
+
+def test_hugging_face_kernels_package_beside_trilith_is_one_line(tmp_path):
+    """transformers >= 5.25 installs Hugging Face's `kernels` and imports it when its metadata says a supported
+    version is there; Trilith's kernels/ has that import name. A distribution record at such a version (what
+    `pip install kernels` leaves) makes transformers take Trilith's package: the export says so in one line."""
+    import_utils = pytest.importorskip("transformers.utils.import_utils")
+    version = getattr(import_utils, "KERNELS_MIN_VERSION", None)
+    if version is None:
+        pytest.skip("this transformers does not import `kernels`")
+    record = tmp_path / "site" / f"kernels-{version}.dist-info"
+    record.mkdir(parents=True)
+    (record / "METADATA").write_text(f"Metadata-Version: 2.1\nName: kernels\nVersion: {version}\n")
+    done = subprocess.run([sys.executable, "tools/ckpt_convert.py", "--to", "hf", "--load-dir", str(tmp_path / "c"),
+                           "--save-dir", str(tmp_path / "hf")], cwd=ROOT, capture_output=True, text=True,
+                          env={"PYTHONPATH": f"{ROOT}:{tmp_path / 'site'}", "OMP_NUM_THREADS": "1",
+                               "PATH": "/usr/bin:/bin"}, timeout=300)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines() == [KERNELS_CLASH], done.stderr
+    assert not (tmp_path / "hf").exists()

@@ -35,7 +35,8 @@ from engine.checkpoint.manifest import (FORMAT, KEYS, MANIFEST, METADATA, VERSIO
                                         global_shape, local_from_global, merge_entries, open_verified, rank_file,
                                         tensor_entry)
 from data.offline.hf_tokenizer import export_tokenizer  # noqa: E402
-from engine.checkpoint.hf_config import hf_config_dict, model_from_hf, token_ids, v4_rope_fields  # noqa: E402
+from engine.checkpoint.hf_config import (hf_config_dict, import_transformers, model_from_hf, token_ids,  # noqa: E402
+                                         v4_rope_fields)
 from engine.config.schema import Config, ConfigError, ModelConfig, from_dict, to_dict, validate  # noqa: E402
 from engine.model import CausalLM  # noqa: E402
 from parallel.tensor import TensorParallel  # noqa: E402
@@ -131,13 +132,13 @@ def retarget(cfg: Config, tp: int, pp: int) -> dict:
 def hf_config(model: ModelConfig, tokens: dict):
     """The transformers config of the model's family (engine/checkpoint/hf_config.py), with the special ids: bos/eos/pad
     always (null when unknown), any other `*_token_id` (unk, sep, ...) when the import recorded one."""
-    from transformers import AutoConfig
+    transformers = import_transformers()
     try:
         fields = hf_config_dict(model)
     except ConfigError as exc:
         raise SystemExit(f"ckpt_convert: {exc}")
-    return AutoConfig.for_model(**fields, **{"bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
-                                             **tokens})
+    return transformers.AutoConfig.for_model(**fields, **{"bos_token_id": None, "eos_token_id": None,
+                                                          "pad_token_id": None, **tokens})
 
 
 def save_hf_config(config, model: ModelConfig, out: Path) -> None:
@@ -202,7 +203,7 @@ def export_tokens(meta: dict, tokenizer: str, out: Path, model: ModelConfig) -> 
 
 
 def to_hf(args) -> None:
-    from transformers import GenerationConfig
+    GenerationConfig = import_transformers().GenerationConfig
     reader = open_checkpoint(args.load_dir)
     model = ModelConfig(**reader.metadata["config"]["model"])
     out = Path(args.save_dir)

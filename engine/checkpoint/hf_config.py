@@ -17,6 +17,10 @@ from __future__ import annotations
 from engine.config.schema import ConfigError, ModelConfig
 from kernels.rope import rope_scaling_problem
 
+KERNELS_CLASH = ("transformers cannot load beside Trilith: transformers >= 5.25 imports Hugging Face's `kernels` "
+                 "package, and Trilith's own kernels/ package has that import name; fix: "
+                 "pip install 'transformers<5.25' (what setup.py installs), or pip uninstall kernels")
+
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 MAPPED = {  # config.json field -> model.* key
@@ -226,3 +230,16 @@ def hf_config_dict(model: ModelConfig) -> dict:
 def v4_rope_fields(model: ModelConfig) -> dict:
     """Top-level `rope_theta` and `rope_scaling`: what transformers 4.x, llama.cpp and vLLM read."""
     return {"rope_theta": model.rope_theta, "rope_scaling": dict(model.rope_scaling) or None}
+
+
+def import_transformers():
+    """transformers, loaded as far as a model class needs; a clash over the name `kernels` is one line, not an
+    ImportError from inside transformers."""
+    try:
+        import transformers
+        import transformers.activations  # noqa: F401  (the module that imports `kernels` when it is installed)
+    except ImportError as exc:
+        if "kernels" in str(exc):
+            raise SystemExit(KERNELS_CLASH) from None
+        raise
+    return transformers
