@@ -68,3 +68,10 @@ def write_jsonl(path, records, ensure_ascii: bool = True) -> str:
         for r in records:
             f.write((r if isinstance(r, str) else json.dumps(r, ensure_ascii=ensure_ascii)) + "\n")
     return str(path)
+
+
+def single_losses(run_dir, *overrides: str, config: str = TINY) -> list[float]:
+    """The losses of every step of a single-process run of `config` with `overrides`, trained here (the curve a
+    launched run is held against, without a process that imports torch again)."""
+    trainer = tiny_trainer(f"run.dir={run_dir}", *overrides, config=config)
+    return [trainer.train_step()["loss"] for _ in range(trainer.cfg.train.steps)]

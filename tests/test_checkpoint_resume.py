@@ -23,11 +23,16 @@ LAYOUTS = [
 ]
 
 
+STEPS, SAVED = 10, 5  # a run of STEPS steps, saved at SAVED (after the warm-up, before the cosine's end)
+RUN = [f"train.steps={STEPS}"]
+SAVED_DIR = f"step_{SAVED:08d}"
+
+
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
-    """The straight single-process run (saving at steps 10 and 20), shared by the tests below."""
+    """The straight single-process run (saving at steps SAVED and STEPS), shared by the tests below."""
     run_dir = tmp_path_factory.mktemp("single")
-    return run_dir, launch(run_dir, "checkpoint.interval=10")
+    return run_dir, launch(run_dir, *RUN, f"checkpoint.interval={SAVED}")
 
 
 @pytest.mark.parametrize("nproc,overrides", [(n, o) for _, n, o in LAYOUTS], ids=[i for i, _, _ in LAYOUTS])
@@ -35,21 +40,22 @@ def test_resume_in_a_new_process_repeats_the_straight_run_exactly(tmp_path, sing
     if nproc == 1 and not overrides:
         source, straight = single
     else:
-        source, straight = tmp_path / "a", launch(tmp_path / "a", "checkpoint.interval=10", *overrides, nproc=nproc)
-    resumed = launch(tmp_path / "b", f"checkpoint.load={source / 'checkpoints' / 'step_00000010'}", *overrides,
+        source, straight = tmp_path / "a", launch(tmp_path / "a", *RUN, f"checkpoint.interval={SAVED}", *overrides,
+                                                  nproc=nproc)
+    resumed = launch(tmp_path / "b", *RUN, f"checkpoint.load={source / 'checkpoints' / SAVED_DIR}", *overrides,
                      nproc=nproc)
-    assert [r["step"] for r in resumed] == list(range(11, 21))
-    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight[10:]]
-    assert [r["grad_norm"] for r in resumed] == [r["grad_norm"] for r in straight[10:]]
+    assert [r["step"] for r in resumed] == list(range(SAVED + 1, STEPS + 1))
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight[SAVED:]]
+    assert [r["grad_norm"] for r in resumed] == [r["grad_norm"] for r in straight[SAVED:]]
     assert resumed[-1]["consumed_samples"] == straight[-1]["consumed_samples"]
 
 
 def test_stopped_run_resumes_from_its_own_latest(tmp_path, single):
     straight = single[1]
-    launch(tmp_path / "b", "checkpoint.exit_after=10")
-    assert read_latest(tmp_path / "b" / "checkpoints").name == "step_00000010"
-    records = launch(tmp_path / "b")  # same run.dir, no checkpoint.load: continues where it stopped
-    assert [r["step"] for r in records] == list(range(1, 21))
+    launch(tmp_path / "b", *RUN, f"checkpoint.exit_after={SAVED}")
+    assert read_latest(tmp_path / "b" / "checkpoints").name == SAVED_DIR
+    records = launch(tmp_path / "b", *RUN)  # same run.dir, no checkpoint.load: continues where it stopped
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in records] == [r["loss"] for r in straight]
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed import free_port
-from tests.helpers import ROOT, TINY, read_metrics
+from tests.helpers import ROOT, TINY, read_metrics, single_losses
 
 STEPS = 6
 BIN = Path(sys.executable).parent
@@ -42,9 +42,8 @@ def popen(cmd: list[str], **env: str) -> subprocess.Popen:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("single")
-    finish(popen(script(run_dir=run_dir)))
-    return losses(run_dir)
+    """The single-process curve (trained in this process: the launched runs below are what is tested)."""
+    return single_losses(tmp_path_factory.mktemp("single"), f"train.steps={STEPS}")
 
 
 def assert_same_curve(reference: list[float], run_dir: Path) -> None:
@@ -151,10 +150,7 @@ def test_max_restarts_brings_a_killed_rank_back_on_the_uninterrupted_curve(tmp_p
     records = read_metrics(tmp_path / "run")
     second = records[int(resumed.group(1)) - steps:]  # metrics.jsonl is appended to: the restarted attempt last
     assert [r["step"] for r in second] == list(range(int(resumed.group(1)) + 1, steps + 1))
-    reference = subprocess.run(script(run_dir=tmp_path / "single")[:-1] + [f"train.steps={steps}"], cwd=ROOT,
-                               env=ENV, capture_output=True, text=True, timeout=300)
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    want = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "single")}
+    want = dict(enumerate(single_losses(tmp_path / "single", f"train.steps={steps}"), 1))
     assert max(abs(r["loss"] - want[r["step"]]) for r in second) <= 1e-4
 
 

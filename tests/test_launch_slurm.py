@@ -7,14 +7,13 @@ import os
 import re
 import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, TINY, read_metrics
+from tests.helpers import ROOT, TINY, read_metrics, single_losses
 from tests.slurm_cluster import SlurmCluster, SlurmUnavailable
 
 BIN = Path(sys.executable).parent
@@ -47,10 +46,8 @@ def steps_per_attempt(run_dir: Path) -> list[list[dict]]:
 
 
 def reference_losses(run_dir: Path, steps: int) -> list[float]:
-    done = subprocess.run(["bash", "launch/run_pretrain.sh", "--config", TINY, f"run.dir={run_dir}",
-                           f"train.steps={steps}"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [r["loss"] for r in steps_per_attempt(run_dir)[0]]
+    """The single-process curve of a `steps`-step run (trained in this process)."""
+    return single_losses(run_dir, f"train.steps={steps}")
 
 
 def wait_for_steps(cluster, job: str, run_dir: Path, out: Path, steps: int) -> Path:

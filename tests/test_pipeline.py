@@ -19,6 +19,7 @@ import torch.distributed as dist
 from engine.config.schema import Config, ConfigError, ModelConfig, load_config, validate
 from engine.memory_estimate import stage_chunks
 from engine.model import CausalLM
+from engine.observe.metrics import MetricsLog
 from engine.stage_balance import chunk_layers, output_layer_cost
 from engine.train import Trainer, build_model_chunks
 from parallel import comm
@@ -30,7 +31,7 @@ from parallel.stage_layers import (balanced_layer_counts, chunk_layer_counts, st
 from parallel.tensor import TensorParallel
 from parallel.topology import Layout, Topology
 from tests.distributed import WorkerPool, gloo_semantics
-from tests.helpers import ROOT, TINY, launch, tiny_trainer
+from tests.helpers import ROOT, TINY, tiny_trainer
 from tools.pipeline_trace import analytic_bubble, bubble_fractions, timeline
 
 TOL = 1e-5
@@ -386,31 +387,40 @@ def test_validation_loss_matches_single_process_on_every_layout(pool):
             assert max(abs(a - b) for a, b in zip(got, reference)) <= 1e-5, (layout, got, reference)
 
 
-def _launch_records(run_dir: Path, *overrides: str, nproc: int = 1) -> list[dict]:
-    return launch(run_dir, "train.steps=10", *overrides, nproc=nproc)
+def _records(rank, world, run_dir: str, overrides) -> list[dict]:
+    """Every step's record of a 10-step run of the tiny recipe with `overrides` (validated as the launcher
+    validates), trained on `world` ranks as launch/run_pretrain.sh trains them."""
+    torch.set_num_threads(1)
+    trainer = tiny_trainer(f"run.dir={run_dir}", "train.steps=10", *overrides, rank=rank, world=world,
+                           validated=True)
+    return trainer.train(MetricsLog(run_dir, enabled=False))
 
 
-def _launch(run_dir: Path, *overrides: str, nproc: int = 1) -> list[float]:
-    return [r["loss"] for r in _launch_records(run_dir, *overrides, nproc=nproc)]
+@pytest.fixture(scope="module")
+def pool8():
+    made = WorkerPool(8)
+    yield made
+    made.close()
 
 
-def test_tp2_pp2_dp2_on_8_processes_follows_single_process_curve(tmp_path):
-    single = _launch(tmp_path / "single")
-    layered = _launch(tmp_path / "3d", "parallel.tensor=2", "parallel.pipeline=2", nproc=8)
+def test_tp2_pp2_dp2_on_8_processes_follows_single_process_curve(pool8, tmp_path):
+    single = [r["loss"] for r in _records(0, 1, str(tmp_path / "single"), [])]
+    layered = [r["loss"] for r in pool8.run(_records, str(tmp_path / "3d"),
+                                            ["parallel.tensor=2", "parallel.pipeline=2"])[0]]
     assert len(layered) == len(single) == 10
     for step, (a, b) in enumerate(zip(single, layered), 1):
         assert abs(a - b) <= 1e-4, (step, a, b)
 
 
-def test_every_feature_at_once_on_8_processes_follows_the_single_process(tmp_path):
+def test_every_feature_at_once_on_8_processes_follows_the_single_process(pool8, tmp_path):
     """TP2 + SP × PP2 × DP2 with ZeRO-3, document-masked packing, the fused output loss, validation and the
     monitor's readings: losses and validation losses within 1e-4 of one process, head-variance ratios 1e-3."""
     features = ["model.vocab_size=64", "data.eod_token_id=5", "data.reset_attention_mask=true",
                 "data.reset_position_ids=true", "data.eod_mask_loss=true", "model.fused_lm_head_loss=true",
                 "model.loss_chunk_tokens=16", "train.eval_interval=5", "train.eval_iters=2", "run.monitor_interval=5"]
-    single = _launch_records(tmp_path / "single", *features)
-    layered = _launch_records(tmp_path / "3d", *features, "parallel.tensor=2", "parallel.pipeline=2",
-                              "parallel.sequence_parallel=true", "parallel.zero_stage=3", nproc=8)
+    single = _records(0, 1, str(tmp_path / "single"), features)
+    layered = pool8.run(_records, str(tmp_path / "3d"), [*features, "parallel.tensor=2", "parallel.pipeline=2",
+                                                         "parallel.sequence_parallel=true", "parallel.zero_stage=3"])[0]
     assert [r["step"] for r in layered] == list(range(1, 11))
     for a, b in zip(single, layered):
         assert abs(a["loss"] - b["loss"]) <= 1e-4, (a["step"], a["loss"], b["loss"])
