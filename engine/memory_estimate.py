@@ -158,7 +158,7 @@ def state_bytes(cfg: Config, units: list, shard_size: int, shard_rank: int | Non
     fp32_held = [0] * shard_size  # per rank: elements of the units' fp32 norm segments its shards hold
     staging = [0] * shard_size  # per rank: the offloaded units' 16-bit gradient staging buffers (offload.HostGrad)
     for unit, host in zip(units, on_host):
-        if host and cfg.optim.offload_overlap and not tp_summed_later(cfg, unit):
+        if host and cfg.optim.offload_overlap != "false" and not tp_summed_later(cfg, unit):
             spares += -(-max(sum(n for _, n in unit), 1) // shard_size)
         numel = sum(n for _, n in unit)
         fp32_numel = sum(n for name, n in unit if split and reduces_in_fp32(name, cfg.parallel.fp32_reduce))
@@ -209,7 +209,7 @@ def ddp_overlaps(cfg: Config, name: str, reduce_size: int) -> bool:
     """engine/optim/replicated.overlaps from the configuration: an offloaded parameter stepped during backward (and so
     holding spares) under DDP with optim.offload_overlap."""
     p, low_precision = cfg.parallel, cfg.train.precision != "fp32"
-    return (cfg.optim.offload_overlap and reduce_size > 1 and not p.hierarchical_node_size
+    return (cfg.optim.offload_overlap != "false" and reduce_size > 1 and not p.hierarchical_node_size
             and "embed_tokens" not in name and "lm_head" not in name
             and not (low_precision and reduces_in_fp32(name, p.fp32_reduce))
             and not tp_summed_later(cfg, [(name, 0)]))
@@ -599,6 +599,17 @@ def report(cfg: Config, world_size: int, device_memory: int = 0, host_memory: in
     return "\n".join(lines)
 
 
+def ddp_offload_warning(cfg: Config, world_size: int) -> str | None:
+    """One line when offload runs under DDP with more than one data-parallel rank: each rank then keeps and steps
+    the whole offloaded share on its node's host (DeepSpeed offers offload with ZeRO ≥ 1 only)."""
+    dp = data_parallel_size(cfg, world_size) * cfg.parallel.context
+    if cfg.optim.offload_fraction <= 0 or cfg.parallel.zero_stage != 0 or dp < 2:
+        return None
+    return (f"optim.offload_fraction={cfg.optim.offload_fraction:g} under DDP (parallel.zero_stage=0): each of the "
+            f"{dp} data-parallel ranks keeps and steps the same offloaded state on its node's host, {dp}× the host "
+            f"memory and AdamW work of ZeRO-1; set parallel.zero_stage=1, which shards it over them")
+
+
 def host_report(cfg: Config, world_size: int, stages: list, memory: int, ranks_per_node: int) -> str:
     snapshots = snapshot_host_bytes(cfg, world_size)
     per_rank = max(s.host for s in stages) + snapshots
@@ -608,8 +619,9 @@ def host_report(cfg: Config, world_size: int, stages: list, memory: int, ranks_p
                     f"{gib(snapshot_shard_bytes(cfg, world_size))}")
     line = (f"  host memory ({'; '.join(what)}): {gib(per_rank)} on the fullest "
             f"rank, {gib(per_rank * ranks_per_node)} per node of {ranks_per_node} ranks")
-    if not memory:
-        return line
-    problem = host_problem(cfg, world_size, ranks_per_node, memory)
-    return line + (f"\n  HOST DOES NOT FIT: {problem}" if problem else
-                   f": fits {HOST_SHARE:.0%} of {gib(memory)} node memory")
+    if memory:
+        problem = host_problem(cfg, world_size, ranks_per_node, memory)
+        line += (f"\n  HOST DOES NOT FIT: {problem}" if problem else
+                 f": fits {HOST_SHARE:.0%} of {gib(memory)} node memory")
+    warning = ddp_offload_warning(cfg, world_size)
+    return line + (f"\n  WARNING {warning}" if warning else "")

@@ -34,7 +34,7 @@ from engine.checkpoint.files import CheckpointError
 from engine.checkpoint.hf_weights import fill_model_from_hf
 from engine.checkpoint.load_check import check_load
 from engine.config.schema import Config, ConfigError, data_parallel_size, load_config, validate
-from engine.memory_estimate import device_memory, host_problem, node_memory, report
+from engine.memory_estimate import ddp_offload_warning, device_memory, host_problem, node_memory, report
 from engine.observe.rank_sniff import sniff
 from engine.plan.planner import warning as layout_warning
 from engine.plan.profile import default_profile, load_profile
@@ -215,6 +215,9 @@ def preflight(cfg: Config, env: DistEnv, steps: int = STEPS) -> bool:
         advice = layout_advice(real, env.world_size, env.device, ranks_per_node)
         if advice:
             log.warning(f"pre-flight: WARNING {advice}")
+        offload_advice = ddp_offload_warning(real, env.world_size)
+        if offload_advice:
+            log.warning(f"pre-flight: WARNING {offload_advice}")
     m = small.model
     cp = f" × CP {small.parallel.context}" if small.parallel.context > 1 else ""
     log.info(f"pre-flight: {env.world_size} ranks, TP {small.parallel.tensor}{cp} × PP {small.parallel.pipeline}, "

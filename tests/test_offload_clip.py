@@ -31,10 +31,10 @@ def pool():
         yield made[2]
 
 
-def run(rank, world, precision, fraction, clip, parallel):
+def run(rank, world, precision, fraction, clip, overlap, parallel):
     """STEPS steps; (steps, owned state, host pieces, sends per step, 16-bit bytes sent, overlap readings)."""
     base = {**BASE, "train": dict(BASE["train"], precision=precision),
-            "optim": dict(BASE["optim"], offload_fraction=fraction, clip_grad=clip)}
+            "optim": dict(BASE["optim"], offload_fraction=fraction, clip_grad=clip, offload_overlap=overlap)}
     cfg = make_config(base, **parallel)
     validate(cfg, world)
     trainer = Trainer(cfg, DistEnv(rank, world, 0, torch.device("cpu"), "gloo"))
@@ -58,19 +58,19 @@ def run(rank, world, precision, fraction, clip, parallel):
             [r.get("offload_redos") for r in records])
 
 
-# (id, precision, clip, parallel): clipping bites on every step (0.01) or never (0: off)
+# (id, precision, clip, optim.offload_overlap, parallel): clipping bites on every step (0.01) or never (0: off)
 CASES = [
-    ("ddp-bf16-clip-every-step", "bf16", 0.01, dict(zero_stage=0)),
-    ("zero1-bf16-clip-every-step", "bf16", 0.01, dict(zero_stage=1)),
-    ("zero2-fp16-no-clip", "fp16", 0.0, dict(zero_stage=2)),
-    ("ddp-fp16-clip-every-step", "fp16", 0.01, dict(zero_stage=0)),
+    ("ddp-bf16-clip-every-step", "bf16", 0.01, "true", dict(zero_stage=0)),
+    ("zero1-bf16-clip-every-step-auto", "bf16", 0.01, "auto", dict(zero_stage=1)),
+    ("zero2-fp16-no-clip", "fp16", 0.0, "auto", dict(zero_stage=2)),
+    ("ddp-fp16-clip-every-step-auto", "fp16", 0.01, "auto", dict(zero_stage=0)),
 ]
 
 
-@pytest.mark.parametrize("precision,clip,parallel", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_offload_with_overlap_is_exact_and_copies_each_gradient_once(pool, precision, clip, parallel):
-    off = pool.run(run, precision, 0.0, clip, parallel)
-    on = pool.run(run, precision, 1.0, clip, parallel)
+@pytest.mark.parametrize("precision,clip,overlap,parallel", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_offload_with_overlap_is_exact_and_copies_each_gradient_once(pool, precision, clip, overlap, parallel):
+    off = pool.run(run, precision, 0.0, clip, overlap, parallel)
+    on = pool.run(run, precision, 1.0, clip, overlap, parallel)
     for (steps_off, state_off, *_), (steps_on, state_on, pieces, per_step, widths, redos) in zip(off, on):
         assert pieces > 0
         assert steps_on == steps_off
@@ -78,11 +78,12 @@ def test_offload_with_overlap_is_exact_and_copies_each_gradient_once(pool, preci
         assert per_step == [pieces] * STEPS  # once per step, clipped or not
         assert widths == {2}  # 16-bit gradients cross in 16 bits
         finite = [n for _, n, skipped in steps_off if not skipped]
-        if clip:
-            assert all(n > clip for n in finite)
-            assert redos[-1] == len(finite)  # each clipped step discarded its speculation
-        else:
+        if not clip:
             assert redos[-1] == 0
+            continue
+        assert all(n > clip for n in finite)
+        # true: each clipped step discards its speculation; auto: only the first, then it stops speculating
+        assert redos[-1] == (len(finite) if overlap == "true" else 1)
 
 
 class _Scaler:
@@ -123,3 +124,20 @@ def test_a_clipped_step_cancels_the_jobs_not_started():
     assert torch.equal(opt.stepped[0][1], torch.ones(4))  # upcast on the host
     assert opt.host_grads[1].land().tolist() == [2.0] * 4  # the copy made stays usable for the redo
     assert steps.worker.submit(torch.get_num_threads).result() == 1  # optim.offload_threads
+
+
+def test_ddp_with_offload_is_warned_towards_zero1():
+    from engine.config.schema import load_config
+    from engine.memory_estimate import ddp_offload_warning
+    from tests.test_memory_estimate import TINY
+    cfg = load_config(TINY, ["optim.offload_fraction=1"])
+    warning = ddp_offload_warning(cfg, 8)
+    assert "each of the 8 data-parallel ranks" in warning and "set parallel.zero_stage=1" in warning
+    assert ddp_offload_warning(cfg, 1) is None  # one rank: nothing repeated
+    assert ddp_offload_warning(load_config(TINY, ["optim.offload_fraction=1", "parallel.zero_stage=1"]), 8) is None
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "tools/estimate_memory.py", "--config", TINY, "--world-size", "2",
+                           "optim.offload_fraction=1"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "WARNING optim.offload_fraction=1 under DDP" in done.stdout

@@ -3,13 +3,15 @@
 One process trains the same model at each fraction, steps interleaved (one step of each per round) so that
 background load hits all equally; prints the median and fastest step and optimizer-step times of each and their
 ratios to fraction 0, then the host AdamW time per step and the share of it hidden behind backward
-(optim.offload_overlap; ZeRO by default here: single-rank DDP has no reduction to start host steps from). On
+(optim.offload_overlap; ZeRO by default here: single-rank DDP has no reduction to start host steps from);
+--overlap lists the overlap settings to compare at each fraction, --accum K micro-batches per step. On
 CPU the "device" is the CPU too, and the host thread competes with backward for the same cores: the ratio is
 the cost of the offload machinery (copies, two state homes, speculation), not of PCIe.
 With --device-memory it also prints the deepest model of this width the estimate (engine/memory_estimate.py)
 fits in one device's memory without and with offload.
 
     python tools/bench_offload.py [--hidden 256 --layers 4 --seq 256 --batch 4 --steps 10 --zero-stage 1 --clip 1]
+    python tools/bench_offload.py --accum 8 --fractions 1 --overlap false,auto
     python tools/bench_offload.py --hidden 2048 --layers 16 --heads 16 --kv-heads 8 --ffn 5632 --vocab 32000 \\
         --seq 2048 --batch 1 --precision bf16 --device-memory 141GB
 """
@@ -32,17 +34,15 @@ from engine.memory_estimate import chunk_units, estimate, gib, parse_bytes  # no
 from engine.train import Trainer  # noqa: E402
 from parallel.distributed import DistEnv  # noqa: E402
 
-FRACTIONS = (0.0, 0.5, 1.0)
-
-
-def config(args, fraction: float, run_dir: str):
+def config(args, fraction: float, run_dir: str, overlap: str = "auto"):
     return from_dict({
         "model": dict(hidden_size=args.hidden, num_layers=args.layers, num_attention_heads=args.heads,
                       num_kv_heads=args.kv_heads, ffn_hidden_size=args.ffn, vocab_size=args.vocab,
                       seq_length=args.seq),
-        "train": dict(micro_batch_size=args.batch, global_batch_size=args.batch, steps=args.steps + args.warmup,
+        "train": dict(micro_batch_size=args.batch, global_batch_size=args.batch * args.accum,
+                      steps=args.steps + args.warmup,
                       precision=args.precision, device=args.device, log_interval=10**6),
-        "optim": dict(offload_fraction=fraction, clip_grad=args.clip), "data": dict(mock=True),
+        "optim": dict(offload_fraction=fraction, clip_grad=args.clip, offload_overlap=overlap), "data": dict(mock=True),
         "parallel": dict(zero_stage=args.zero_stage),
         "run": dict(dir=run_dir)})
 
@@ -79,11 +79,13 @@ def timed(trainer, seconds: list) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for flag, default in (("hidden", 256), ("layers", 4), ("heads", 8), ("kv-heads", 4), ("ffn", 688),
-                          ("vocab", 8192), ("seq", 256), ("batch", 4), ("steps", 10), ("warmup", 2)):
+                          ("vocab", 8192), ("seq", 256), ("batch", 4), ("steps", 10), ("warmup", 2), ("accum", 1)):
         ap.add_argument(f"--{flag}", type=int, default=default)
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=1)
     ap.add_argument("--clip", type=float, default=1.0, help="optim.clip_grad (a step that clips redoes its host step)")
+    ap.add_argument("--fractions", default="0.5,1", help="offload fractions to time against 0")
+    ap.add_argument("--overlap", default="auto", help="optim.offload_overlap settings to compare, e.g. false,auto")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--device-memory", default="", help="also print the deepest model that fits, e.g. 80GB")
     ap.add_argument("--fit-only", action="store_true", help="only the deepest models (no training)")
@@ -101,21 +103,25 @@ def main(argv=None) -> int:
 
 
 def time_steps(args) -> None:
-    """Train at each fraction, steps interleaved; print medians, fastest steps and their ratios to fraction 0."""
+    """Train each variant (fraction 0, then each fraction × overlap), steps interleaved; print medians, fastest
+    steps and their ratios to fraction 0."""
     env = DistEnv(0, 1, 0, torch.device(args.device), "gloo")
+    variants = [(0.0, "false")] + [(float(f), o) for f in args.fractions.split(",") for o in args.overlap.split(",")]
+    several = "," in args.overlap
+    name = {v: f"offload_fraction {v[0]:g}" + (f", overlap {v[1]}" if v[0] and several else "") for v in variants}
     with tempfile.TemporaryDirectory() as run_dir:
         trainers = {}
-        for fraction in FRACTIONS:
-            cfg = config(args, fraction, str(Path(run_dir) / str(fraction)))
+        for k, (fraction, overlap) in enumerate(variants):
+            cfg = config(args, fraction, str(Path(run_dir) / str(k)), overlap)
             validate(cfg, 1)
-            trainers[fraction] = Trainer(cfg, env)
-        times: dict = {f: [] for f in FRACTIONS}
-        optimizer_times: dict = {f: [] for f in FRACTIONS}
-        records: dict = {f: [] for f in FRACTIONS}
-        for fraction, trainer in trainers.items():
-            timed(trainer, optimizer_times[fraction])
+            trainers[(fraction, overlap)] = Trainer(cfg, env)
+        times: dict = {v: [] for v in variants}
+        optimizer_times: dict = {v: [] for v in variants}
+        records: dict = {v: [] for v in variants}
+        for v, trainer in trainers.items():
+            timed(trainer, optimizer_times[v])
         for step in range(args.warmup + args.steps):
-            for fraction, trainer in trainers.items():
+            for v, trainer in trainers.items():
                 if env.device.type == "cuda":
                     torch.cuda.synchronize()
                 start = time.perf_counter()
@@ -123,26 +129,28 @@ def time_steps(args) -> None:
                 if env.device.type == "cuda":
                     torch.cuda.synchronize()
                 if step >= args.warmup:
-                    times[fraction].append(time.perf_counter() - start)
-                    records[fraction].append(record)
+                    times[v].append(time.perf_counter() - start)
+                    records[v].append(record)
         for trainer in trainers.values():
             trainer.loader.close()
-    print(f"shape: hidden {args.hidden}, layers {args.layers}, seq {args.seq}, batch {args.batch}, {args.precision}, "
-          f"{args.device}; {args.steps} steps each: median and fastest (the fastest is the least disturbed by load)")
-    for name, series in (("step", times), ("optimizer step", {f: s[args.warmup:] for f, s in optimizer_times.items()})):
-        median0, fastest0 = statistics.median(series[0.0]), min(series[0.0])
-        for fraction in FRACTIONS:
-            median, fastest = statistics.median(series[fraction]), min(series[fraction])
-            print(f"{name} at offload_fraction {fraction:g}: median {median * 1000:.1f} ms "
-                  f"(ratio {median / median0:.3f}), fastest {fastest * 1000:.1f} ms (ratio {fastest / fastest0:.3f})")
-    for fraction in FRACTIONS[1:]:
-        overlapped = [r for r in records[fraction] if "offload_host_s" in r]
+    print(f"shape: hidden {args.hidden}, layers {args.layers}, seq {args.seq}, batch {args.batch} × {args.accum} "
+          f"micro-batches, {args.precision}, {args.device}; {args.steps} steps each: median and fastest (the fastest "
+          f"is the least disturbed by load)")
+    base = variants[0]
+    for label, series in (("step", times), ("optimizer step", {v: s[args.warmup:] for v, s in optimizer_times.items()})):
+        median0, fastest0 = statistics.median(series[base]), min(series[base])
+        for v in variants:
+            median, fastest = statistics.median(series[v]), min(series[v])
+            print(f"{label} at {name[v]}: median {median * 1000:.1f} ms (ratio {median / median0:.3f}), "
+                  f"fastest {fastest * 1000:.1f} ms (ratio {fastest / fastest0:.3f})")
+    for v in variants[1:]:
+        overlapped = [r for r in records[v] if "offload_host_s" in r]
         if overlapped:
             host = sum(r["offload_host_s"] for r in overlapped)
             hidden = sum(r["offload_hidden_s"] for r in overlapped)
-            redos = overlapped[-1]["offload_redos"] - records[fraction][0].get("offload_redos", 0)
+            redos = overlapped[-1]["offload_redos"] - records[v][0].get("offload_redos", 0)
             share = hidden / host if host else 0.0
-            print(f"offload_fraction {fraction:g}: host AdamW {host / len(overlapped) * 1000:.1f} ms/step, "
+            print(f"{name[v]}: host AdamW {host / len(overlapped) * 1000:.1f} ms/step, "
                   f"{share:.0%} of it behind backward; {redos} redos in {len(overlapped) - 1} steps")
 
 

@@ -11,17 +11,24 @@
 #   compile.md/.json  compiled blocks and loss kernels (inductor), chunked and fused output loss, 4 sequences
 #                  per micro-batch (the best shape measured) × 8 per step (131k tokens: the optimizer's
 #                  share nearer a real global batch's), each row with a kernel-time profile
+#   offload.md    tools/bench_offload.py at the 1B shape, ZeRO-1 bf16, offload_fraction 0 / 0.5 / 1, overlap
+#                  false and auto, 8k and 128k tokens per step (4 × 2048 tokens, × 16 micro-batches): the GPU
+#                  step ratio of docs/offload.md's goal (≤ 1.3×). Not in the default PARTS (the four above take
+#                  the 9½ minutes): run it in a lease of its own, PARTS=offload
 # Usage, from the checkout, with the Python that has CUDA torch:  PY=python3 bash tools/gpu_check.sh
+# (PARTS="kernels engine eager compiled offload" picks the parts; the default is the first four)
 # Without CUDA it still runs (tiny shapes), which is how it was checked on CPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu_check_out}"
 PY="${PY:-python3}"
 mkdir -p "$OUT"
+PARTS="${PARTS:-kernels engine eager compiled}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
-part() {  # part NAME LIMIT_S COMMAND...: run with a time limit, say how it ended
-  local name="$1" limit="$2"; shift 2
+part() {  # part KEY NAME LIMIT_S COMMAND...: run with a time limit when KEY is in PARTS, say how it ended
+  [[ " $PARTS " == *" $1 "* ]] || return 0
+  local name="$2" limit="$3"; shift 3
   local start=$SECONDS status
   echo "=== $name (limit ${limit}s)"
   timeout "$limit" "$@"
@@ -46,12 +53,18 @@ for name in ("flash_attn", "apex", "triton"):
 EOF
 } 2>&1 | tee "$OUT/env.txt"
 
-part "kernel tests" 100 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_model.py \
+part kernels "kernel tests" 100 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_model.py \
   tests/test_monitor.py -rs 2>&1 | tee "$OUT/tests.log"
-part "engine" 50 env TRILITH_PYTHON="$PY" bash launch/run_pretrain.sh --config launch/configs/tiny.yaml \
+part engine "engine" 50 env TRILITH_PYTHON="$PY" bash launch/run_pretrain.sh --config launch/configs/tiny.yaml \
   "run.dir=$OUT/engine" train.steps=30 train.precision=bf16 train.eval_interval=10 run.monitor_interval=10 \
   run.health_interval=10 2>&1
-part "benchmark: eager" 230 "$PY" tools/bench_gpu.py --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.md"
-part "benchmark: compiled" 190 "$PY" tools/bench_gpu.py --attention cudnn flash --norm torch apex --recompute none \
+part eager "benchmark: eager" 230 "$PY" tools/bench_gpu.py --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.md"
+part compiled "benchmark: compiled" 190 "$PY" tools/bench_gpu.py --attention cudnn flash --norm torch apex --recompute none \
   --loss chunked fused --compile --micro-batch 4 --accum 8 --steps 4 --warmup 1 --profile 12 \
   --json "$OUT/compile.json" 2>&1 | tee "$OUT/compile.md"
+SHAPE_1B=(--hidden 2048 --layers 16 --heads 16 --kv-heads 8 --ffn 5632 --vocab 32000 --seq 2048 --batch 4
+  --precision bf16 --fractions 0.5,1 --overlap false,auto --steps 4 --warmup 1)
+part offload "offload: 1B, 8k tokens per step" 120 "$PY" tools/bench_offload.py "${SHAPE_1B[@]}" --accum 1 2>&1 \
+  | tee "$OUT/offload.md"
+part offload "offload: 1B, 128k tokens per step" 300 "$PY" tools/bench_offload.py "${SHAPE_1B[@]}" --accum 16 2>&1 \
+  | tee -a "$OUT/offload.md"

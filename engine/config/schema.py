@@ -176,8 +176,10 @@ class OptimConfig:
     implementation: str = "auto"  # AdamW kernel (kernels/adamw.py); auto = torch fused, on CUDA or CPU
     offload_fraction: float = 0.0  # share of each rank's fp32 masters + Adam moments kept and stepped in host
         # memory, in whole tensors (engine/optim/offload.py, docs/offload.md); 0 = none, 1 = all
-    offload_overlap: bool = True  # ZeRO: step each offloaded unit on a host thread as soon as its gradients are
-        # reduced during backward, speculatively, redone from its host gradient when the step clips (engine/optim/offload_overlap.py)
+    offload_overlap: str = "auto"  # step each offloaded piece on a host thread as soon as its gradients are
+        # reduced during backward, speculatively, redone from its host gradient when the step clips
+        # (engine/optim/offload_overlap.py); true/false = always/never; auto = on a step only when the previous
+        # finite step did not clip (a clipped step discards the speculation: early training clips almost always)
     offload_threads: int = 0  # intra-op threads of the host step's worker thread; 0 = the node's cores over its
         # local ranks (LOCAL_WORLD_SIZE), minus one for the rank's autograd and loader threads, at least one
     # Muon (engine/optim/muon.py), torch.optim.Muon's options and defaults; its learning rate follows the schedule
@@ -310,6 +312,7 @@ CHOICES = {
     ("train", "recompute"): ("none", "selective", "full"),
     ("train", "recompute_after_switch"): ("none", "selective", "full"),
     ("optim", "implementation"): ("auto", "apex", "fused", "foreach"),
+    ("optim", "offload_overlap"): ("auto", "true", "false"),
     ("parallel", "schedule"): ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv"),
     ("parallel", "stage_balance"): ("layers", "compute"),
     ("parallel", "backend"): ("auto", "gloo", "nccl"),
@@ -416,8 +419,10 @@ def from_dict(raw: dict) -> Config:
                 raise ConfigError(f"config key {_show(key)} in section '{section}' is not a name.{_suggest('', valid)}")
             if key not in valid:
                 raise ConfigError(f"unknown config key {_show(section + '.' + key)}.{_suggest(key, valid)}")
-            value = _coerce(value, hints[key], f"{section}.{key}")
             choices = CHOICES.get((section, key))
+            if isinstance(value, bool) and choices and "true" in choices:  # a YAML true/false among named choices
+                value = str(value).lower()
+            value = _coerce(value, hints[key], f"{section}.{key}")
             if choices and value not in choices:
                 close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.5)
                 raise ConfigError(f"{section}.{key}={_show(value)} is not one of {', '.join(choices)}"

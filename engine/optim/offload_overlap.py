@@ -42,8 +42,10 @@ def worker_threads(threads: int) -> None:
 
 
 class SpeculativeHostSteps:
-    def __init__(self, opt, eligible: list[int], on_cuda: bool, threads: int = 0):
+    def __init__(self, opt, eligible: list[int], on_cuda: bool, threads: int = 0, adaptive: bool = False):
         self.opt, self.eligible = opt, set(eligible)
+        # optim.offload_overlap=auto: speculate on a step only when the last finite step did not clip
+        self.adaptive, self.last_clipped = adaptive, False
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="trilith-offload")
         if threads > 0:
             main = torch.get_num_threads()
@@ -57,7 +59,8 @@ class SpeculativeHostSteps:
 
     def begin(self, lr: float) -> None:
         """Before the step's backward: its learning rate, which the speculative steps use."""
-        self.lr, self.jobs, self.landed = lr, {}, set()
+        self.jobs, self.landed = {}, set()
+        self.lr = None if self.adaptive and self.last_clipped else lr  # None: no speculation this step
 
     def fence(self) -> None:
         """Before the optimizer changes gradients in place (unscale, clip): the copies to the host are done."""
@@ -96,10 +99,14 @@ class SpeculativeHostSteps:
         self.opt.speculate(i, grad, lr, adam_step)
         return start, time.perf_counter()
 
-    def settle(self, commit: bool, backward_end: float) -> tuple[set, set]:
+    def settle(self, commit: bool, backward_end: float, clipped: bool = False, overflow: bool = False
+               ) -> tuple[set, set]:
         """Commit the speculative steps (waiting for them) or drop them: queued ones are cancelled, a running
         one is waited for. Returns (pieces committed, pieces whose host gradient is landed and unscaled).
-        Records the host seconds and the part of them before `backward_end`."""
+        Records the host seconds and the part of them before `backward_end`, and whether this (finite) step
+        `clipped`, which decides the next step's speculation under optim.offload_overlap=auto."""
+        if not overflow:
+            self.last_clipped = clipped
         running = [job for job in self.jobs.values() if commit or not job.cancel()]  # all cancelled before a wait
         spans = [job.result() for job in running]
         host = sum(end - start for start, end in spans)

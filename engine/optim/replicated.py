@@ -87,8 +87,9 @@ class MixedPrecisionAdamW:
         self.redos, self.speculation, self.spares = 0, None, {}
         eligible = [i for i in self.host_grads if gradients is not None and
                     overlaps(self.names[i], self.params[i], gradients, topo.tp_size)]
-        if cfg.offload_overlap and eligible:
-            self.speculation = SpeculativeHostSteps(self, eligible, self.params[0].is_cuda, offload.host_threads(cfg))
+        if cfg.offload_overlap != "false" and eligible:
+            self.speculation = SpeculativeHostSteps(self, eligible, self.params[0].is_cuda, offload.host_threads(cfg),
+                                                    cfg.offload_overlap == "auto")
             self.spares = {i: [offload.host_empty(self.master[i]) for _ in range(3)] for i in eligible}
             self.spare_steps: dict = {}
             self.group_of = {id(m): g for g in self.inner.param_groups for m in g["params"]}
@@ -209,7 +210,7 @@ class MixedPrecisionAdamW:
         done = landed = set()
         if self.speculation is not None:
             self.redos += int(clip and bool(self.speculation.jobs))
-            done, landed = self.speculation.settle(not overflow and not clip, backward_end)
+            done, landed = self.speculation.settle(not overflow and not clip, backward_end, clip, overflow)
         if overflow:
             return norm, True
         coef = self.cfg.clip_grad / (norm + 1e-6) if clip else None

@@ -75,8 +75,8 @@ class ZeroAdamW:
         eligible = [i for i in self.host_grads if topo.tp_size == 1 or not any(
             getattr(r.param, "tp_replicated_grad", False) for r in sdp.units[i].shard_ranges)]
         self.speculation = SpeculativeHostSteps(self, eligible, sdp.units[0].param_shard.is_cuda,
-                                                offload.host_threads(cfg)) \
-            if cfg.offload_overlap and eligible else None
+                                                offload.host_threads(cfg), cfg.offload_overlap == "auto") \
+            if cfg.offload_overlap != "false" and eligible else None
         self.spares = {i: [offload.host_empty(self.master[i]) for _ in range(3)] for i in eligible} \
             if self.speculation is not None else {}
         if self.speculation is not None:
@@ -156,7 +156,7 @@ class ZeroAdamW:
         if self.speculation is None:
             return set(), set()
         speculated = len(self.speculation.jobs)
-        done = self.speculation.settle(commit, backward_end)
+        done = self.speculation.settle(commit, backward_end, clip, not commit and not clip)
         self.redos += int(clip and speculated > 0)
         return done
 

@@ -1,0 +1,15 @@
+"""tools/bench_offload.py --accum K --overlap false,auto: each overlap setting timed at each fraction, with K
+micro-batches per step (the ratios themselves are measured in docs/benchmarks.md, not asserted)."""
+import re
+
+from tests.helpers import tool
+
+
+def test_bench_offload_compares_overlap_settings_with_accumulation():
+    out = tool("tools/bench_offload.py", "--hidden", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--ffn",
+               "64", "--vocab", "64", "--seq", "16", "--batch", "1", "--accum", "3", "--steps", "2", "--warmup", "1",
+               "--fractions", "1", "--overlap", "false,auto")
+    assert "batch 1 × 3 micro-batches" in out
+    for variant in ("0", "1, overlap false", "1, overlap auto"):
+        assert re.search(rf"^optimizer step at offload_fraction {variant}: median [\d.]+ ms \(ratio [\d.]+\)", out, re.M)
+    assert re.search(r"^offload_fraction 1, overlap auto: host AdamW [\d.]+ ms/step", out, re.M)
