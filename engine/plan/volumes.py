@@ -195,7 +195,7 @@ def per_step(cfg: Config, stage: int, world_size: int, gpus_per_node: int,
     dp = data_parallel_size(cfg, world_size)
     n = dp * p.context  # gradients are reduced over DP × CP
     if n == 1:
-        return tp_sum_of_replicated(cfg, stage, gpus_per_node) if p.zero_stage == 0 else []
+        return tp_sum_of_replicated(cfg, stage_units(cfg, stage), gpus_per_node) if p.zero_stage == 0 else []
     micro_batches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
     span = p.tensor * n
     chunks = stage_chunks(cfg, stage)
@@ -216,7 +216,7 @@ def per_step(cfg: Config, stage: int, world_size: int, gpus_per_node: int,
             bound = min(micro_batches * tokens(cfg), rows)  # distinct rows this rank read at most
             out += [Collective("dp", "all_gather", n * bound * width * e, 1, n, link),
                     Collective("dp", "all_gather", n * bound * INDEX, 1, n, link)]
-        return out + tp_sum_of_replicated(cfg, stage, gpus_per_node)
+        return out + tp_sum_of_replicated(cfg, [u for unit_list, _ in units for u in unit_list], gpus_per_node)
     k = p.hsdp_group_size or n
     shard_link = link_of(p.tensor * k, gpus_per_node)
     lookup = (p.zero_stage == 3 and p.zero3_embedding_rows and bool(table) and not p.hsdp_group_size
@@ -255,9 +255,11 @@ def per_step(cfg: Config, stage: int, world_size: int, gpus_per_node: int,
     return out
 
 
-def tp_sum_of_replicated(cfg: Config, stage: int, gpus_per_node: int) -> list[Collective]:
-    """ZeRO 0: the gradients of TP-replicated parameters on `stage` (engine/memory_estimate.tp_summed_later),
+def tp_sum_of_replicated(cfg: Config, units: list, gpus_per_node: int) -> list[Collective]:
+    """ZeRO 0: the gradients of TP-replicated parameters in a stage's `units` (engine/memory_estimate.tp_summed_later),
     summed over TP in fp32 after the data-parallel reduction (parallel/ddp.py, parallel/tensor.py)."""
     t = cfg.parallel.tensor
-    replicated = sum(n for unit in stage_units(cfg, stage) for name, n in unit if tp_summed_later(cfg, [(name, n)]))
+    if t == 1:
+        return []
+    replicated = sum(n for unit in units for name, n in unit if tp_summed_later(cfg, [(name, n)]))
     return [Collective("tp", "all_reduce", replicated * 4, 1, t, link_of(t, gpus_per_node))] if replicated else []
