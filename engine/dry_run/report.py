@@ -33,12 +33,14 @@ _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "
 def planned_volumes(cfg: Config, world_size: int, stage: int, shard_rank: int) -> dict:
     """The planner's bytes of one step on a rank of pipeline stage `stage`. The planner counts one pipeline
     boundary per model chunk (an activation forward, its gradient back); a rank sends and receives on both
-    boundaries of each of its chunks but the model's first and last: 2 × (2v - first - last) transfers."""
+    boundaries of each of its chunks but the model's first and last: 2 × (2v - first - last) transfers. A ring
+shift of context parallelism is a send and a receive."""
     m = cfg.train.global_batch_size // (cfg.train.micro_batch_size * data_parallel_size(cfg, world_size))
     v, ends = cfg.parallel.virtual_stages, (stage == 0) + (stage == cfg.parallel.pipeline - 1)
     out: dict = {}
     for c in volumes.per_micro_batch(cfg, stage, world_size, 8):
-        count = c.count if c.op != "p2p" else 2 * (2 * v - ends)
+        # a pipeline transfer or a ring shift is recorded twice: its send and its receive
+        count = 2 * (2 * v - ends) if c.group == "pp" else 2 * c.count if c.op == "p2p" else c.count
         out[c.group, c.op] = out.get((c.group, c.op), 0) + m * count * c.nbytes
     for c in volumes.per_step(cfg, stage, world_size, 8, shard_rank):
         out[c.group, c.op] = out.get((c.group, c.op), 0) + c.count * c.nbytes

@@ -8,8 +8,10 @@ Per micro-batch, with T = micro batch × sequence / CP tokens on a rank and e th
   backward), six and five under full recomputation; the embedding and the output layer one more each (one of
   each kind under SP), the vocabulary-parallel loss three of T·4 bytes;
 - context parallelism (allgather): each layer gathers its keys and values (CP·T·2·kv·e) in forward (again under
-  full recomputation) and reduce-scatters their gradients in backward; (alltoall) each layer exchanges q, k, v
-  and its output (T·q·e, T·kv·e each) in forward and their gradients in backward (ring is counted as allgather);
+  full recomputation) and reduce-scatters their gradients in backward;
+  (alltoall) each layer exchanges q, k, v and its output (T·q·e, T·kv·e each) in forward and their gradients in
+  backward; (ring) each layer sends its keys and values (T·2·kv·e) CP − 1 times to the next rank in forward and
+  their fp32 gradients (T·2·kv·4 below fp32) CP − 1 times back;
 - a pipeline boundary: T·h·e (÷ TP under SP) forward and the same back, per model chunk.
 Per step, over DP × CP (the gradient reduction group), unit by unit as parallel/fsdp_units cuts them (padded
 to the shard group): ZeRO 0 all-reduces every gradient (25 MB buckets), but exchanges the untied input
@@ -22,7 +24,7 @@ chunk's last unit) and reduce-scatters every micro-batch, looking the embedding 
 all-reduces the shard across the groups. Hierarchical reduction
 (parallel.hierarchical_node_size) is counted stage by stage, within the node block and across the blocks. Under
 ZeRO the gradients of TP-replicated parameters (norms under SP, KV projections kept whole) in a rank's shard
-are summed over TP in fp32 after the reduction.
+are summed over TP in fp32 after the reduction, under ZeRO 0 all of them.
 """
 from __future__ import annotations
 
@@ -112,11 +114,16 @@ def per_micro_batch(cfg: Config, stage: int, world_size: int, gpus_per_node: int
     if c > 1 and layers:
         kv = (m.kv_heads // t if m.kv_heads >= t else 1) * m.head_dim
         cp_link = link_of(t * c, gpus_per_node)
+        again = cfg.train.recompute != "none"  # both recomputations run the core again, a ring's shifts with it
         if p.context_attention == "alltoall":  # q, k, v to heads and the output back, forward and backward
             q = m.num_attention_heads // t * m.head_dim
             passes = 3 if full else 2
             out += [Collective("cp", "all_to_all", tokens(cfg) * q * e, 2 * passes * layers, c, cp_link),
                     Collective("cp", "all_to_all", tokens(cfg) * kv * e, 2 * passes * layers, c, cp_link)]
+        elif p.context_attention == "ring":  # each forward shifts keys and values c - 1 times round the ring,
+            block = tokens(cfg) * 2 * kv  # the backward their gradients (accumulated in fp32 below fp32)
+            out += [Collective("cp", "p2p", block * e, (c - 1) * layers * (2 if again else 1), 2, cp_link),
+                    Collective("cp", "p2p", block * max(e, 4), (c - 1) * layers, 2, cp_link)]
         else:
             gathered = c * tokens(cfg) * 2 * kv * e
             out += [Collective("cp", "all_gather", gathered, layers * (2 if full else 1), c, cp_link),
@@ -188,7 +195,7 @@ def per_step(cfg: Config, stage: int, world_size: int, gpus_per_node: int,
     dp = data_parallel_size(cfg, world_size)
     n = dp * p.context  # gradients are reduced over DP × CP
     if n == 1:
-        return []
+        return tp_sum_of_replicated(cfg, stage_units(cfg, stage), gpus_per_node) if p.zero_stage == 0 else []
     micro_batches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
     span = p.tensor * n
     chunks = stage_chunks(cfg, stage)
@@ -200,8 +207,8 @@ def per_step(cfg: Config, stage: int, world_size: int, gpus_per_node: int,
         by_rows = bool(table) and p.embedding_row_exchange and rows_worth_it(
             torch.empty(rows, width, dtype=torch.float32 if e == 4 else torch.bfloat16, device="meta"), n,
             cfg.train.global_batch_size // dp * m.seq_length)
-        dense = e * sum(num for unit_list, _ in units for unit in unit_list for name, num in unit
-                        if not (by_rows and name == EMBEDDING))
+        dense = sum(num * (4 if reduces_in_fp32(name, p.fp32_reduce) else e) for unit_list, _ in units
+                    for unit in unit_list for name, num in unit if not (by_rows and name == EMBEDDING))
         buckets = max(1, -(-dense // int(p.bucket_mb * 2**20)))  # one reduction a step, in this many calls
         out = [c for _ in range(buckets) for c in flat_or_hierarchical(cfg, "all_reduce", dense / buckets, 1, n, link,
                                                                           gpus_per_node)]
@@ -209,7 +216,7 @@ def per_step(cfg: Config, stage: int, world_size: int, gpus_per_node: int,
             bound = min(micro_batches * tokens(cfg), rows)  # distinct rows this rank read at most
             out += [Collective("dp", "all_gather", n * bound * width * e, 1, n, link),
                     Collective("dp", "all_gather", n * bound * INDEX, 1, n, link)]
-        return out
+        return out + tp_sum_of_replicated(cfg, [u for unit_list, _ in units for u in unit_list], gpus_per_node)
     k = p.hsdp_group_size or n
     shard_link = link_of(p.tensor * k, gpus_per_node)
     lookup = (p.zero_stage == 3 and p.zero3_embedding_rows and bool(table) and not p.hsdp_group_size
@@ -246,3 +253,13 @@ def per_step(cfg: Config, stage: int, world_size: int, gpus_per_node: int,
     if replicated:
         out.append(Collective("tp", "all_reduce", replicated * 4, 1, p.tensor, link_of(p.tensor, gpus_per_node)))
     return out
+
+
+def tp_sum_of_replicated(cfg: Config, units: list, gpus_per_node: int) -> list[Collective]:
+    """ZeRO 0: the gradients of TP-replicated parameters in a stage's `units` (engine/memory_estimate.tp_summed_later),
+    summed over TP in fp32 after the data-parallel reduction (parallel/ddp.py, parallel/tensor.py)."""
+    t = cfg.parallel.tensor
+    if t == 1:
+        return []
+    replicated = sum(n for unit in units for name, n in unit if tp_summed_later(cfg, [(name, n)]))
+    return [Collective("tp", "all_reduce", replicated * 4, 1, t, link_of(t, gpus_per_node))] if replicated else []
