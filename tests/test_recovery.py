@@ -15,9 +15,10 @@ from tests.distributed import free_port
 from tests.helpers import LAUNCH_ENV, ROOT, TINY, read_metrics, tiny_trainer
 
 
-def command(run_dir: Path, *args: str, steps: int = 6) -> list[str]:
-    return ["bash", "launch/run_pretrain.sh", *args, "--config", TINY, f"run.dir={run_dir}", f"train.steps={steps}",
-            "checkpoint.memory_interval=2", f"checkpoint.memory_dir={run_dir.parent / 'shm'}"]
+def command(run_dir: Path, launcher: list[str], *overrides: str, steps: int = 6) -> list[str]:
+    """The launch: launcher flags first, then the config and its overrides (check.py takes them last)."""
+    return ["bash", "launch/run_pretrain.sh", *launcher, "--config", TINY, f"run.dir={run_dir}", f"train.steps={steps}",
+            "checkpoint.memory_interval=2", f"checkpoint.memory_dir={run_dir.parent / 'shm'}", *overrides]
 
 
 def popen(cmd: list[str]) -> subprocess.Popen:
@@ -44,13 +45,13 @@ def redone_steps(run_dir: Path) -> list[int]:
     return sorted(s for s, v in seen.items() if len(v) == 2)
 
 
-@pytest.mark.skip(reason="not yet verified: timed out (>420 s) on the shared 2-core machine at load 50-130; see the report")
+@pytest.mark.skip(reason="hangs: node 0's torchrun waits forever after node 1 is killed (>300 s, almost no CPU); a bug to fix in the restart path")
 def test_lost_node_on_two_localhost_nodes_resumes_from_the_partner_copy(tmp_path):
     """Node 1 (rank 1) deletes its shared-memory directory and dies after the snapshot of step 4; both launchers
     restart (--max-restarts 1), node 1 comes back empty and takes its shard from rank 0's partner copy."""
     run, port = tmp_path / "run", str(free_port())
-    nodes = [popen(command(run, "--nproc", "1", "--nnodes", "2", "--node-rank", str(r), "--master-addr", "127.0.0.1",
-                           "--master-port", port, "--max-restarts", "1", "run.inject_fault=lose_node@step=4,rank=1"))
+    nodes = [popen(command(run, ["--nproc", "1", "--nnodes", "2", "--node-rank", str(r), "--master-addr", "127.0.0.1",
+                                 "--master-port", port, "--max-restarts", "1"], "run.inject_fault=lose_node@step=4,rank=1"))
              for r in (0, 1)]
     out = [finish(p) for p in nodes]
     assert "recovery: from memory (partner copies for rank 1) at step 4: 0 steps lost" in out[0], out[0][-4000:]
@@ -60,10 +61,9 @@ def test_lost_node_on_two_localhost_nodes_resumes_from_the_partner_copy(tmp_path
     assert sorted(p.name for p in next(node1.iterdir()).glob("rank_*")) == ["rank_00000", "rank_00001"]
 
 
-@pytest.mark.skip(reason="not yet verified: timed out (>420 s) on the shared 2-core machine at load 50-130; see the report")
 def test_corrupt_snapshots_fall_back_to_the_disk_checkpoint_and_say_so(tmp_path):
     run = tmp_path / "run"
-    out = finish(popen(command(run, "--nproc", "2", "--max-restarts", "1", "checkpoint.interval=3",
+    out = finish(popen(command(run, ["--nproc", "2", "--max-restarts", "1"], "checkpoint.interval=3",
                                "run.inject_fault=corrupt_snapshot@step=4,rank=1")))
     assert re.search(r"memory snapshot: ignoring \S+rank_00001/step_00000004 \(state.safetensors does not match its "
                      r"manifest's size and SHA-256\)", out), out[-4000:]
@@ -71,10 +71,9 @@ def test_corrupt_snapshots_fall_back_to_the_disk_checkpoint_and_say_so(tmp_path)
     assert redone_steps(run) == [4]
 
 
-@pytest.mark.skip(reason="not yet verified: timed out (>420 s) on the shared 2-core machine at load 50-130; see the report")
 def test_killed_during_a_snapshot_the_previous_generation_serves(tmp_path):
     run = tmp_path / "run"
-    cmd = ["bash", "launch/run_pretrain.sh", *command(run, steps=5)[2:]]
+    cmd = command(run, [], steps=5)
     first = subprocess.run(cmd + ["run.inject_fault=kill_during_snapshot@step=4,rank=0"], cwd=ROOT, env=LAUNCH_ENV,
                            capture_output=True, text=True, timeout=300)
     assert first.returncode == -9 or first.returncode == 137, first.stdout[-3000:] + first.stderr[-3000:]
@@ -98,7 +97,7 @@ def test_shared_memory_too_small_is_one_line_with_the_size(tmp_path, monkeypatch
 
 
 def test_a_malformed_fault_is_a_configuration_error(tmp_path):
-    done = subprocess.run(command(tmp_path / "run") + ["run.inject_fault=explode@step=1"], cwd=ROOT, env=LAUNCH_ENV,
+    done = subprocess.run(command(tmp_path / "run", [], "run.inject_fault=explode@step=1"), cwd=ROOT, env=LAUNCH_ENV,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "run.inject_fault='explode@step=1' is not KIND@step=N,rank=R" in done.stderr, \
         done.stderr[-2000:]
