@@ -14,12 +14,12 @@ import json
 import logging
 import random
 import shutil
-import threading
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from engine.checkpoint.background import BackgroundWrite
 from engine.checkpoint.files import (TMP_PREFIX, CheckpointError, apply_retention, commit, remove_stale_tmp,
                                      set_latest, step_dir_name, write_json, write_safetensors)
 from engine.checkpoint.manifest import (FORMAT, KEYS, MANIFEST, METADATA, VERSION, CheckpointReader,
@@ -107,8 +107,7 @@ class Checkpointer:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.group = host_group() if self.world > 1 else None
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self.background = BackgroundWrite("checkpoint-writer")
         self.saved: list[str] = []  # this run's saves, oldest first: the order retention prunes by
         self.extra_metadata: dict = {}  # more run state for metadata.json (engine/observe/rollback.py: skipped samples)
         # The *_token_id fields of the Hugging Face config.json this run started from, carried save to save for
@@ -181,17 +180,10 @@ class Checkpointer:
                 **self.extra_metadata}
         args = (step, file, tensors, {"rng": json.dumps(rng_json)}, entries, meta)
         if self.ck.async_save:
-            self._thread = threading.Thread(target=self._write_in_background, args=args, name="checkpoint-writer")
-            self._thread.start()
+            self.background.start(self._write, *args)
         else:
             self._write(*args)
         return self.root / step_dir_name(step)
-
-    def _write_in_background(self, *args) -> None:
-        try:
-            self._write(*args)
-        except BaseException as exc:  # surfaced by wait() in the training thread
-            self._error = exc
 
     def _write(self, step, file, tensors, file_meta, entries, meta) -> None:
         self.write_agreed(self.root, step, file, tensors, file_meta, entries,
@@ -271,13 +263,10 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until a background save has finished; re-raise its error here."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            if isinstance(error, CheckpointError):
-                raise error
+        error = self.background.join()
+        if isinstance(error, CheckpointError):
+            raise error
+        if error is not None:
             raise CheckpointError(f"background checkpoint save failed: {error}") from error
 
     # ---- load ----------------------------------------------------------------------------------------

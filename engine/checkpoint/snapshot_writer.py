@@ -11,11 +11,11 @@ import json
 import logging
 import secrets
 import shutil
-import threading
 from pathlib import Path
 
 from safetensors.torch import save as encode_tensors
 
+from engine.checkpoint.background import BackgroundWrite
 from engine.checkpoint.checkpointer import rng_snapshot
 from engine.checkpoint.files import CheckpointError
 from engine.checkpoint.memory_snapshot import Identity, SnapshotStore, config_hash, pack, unpack
@@ -53,8 +53,7 @@ class MemorySnapshots:
         self.exchange = SnapshotExchange(self.rank, nodes)
         self.identity = Identity(str(Path(cfg.run.dir).resolve()), self.world, config_hash(cfg), self._token())
         self.store = SnapshotStore(cfg.checkpoint.memory_dir, nodes[self.rank], self.identity)
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self.background = BackgroundWrite("memory-snapshot", daemon=True)
         self.check_space()
 
     def _token(self) -> str:
@@ -114,23 +113,18 @@ class MemorySnapshots:
     def save(self, step: int, consumed_samples: int) -> None:
         self.wait()
         manifest, tensors = self.capture(step, consumed_samples)
-        self._thread = threading.Thread(target=self._write, args=(step, manifest, tensors), name="memory-snapshot",
-                                        daemon=True)
-        self._thread.start()
+        self.background.start(self._write, step, manifest, tensors)
 
     def _write(self, step: int, manifest: dict, tensors: dict) -> None:
-        try:
-            state = encode_tensors(tensors)
-            between = (lambda: self.faults.mid_snapshot(step)) if self.faults else (lambda: None)
-            written = self.store.write(self.rank, step, manifest, state, between)
-            mine = pack(json.loads((written / "manifest.json").read_text()), state)
-            received = self.exchange.swap(mine)
-            if received is not None:
-                theirs, data = unpack(received)
-                self.store.write(theirs["rank"], theirs["step"], {k: theirs[k] for k in ("meta", "ranges", "rng")},
-                                 data)
-        except BaseException as exc:  # surfaced by wait() in the training thread
-            self._error = exc
+        state = encode_tensors(tensors)
+        between = (lambda: self.faults.mid_snapshot(step)) if self.faults else (lambda: None)
+        written = self.store.write(self.rank, step, manifest, state, between)
+        mine = pack(json.loads((written / "manifest.json").read_text()), state)
+        received = self.exchange.swap(mine)
+        if received is not None:
+            theirs, data = unpack(received)
+            self.store.write(theirs["rank"], theirs["step"], {k: theirs[k] for k in ("meta", "ranges", "rng")},
+                             data)
 
     def settle(self) -> None:
         """At exit, also after a failure: let a snapshot in flight finish (a dead partner fails its transfer at
@@ -141,10 +135,7 @@ class MemorySnapshots:
             log.warning(f"memory snapshot: {exc}")
 
     def wait(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
+        error = self.background.join()
+        if error is not None:
             raise CheckpointError(f"memory snapshot in {self.store.dir} failed: {error}; set "
                                   f"checkpoint.memory_interval=0 to train without") from error
