@@ -192,10 +192,17 @@ VALUES = st.one_of(SCALARS, st.lists(SCALARS, max_size=4), st.dictionaries(SCALA
 # values of the field's own type, mostly plausible, so that a good share of the mutated recipes load
 TYPED = {int: st.integers(-2, 64), float: st.floats(-0.5, 4), bool: st.booleans(),
          str: st.text(max_size=20), list: st.lists(st.text(max_size=8), max_size=3),
-         list[int]: st.lists(st.integers(-1, 8), max_size=4), dict: st.dictionaries(SCALARS, SCALARS, max_size=3),
+         list[int]: st.lists(st.integers(-1, 8), max_size=4),
+         list[float]: st.lists(st.floats(-1, 8), max_size=6), dict: st.dictionaries(SCALARS, SCALARS, max_size=3),
          list[dict]: st.lists(st.one_of(st.fixed_dictionaries({"until_step": st.integers(-1, 64),
                                                                 "paths": st.lists(st.text(max_size=8), max_size=3)}),
                                         st.dictionaries(SCALARS, SCALARS, max_size=3)), max_size=3)}
+
+
+def test_every_field_type_has_a_typed_strategy():
+    assert {typ for _, _, typ in SLOTS} <= set(TYPED)
+
+
 YAMLISH = st.lists(st.sampled_from(list("ab1.-:[]{},&*!? \n#'\"|>%@`\t\\e") + ["!!", "&x", "*x", "nan", ".inf",
                                                                                 "model:", "  steps: "]),
                    max_size=40).map("".join)

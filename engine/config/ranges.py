@@ -96,7 +96,7 @@ def range_problem(cfg) -> str | None:
             for where, v in named:
                 bounds = field_range(section.name, f.name)
                 if v not in bounds:
-                    need = (f"a finite number {bounds}" if isinstance(v, float) else
+                    need = ("a finite number" + ("" if str(bounds) == "finite" else f" {bounds}") if isinstance(v, float) else
                             f"{bounds} and fit in 64 bits" if abs(v) > INT64_MAX else str(bounds))
                     shown = repr(v) if len(repr(v)) <= 60 else repr(v)[:57] + "..."
                     return f"{where}={shown} must be {need}"
