@@ -161,6 +161,13 @@ def test_max_restarts_does_not_retry_a_configuration_error(tmp_path):
     bad = subprocess.run(script("--max-restarts", "x", run_dir=tmp_path), cwd=ROOT, env=ENV, capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "--max-restarts must be integers, got 'x'" in bad.stderr
+    # attempt k of --nnodes rendezvouses on --master-port + k: the last port must exist
+    port = subprocess.run(script("--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", "65535",
+                                 "--max-restarts", "1", run_dir=tmp_path), cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=60)
+    assert port.returncode == 2 and port.stderr == (
+        "run_pretrain.sh: --master-port must be a port number with room for --max-restarts after it (attempt k uses "
+        "port + k), got '65535'\n"), port.stderr
 
 
 def test_hung_rank_times_out_in_the_named_collective(tmp_path):

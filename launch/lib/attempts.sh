@@ -49,18 +49,18 @@ read_stop_file() {
 # left. Not after success, a signal to this launcher, or a code the ranks left in the stop file: an early
 # stop (3 preempted, 4 GPU health) or a failure a restart would repeat (2 configuration, 1 an unloadable
 # checkpoint or non-finite training; see engine/stop.py).
-INTERRUPTED=0
+# ATTEMPT (0 first, then 1, 2, ...) is global: the --nnodes launchers rendezvous on a port of their attempt.
+INTERRUPTED=0 ATTEMPT=0
 run_attempts() {  # run_attempts START: START (a function) starts the ranks once and sets STATUS
-  local attempt=0
   while :; do
     : > "$TRILITH_STOP_FILE"
     "$1"
     read_stop_file
     STATUS="${STOP_CODE:-$STATUS}"
-    [[ "$STATUS" -ne 0 && ! -s "$TRILITH_STOP_FILE" && "$INTERRUPTED" -eq 0 && "$attempt" -lt "$MAX_RESTARTS" ]] ||
+    [[ "$STATUS" -ne 0 && ! -s "$TRILITH_STOP_FILE" && "$INTERRUPTED" -eq 0 && "$ATTEMPT" -lt "$MAX_RESTARTS" ]] ||
       return 0
-    echo "run_pretrain.sh: the run failed (exit $STATUS); restart $(( attempt + 1 )) of $MAX_RESTARTS, resuming" \
+    echo "run_pretrain.sh: the run failed (exit $STATUS); restart $(( ATTEMPT + 1 )) of $MAX_RESTARTS, resuming" \
       "from the latest checkpoint" >&2
-    attempt=$(( attempt + 1 ))
+    ATTEMPT=$(( ATTEMPT + 1 ))
   done
 }

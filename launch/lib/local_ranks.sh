@@ -6,12 +6,25 @@
 # Share the cores between ranks instead of every rank spawning one thread per core.
 CORES=$(nproc)
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( CORES / NPROC > 0 ? CORES / NPROC : 1 ))}"
-if [[ "$NNODES" -eq 1 ]]; then
-  RDZV=(--standalone)
-else
-  [[ -n "$MASTER" ]] || { echo "run_pretrain.sh: --nnodes $NNODES needs --master-addr (node 0's address)" >&2; exit 2; }
-  RDZV=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --master-addr "$MASTER" --master-port "${PORT:-29500}")
-fi
+# --nnodes M: torchrun's static rendezvous, a store that node 0's torchrun serves on --master-port. A restart
+# must not meet the last attempt's store: a node whose ranks died restarts at once, while node 0's torchrun of
+# that attempt may still be up, and the restarted ranks would take its stale keys for a rendezvous, fail, and
+# leave node 0's next torchrun waiting for a node that has given up. So attempt k (0 first) uses port P + k on
+# every node, and each node's launcher restarts once per failure of the job, in step with the others.
+[[ "$NNODES" -eq 1 || -n "$MASTER" ]] ||
+  { echo "run_pretrain.sh: --nnodes $NNODES needs --master-addr (node 0's address)" >&2; exit 2; }
+PORT="${PORT:-29500}"
+[[ "$NNODES" -eq 1 ]] || { [[ "$PORT" =~ ^[0-9]{1,5}$ ]] && (( 10#$PORT + MAX_RESTARTS <= 65535 )); } ||
+  { echo "run_pretrain.sh: --master-port must be a port number with room for --max-restarts after it" \
+      "(attempt k uses port + k), got '$PORT'" >&2; exit 2; }
+rendezvous() {  # the torchrun flags of attempt ATTEMPT
+  if [[ "$NNODES" -eq 1 ]]; then
+    RDZV=(--standalone)
+  else
+    RDZV=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --master-addr "$MASTER"
+      --master-port "$(( 10#$PORT + ATTEMPT ))")
+  fi
+}
 
 # Signals for the job go to the ranks (torchrun's children) themselves: SIGTERM/SIGUSR1 stop them after a
 # checkpoint (torchrun would kill them 30 s later and fail); SIGINT interrupts them as it would one process
@@ -34,6 +47,7 @@ start_torchrun() {
   local fifo="$REASON.fifo" filter
   : > "$REASON"
   rm -f "$fifo" && mkfifo "$fifo"
+  rendezvous
   "$PY" "$ROOT/launch/lib/torchrun_report.py" "$REASON" "${ARGS[@]}" < "$fifo" >&2 &
   filter=$!
   "$PY" -m torch.distributed.run "${RDZV[@]}" --nproc-per-node "$NPROC" -m "$MODULE" "${ARGS[@]}" 2> "$fifo" &
