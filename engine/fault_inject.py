@@ -7,6 +7,9 @@
                             (parallel.timeout_minutes) and the launcher restarts the job
     kill_during_snapshot    rank R is SIGKILLed while writing its memory snapshot of step N (state file
                             written, manifest not): the previous generation must serve
+    kill_during_transfer    rank R is SIGKILLed in the middle of the partner copy of its memory snapshot of step
+                            N (its own shard written, the sizes exchanged with its partner, the bytes not):
+                            the partner holds no copy of step N, and R's node still holds R's own
     corrupt_snapshot        after its memory snapshot of step N, rank R flips a byte in every snapshot of its
                             own shard on its node, then is SIGKILLed: recovery names them and uses the partner's
                             copy, else the disk checkpoint
@@ -27,7 +30,7 @@ from pathlib import Path
 
 from engine.config.schema import ConfigError
 
-KINDS = ("kill", "hang", "kill_during_snapshot", "corrupt_snapshot", "lose_node")
+KINDS = ("kill", "hang", "kill_during_snapshot", "kill_during_transfer", "corrupt_snapshot", "lose_node")
 SPEC = re.compile(r"^(\w+)@step=(\d+),rank=(\d+)$")
 
 
@@ -73,6 +76,12 @@ class FaultInjector:
     def mid_snapshot(self, step: int) -> None:
         """Inside the snapshot writer, between the state file and the manifest of the rank's own shard."""
         if self._due(("kill_during_snapshot",), step):
+            self._fire()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def mid_transfer(self, step: int) -> None:
+        """Inside the partner copy of the snapshot of `step`, between the sizes and the bytes."""
+        if self._due(("kill_during_transfer",), step):
             self._fire()
             os.kill(os.getpid(), signal.SIGKILL)
 

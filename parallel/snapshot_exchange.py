@@ -45,13 +45,15 @@ class SnapshotExchange:
         self.group = dist.new_group(backend=host_backend()) if self.world > 1 else None
         comm.register_group(self.group, "snapshot")
 
-    def swap(self, payload: bytes) -> bytes | None:
-        """Send this rank's payload to its partner and receive its source's (blocking; background thread)."""
+    def swap(self, payload: bytes, between=lambda: None) -> bytes | None:
+        """Send this rank's payload to its partner and receive its source's (blocking; background thread).
+        `between` runs after the sizes are exchanged, before the bytes (a test's injected fault)."""
         if self.partner is None:
             return None
         size_out = torch.tensor([len(payload)], dtype=torch.int64)
         size_in = torch.zeros(1, dtype=torch.int64)
         comm.host_send_recv(size_out, self.partner, size_in, self.source, self.group)
+        between()
         data_in = torch.empty(int(size_in.item()), dtype=torch.uint8)
         comm.host_send_recv(torch.frombuffer(bytearray(payload), dtype=torch.uint8), self.partner, data_in,
                             self.source, self.group)

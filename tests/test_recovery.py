@@ -1,8 +1,10 @@
 """Injected faults (run.inject_fault) recovered through the real restart paths: launch/run_pretrain.sh --nnodes 2 on
-localhost with --max-restarts (a lost node), --nproc 2 (corrupt snapshots: the disk tier), a process killed in
-the middle of a snapshot and started again. The numerical equality of resumed runs over several layouts is in
-tests/test_memory_snapshots.py; here each re-run step must equal the same step before the fault, bit for bit
-(metrics.jsonl keeps both attempts), and the recovery line must name the tier.
+localhost with --max-restarts (a lost node, a rank killed in the middle of the partner copy), --nproc 2 with
+--max-restarts (a killed rank, a hung rank, corrupt snapshots: the disk tier), a process killed in the middle of a
+snapshot and started again. Each two-rank run must give, step for step, the losses and gradient norms of one
+uninterrupted two-rank run, bit for bit (metrics.jsonl keeps both attempts, so a step trained twice is checked
+twice), and the recovery line must name the tier. The equality of resumed runs over several layouts is in
+tests/test_memory_snapshots.py.
 """
 import re
 import subprocess
@@ -45,29 +47,86 @@ def redone_steps(run_dir: Path) -> list[int]:
     return sorted(s for s, v in seen.items() if len(v) == 2)
 
 
-def test_lost_node_on_two_localhost_nodes_resumes_from_the_partner_copy(tmp_path):
-    """Node 1 (rank 1) deletes its shared-memory directory and dies after the snapshot of step 4; both launchers
-    restart (--max-restarts 1), node 1 comes back empty and takes its shard from rank 0's partner copy."""
-    run, port = tmp_path / "run", str(free_port())
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, tuple[float, float]]:
+    """{step: (loss, grad norm)} of the uninterrupted two-rank run that every two-rank case below must give."""
+    run = tmp_path_factory.mktemp("reference") / "run"
+    finish(popen(command(run, ["--nproc", "2"])))
+    return {r["step"]: (r["loss"], r["grad_norm"]) for r in read_metrics(run)}
+
+
+def assert_uninterrupted(run_dir: Path, reference: dict) -> list[int]:
+    """Every step the run trained (once or twice) gave the uninterrupted run's loss and gradient norm, and it
+    reached the end; returns the redone steps."""
+    redone = redone_steps(run_dir)
+    got = {r["step"]: (r["loss"], r["grad_norm"]) for r in read_metrics(run_dir)}
+    assert got == reference, (got, reference)
+    return redone
+
+
+def two_nodes(run: Path, fault: str) -> list[str]:
+    """Two "nodes" of one rank each on localhost, both launchers with --max-restarts 1; their outputs."""
+    port = str(free_port())
     nodes = [popen(command(run, ["--nproc", "1", "--nnodes", "2", "--node-rank", str(r), "--master-addr", "127.0.0.1",
-                                 "--master-port", port, "--max-restarts", "1"], "run.inject_fault=lose_node@step=4,rank=1"))
+                                 "--master-port", port, "--max-restarts", "1"], f"run.inject_fault={fault}"))
              for r in (0, 1)]
-    out = [finish(p) for p in nodes]
+    return [finish(p) for p in nodes]
+
+
+def test_lost_node_on_two_localhost_nodes_resumes_from_the_partner_copy(tmp_path, reference):
+    """Node 1 (rank 1) deletes its shared-memory directory and dies after the snapshot of step 4; both launchers
+    restart (--max-restarts 1: attempt 1 on the next port), node 1 comes back empty and takes its shard from
+    rank 0's partner copy."""
+    run = tmp_path / "run"
+    out = two_nodes(run, "lose_node@step=4,rank=1")
     assert "recovery: from memory (partner copies for rank 1) at step 4: 0 steps lost" in out[0], out[0][-4000:]
-    assert redone_steps(run) == []  # killed right after step 4's snapshot: nothing to redo
+    assert assert_uninterrupted(run, reference) == []  # killed right after step 4's snapshot: nothing to redo
     # the two "nodes" keep separate directories, and node 1's holds its own shard and rank 0's copy again
     node1 = next((tmp_path / "shm").glob("*.node1"))
     assert sorted(p.name for p in next(node1.iterdir()).glob("rank_*")) == ["rank_00000", "rank_00001"]
 
 
-def test_corrupt_snapshots_fall_back_to_the_disk_checkpoint_and_say_so(tmp_path):
+def test_killed_rank_restarts_from_its_own_snapshot(tmp_path, reference):
+    """Rank 1 is SIGKILLed as step 3 ends; --max-restarts 1 starts both ranks again from the snapshot of step 2
+    in their node's shared memory."""
+    run = tmp_path / "run"
+    out = finish(popen(command(run, ["--nproc", "2", "--max-restarts", "1"], "run.inject_fault=kill@step=3,rank=1")))
+    assert "run_pretrain.sh: the run failed (exit 1); restart 1 of 1" in out, out[-4000:]
+    assert "recovery: from memory (own shards) at step 2: 1 step lost" in out, out[-4000:]
+    assert assert_uninterrupted(run, reference) == [3]
+
+
+def test_hung_rank_times_out_and_restarts_from_its_own_snapshot(tmp_path, reference):
+    """Rank 1 stops as step 3 ends; rank 0's next collective times out (parallel.timeout_minutes=0.2: 12 s),
+    torchrun ends both, and the restart resumes from the snapshot of step 2."""
+    run = tmp_path / "run"
+    out = finish(popen(command(run, ["--nproc", "2", "--max-restarts", "1"], "parallel.timeout_minutes=0.2",
+                               "run.inject_fault=hang@step=3,rank=1")))
+    assert "run_pretrain.sh: the run failed (exit 1); restart 1 of 1" in out, out[-4000:]
+    assert "recovery: from memory (own shards) at step 2: 1 step lost" in out, out[-4000:]
+    assert assert_uninterrupted(run, reference) == [3]
+
+
+def test_killed_during_the_partner_copy_its_own_shard_serves(tmp_path, reference):
+    """Rank 1 (node 1) is SIGKILLed between the sizes and the bytes of the partner copy of step 4: rank 0 never
+    receives rank 1's shard of step 4, but node 1's shared memory holds it (written before the copy), so every
+    shard of step 4 exists and the restart resumes there from the owners' own copies."""
+    run = tmp_path / "run"
+    out = two_nodes(run, "kill_during_transfer@step=4,rank=1")
+    # the training threads may finish step 5 before the snapshot threads reach the fault
+    lost = re.search(r"recovery: from memory \(own shards\) at step 4: ([01]) steps? lost", out[0])
+    assert lost, out[0][-4000:]
+    assert assert_uninterrupted(run, reference) == list(range(5, 5 + int(lost.group(1))))
+
+
+def test_corrupt_snapshots_fall_back_to_the_disk_checkpoint_and_say_so(tmp_path, reference):
     run = tmp_path / "run"
     out = finish(popen(command(run, ["--nproc", "2", "--max-restarts", "1"], "checkpoint.interval=3",
                                "run.inject_fault=corrupt_snapshot@step=4,rank=1")))
     assert re.search(r"memory snapshot: ignoring \S+rank_00001/step_00000004 \(state.safetensors does not match its "
                      r"manifest's size and SHA-256\)", out), out[-4000:]
     assert "recovery: from the disk checkpoint (no complete memory snapshot) at step 3: 1 step lost" in out, out[-4000:]
-    assert redone_steps(run) == [4]
+    assert assert_uninterrupted(run, reference) == [4]
 
 
 def test_killed_during_a_snapshot_the_previous_generation_serves(tmp_path):
