@@ -3,6 +3,7 @@ tests/s3_server.py), loses run.dir and resumes from the store: exactly at its ow
 matrix's tolerance on one rank; and a store that is down at save (training goes on) or at resume (one line)."""
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 
@@ -19,6 +20,7 @@ STEPS, SAVED = 8, 4
 RUN = [f"train.steps={STEPS}", f"checkpoint.interval={SAVED}", "checkpoint.upload_part_mb=1"]
 MIRRORS = "checkpoint.mirrors=[s3://ckpt/run]"
 RESHARD_TOLERANCE = 1e-5  # tests/test_checkpoint.py's reshard matrix
+UNREACHABLE = "cannot reach the S3 endpoint {}; check that the store is up and that AWS_ENDPOINT_URL names it"
 
 
 @pytest.fixture(scope="module")
@@ -63,16 +65,24 @@ def objects(server, prefix: str) -> dict[str, bytes]:
     return {k[len(prefix) + 1:]: s3.get_object(Bucket="ckpt", Key=k)["Body"].read() for k in keys}
 
 
+def assert_secret_nowhere(done: subprocess.CompletedProcess, run_dir) -> None:
+    """Not in the launch's output, nor in any file of run.dir (config.yaml, logs, metrics, checkpoints)."""
+    assert SECRET not in done.stdout + done.stderr
+    assert not [p for p in run_dir.rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
+
+
 def test_store_down_at_save_warns_one_line_per_failure_and_training_goes_on(straight):
     run_dir, records, lines, dead_url = straight
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert not any("Traceback" in line for line in lines), "\n".join(lines)
     failures = [line for line in lines if "copying step_" in line]
-    assert failures and all("to s3://ckpt/dead/step_" in line and "cannot reach the S3 endpoint http://127.0.0.1:"
-                            in line and "check AWS_ENDPOINT_URL" in line for line in failures), "\n".join(failures)
+    assert len(failures) == 4, "\n".join(failures)  # two saves, each tried twice (checkpoint.upload_retries=1)
+    assert failures[0].endswith("checkpoint: WARNING copying step_00000004 to s3://ckpt/dead/step_00000004 failed "
+                                "(attempt 1 of 2: reading s3://ckpt/dead/latest: " + UNREACHABLE.format(dead_url) +
+                                "); retrying in 0.05 s"), failures[0]
     assert lines[-1].endswith(f"checkpoint: the final checkpoint step_00000008 is complete in {run_dir / 'checkpoints'}"
-                              f"; missing from s3://ckpt/dead (reading s3://ckpt/dead/latest: cannot reach the S3 "
-                              f"endpoint {dead_url}; check AWS_ENDPOINT_URL)"), lines[-1]
+                              f"; missing from s3://ckpt/dead (reading s3://ckpt/dead/latest: "
+                              f"{UNREACHABLE.format(dead_url)})"), lines[-1]
 
 
 def test_launched_run_resumes_from_the_store_after_losing_run_dir(tmp_path, server, straight):
@@ -92,12 +102,11 @@ def test_launched_run_resumes_from_the_store_after_losing_run_dir(tmp_path, serv
     assert sorted(stored) == sorted(["latest", "step_00000004/manifest.json",
                                      *(f"step_00000004/{name}" for name in manifest["files"])])
     assert len(manifest["files"]) == 3  # metadata.json and one file per DP rank
+    assert len(stored["step_00000004/tp00-pp00-dp000.safetensors"]) > 2 << 20  # > 2 parts of 1 MiB: multipart
     for name, info in manifest["files"].items():
         assert hashlib.sha256(stored[f"step_00000004/{name}"]).hexdigest() == info["sha256"], name
     assert stored["latest"] == b"step_00000004\n"
-    # the credentials are nowhere: not in the output, run.dir (config.yaml, logs, metadata.json) or the store
-    assert SECRET not in done.stdout + done.stderr
-    assert not [p for p in run_dir.rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
+    assert_secret_nowhere(done, run_dir)
     assert not [k for k, data in stored.items() if SECRET.encode() in data]
 
     shutil.rmtree(run_dir)  # the node and its disk are gone
@@ -106,8 +115,8 @@ def test_launched_run_resumes_from_the_store_after_losing_run_dir(tmp_path, serv
     server.start()
     assert down.returncode == 2 and "Traceback" not in down.stdout + down.stderr, down.stdout + down.stderr
     assert down.stderr.strip().splitlines()[-1] == (
-        f"trilith: checkpoint location error: s3://ckpt/run (bucket ckpt): cannot reach the S3 endpoint "
-        f"{server.url}; check AWS_ENDPOINT_URL"), down.stderr
+        "trilith: checkpoint location error: s3://ckpt/run (bucket ckpt): " + UNREACHABLE.format(server.url)), \
+        down.stderr
 
     # on another layout (one rank, in this process): restored from the store, within the reshard tolerance
     single = tiny_trainer(f"run.dir={tmp_path / 'single'}", *RUN, MIRRORS)
@@ -115,8 +124,13 @@ def test_launched_run_resumes_from_the_store_after_losing_run_dir(tmp_path, serv
     resharded = [single.train_step()["loss"] for _ in range(STEPS - SAVED)]
     assert resharded == pytest.approx([r["loss"] for r in expected[SAVED:]], abs=RESHARD_TOLERANCE)
 
-    # the same command again at its own layout: restored from the store, the losses the straight run's exactly
-    done = launch_process(run_dir, *RUN, MIRRORS, nproc=2, env=server.env())
+    # the same command again at its own layout, its credentials from a profile this time: restored from the
+    # store, the losses the straight run's exactly
+    credentials = tmp_path / "aws-credentials"
+    credentials.write_text(f"[trilith]\naws_access_key_id = {KEY}\naws_secret_access_key = {SECRET}\n")
+    profile = {"AWS_ENDPOINT_URL": server.url, "AWS_PROFILE": "trilith", "AWS_CONFIG_FILE": os.devnull,
+               "AWS_SHARED_CREDENTIALS_FILE": str(credentials), "AWS_DEFAULT_REGION": "us-east-1"}
+    done = launch_process(run_dir, *RUN, MIRRORS, nproc=2, env=profile)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"checkpoint: restored s3://ckpt/run/step_00000004 to {run_dir / 'checkpoints' / 'step_00000004'}" \
            in done.stdout
@@ -128,3 +142,4 @@ def test_launched_run_resumes_from_the_store_after_losing_run_dir(tmp_path, serv
     assert done.stdout.strip().splitlines()[-1].endswith(
         f"checkpoint: the final checkpoint step_00000008 is complete in {run_dir / 'checkpoints'}, s3://ckpt/run")
     assert objects(server, "run")["latest"] == b"step_00000008\n"
+    assert_secret_nowhere(done, run_dir)
