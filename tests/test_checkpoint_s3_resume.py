@@ -77,6 +77,8 @@ def test_store_down_at_save_warns_one_line_per_failure_and_training_goes_on(stra
     assert not any("Traceback" in line for line in lines), "\n".join(lines)
     failures = [line for line in lines if "copying step_" in line]
     assert len(failures) == 4, "\n".join(failures)  # two saves, each tried twice (checkpoint.upload_retries=1)
+    copies = [r["checkpoint_copies"]["s3://ckpt/dead"] for r in read_metrics(run_dir) if "checkpoint_copies" in r]
+    assert copies[-1]["failures"] == 4 and copies[-1]["last_complete"] is None and copies[-1]["pending"] == []
     assert failures[0].endswith("checkpoint: WARNING copying step_00000004 to s3://ckpt/dead/step_00000004 failed "
                                 "(attempt 1 of 2: reading s3://ckpt/dead/latest: " + UNREACHABLE.format(dead_url) +
                                 "); retrying in 0.05 s"), failures[0]
@@ -110,13 +112,19 @@ def test_launched_run_resumes_from_the_store_after_losing_run_dir(tmp_path, serv
     assert not [k for k, data in stored.items() if SECRET.encode() in data]
 
     shutil.rmtree(run_dir)  # the node and its disk are gone
-    server.stop()  # and so is the store: the launch stops before any rank starts
+    server.stop()  # and so is the store: the launch stops before any rank starts (a checkpoint.load there: at
+    # rank 0's first request)
     down = launch_process(run_dir, *RUN, MIRRORS, nproc=2, env=server.env())
-    server.start()
     assert down.returncode == 2 and "Traceback" not in down.stdout + down.stderr, down.stdout + down.stderr
-    assert down.stderr.strip().splitlines()[-1] == (
-        "trilith: checkpoint location error: s3://ckpt/run (bucket ckpt): " + UNREACHABLE.format(server.url)), \
-        down.stderr
+    assert down.stderr.strip().splitlines() == [
+        "trilith: checkpoint location error: s3://ckpt/run (bucket ckpt): " + UNREACHABLE.format(server.url)]
+
+    down = launch_process(tmp_path / "load", *RUN, "checkpoint.load=s3://ckpt/run", nproc=2, env=server.env())
+    server.start()
+    assert down.returncode == 1 and "Traceback" not in down.stdout + down.stderr, down.stdout + down.stderr
+    reason = "trilith: checkpoint error: reading s3://ckpt/run/manifest.json: " + UNREACHABLE.format(server.url)
+    assert down.stderr.strip().splitlines() == [reason, f"run_pretrain.sh: the run failed (exit 1): {reason} "
+                                                        f"(torchrun's report: {tmp_path / 'load'}/logs/torchrun.log)"]
 
     # on another layout (one rank, in this process): restored from the store, within the reshard tolerance
     single = tiny_trainer(f"run.dir={tmp_path / 'single'}", *RUN, MIRRORS)
