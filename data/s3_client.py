@@ -51,7 +51,8 @@ def describe(exc: BaseException, where: str, setting: str) -> str:
         return f"{where}: no S3 credentials found; {credentials_hint()}"
     if isinstance(exc, EndpointConnectionError):
         url = urllib.parse.urlsplit(str(exc.kwargs.get("endpoint_url", "")))
-        return f"{where}: cannot reach the S3 endpoint {url.scheme}://{url.netloc}; check AWS_ENDPOINT_URL"
+        return f"{where}: cannot reach the S3 endpoint {url.scheme}://{url.netloc}; check that the store is " \
+               f"up and that AWS_ENDPOINT_URL names it"
     if isinstance(exc, ClientError):
         code = str(exc.response.get("Error", {}).get("Code", ""))
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")

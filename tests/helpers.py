@@ -33,18 +33,24 @@ def read_metrics(run_dir) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
-def launch_process(run_dir, *overrides: str, nproc: int = 1, config: str = TINY,
-                   timeout: float = 600) -> subprocess.CompletedProcess:
-    """launch/run_pretrain.sh with `nproc` local ranks, run.dir=`run_dir` and `overrides`; output captured."""
-    cmd = ["bash", "launch/run_pretrain.sh", "--nproc", str(nproc), "--config", config, f"run.dir={run_dir}",
-           *overrides]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=LAUNCH_ENV, timeout=timeout)
+def launch_command(run_dir, *overrides: str, nproc: int = 1, config: str = TINY) -> list[str]:
+    return ["bash", "launch/run_pretrain.sh", "--nproc", str(nproc), "--config", config, f"run.dir={run_dir}",
+            *overrides]
 
 
-def launch(run_dir, *overrides: str, nproc: int = 1, config: str = TINY, timeout: float = 600) -> list[dict]:
+def launch_process(run_dir, *overrides: str, nproc: int = 1, config: str = TINY, timeout: float = 600,
+                   env: dict | None = None) -> subprocess.CompletedProcess:
+    """launch/run_pretrain.sh with `nproc` local ranks, run.dir=`run_dir` and `overrides`, in LAUNCH_ENV plus
+    `env`; output captured."""
+    return subprocess.run(launch_command(run_dir, *overrides, nproc=nproc, config=config), cwd=ROOT,
+                          capture_output=True, text=True, env={**LAUNCH_ENV, **(env or {})}, timeout=timeout)
+
+
+def launch(run_dir, *overrides: str, nproc: int = 1, config: str = TINY, timeout: float = 600,
+           env: dict | None = None) -> list[dict]:
     """`launch_process` that must exit 0 (else the test fails with the output's tail); returns the run's
     metrics.jsonl records."""
-    done = launch_process(run_dir, *overrides, nproc=nproc, config=config, timeout=timeout)
+    done = launch_process(run_dir, *overrides, nproc=nproc, config=config, timeout=timeout, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return read_metrics(run_dir)
 

@@ -5,6 +5,7 @@ what the tool prints today."""
 import ast
 import functools
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import ROOT
+from tests.s3_server import S3Server
 from tools import gen_config_docs
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -285,14 +287,17 @@ print(json.dumps(results))
 
 
 @pytest.fixture(scope="module")
-def launch_checks():
+def launch_checks(tmp_path_factory):
     """launch/check.py's verdict (status, refusal) on every documented launch, from one process: the launcher's
-    own first step, without a Python start-up per command."""
+    own first step, without a Python start-up per command. Their s3:// buckets are in a real store
+    (tests/s3_server.py), as the page's own lines start one."""
     launches = documented_launches()
     arguments = [[w for w in launch_check_arguments(command) if not w.startswith("checkpoint.load=")]
                  for _, command in launches]  # a checkpoint.load is made by an earlier command
-    done = subprocess.run([sys.executable, "-c", CHECK_EACH], cwd=ROOT, input=json.dumps(arguments),
-                          capture_output=True, text=True, timeout=300)
+    buckets = sorted({b for _, command in launches for b in re.findall(r"s3://([a-z0-9][a-z0-9.-]*)", command)})
+    with S3Server(tmp_path_factory.mktemp("s3") / "store", buckets) as server:
+        done = subprocess.run([sys.executable, "-c", CHECK_EACH], cwd=ROOT, input=json.dumps(arguments),
+                              capture_output=True, text=True, timeout=300, env={**os.environ, **server.env()})
     assert done.returncode == 0, done.stderr[-2000:]
     return dict(zip(launches, json.loads(done.stdout.splitlines()[-1])))
 
