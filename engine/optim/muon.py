@@ -29,7 +29,8 @@ def orthogonalise(x: torch.Tensor, coefficients, steps: int, eps: float) -> torc
     """Newton–Schulz's approximate U·Vᵀ of the contiguous 2-D matrix `x`, in x's dtype: torch's iteration step
     for step (the wide orientation, the Frobenius normalisation, X ← aX + (bA + cA²)X with A = XXᵀ). `x` is the
     caller's scratch and is overwritten: its storage and one more matrix of its size are the two buffers the
-    iterates alternate between, beside A and bA + cA² (`work_bytes`: nothing else is allocated)."""
+    iterates alternate between, beside A and bA + cA² (`work_bytes`). A tall matrix's first product reads the
+    strided transpose, as torch's does (a contiguous copy would change fp32's rounding)."""
     a, b, c = coefficients
     tall = x.size(0) > x.size(1)
     y = x.T if tall else x
