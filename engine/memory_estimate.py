@@ -34,8 +34,14 @@ Transients (`StageMemory.transient`, not part of `total`, which stays the held t
 and frees within a step on a stage that computes it, counted at the worst of its forward (chunk fp32 copies, or
 the unsplit logits beside torch's log-probabilities) and its backward (the logits' gradient and a chunk's
 softmax; torch's unsplit kernel: the fp32 gradients of the log-probabilities and of the logits), less what the
-queued output gradients already count. `peak` = total + transient is the most live tensor bytes of a step:
-what `torch.cuda.max_memory_allocated` reports on a GPU, and engine/observe/tensor_peak.py on the CPU.
+queued output gradients already count. Under optim.name=muon the optimizer step's own
+(`StageMemory.optimizer_transient`): the owner plan of the stage's ranks (`muon_plan`: the pieces each holds, fed
+to engine/optim/muon_owners.owner_plan, the function the run agrees its plan with) and the bytes its step
+allocates at once on the fullest of them (OwnerPlan.transient_bytes: the Newton–Schulz inputs, the two
+all-to-alls' buffers, each owned matrix whole with the iteration's buffers, the update upcast as it is applied).
+`peak` = the larger of total + transient and, in the optimizer step after backward has freed the activations,
+total − activations + the RoPE tables + optimizer_transient: the most live tensor bytes of a step, what
+`torch.cuda.max_memory_allocated` reports on a GPU, and engine/observe/tensor_peak.py on the CPU.
 """
 from __future__ import annotations
 
@@ -46,15 +52,18 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config.schema import Config, data_parallel_size
+from engine.optim.muon_owners import OwnerPlan, Piece, owner_plan
 from engine.optim.offload import offloaded
 from engine.optim.param_groups import muon_matrix
 from engine.stage_balance import chunk_layers
 from parallel.ddp import reduces_in_fp32
 from parallel.stage_layers import chunk_roles, stage_layer_ids
 from parallel.tensor import padded_vocab_size
+from parallel.topology import Layout
 from parallel.zero_bubble_plan import ZERO_BUBBLE, peaks
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+NS_BYTES = {"fp32": 4, "bf16": 2}  # optim.muon_ns_dtype
 FP32 = 4
 INDEX = 8  # int64 token ids and labels
 HOST_STATE = 16  # per offloaded element: fp32 master, exp_avg, exp_avg_sq and the gradient's host buffer
@@ -77,6 +86,8 @@ class StageMemory:
     in_flight: float
     host: int = 0  # optimizer state in host memory (optim.offload_fraction), not part of `total`
     transient: int = 0  # the loss's temporaries at their worst moment, beyond `total` (module docstring)
+    optimizer_transient: int = 0  # Muon's step: its inputs, buffers and whole matrices (module docstring)
+    resident: int = 0  # of the activations, what outlives backward (the RoPE tables)
     notes: list = field(default_factory=list)
 
     @property
@@ -86,8 +97,10 @@ class StageMemory:
 
     @property
     def peak(self) -> int:
-        """The most live tensor bytes during a step: the held tensors and the loss's transients."""
-        return self.total + self.transient
+        """The most live tensor bytes during a step: the held tensors and the loss's transients, or in the
+        optimizer step, after backward has freed the activations, the held state and Muon's transients."""
+        return max(self.total + self.transient,
+                   self.total - self.activations + self.resident + self.optimizer_transient)
 
 
 # -- parameters ----------------------------------------------------------------------------------------
@@ -203,6 +216,71 @@ def muon_in_shards(cfg: Config, unit: list, shard: int, shard_size: int) -> list
                 out[rank] += max(0, min(offset + n, (rank + 1) * shard) - max(offset, rank * shard))
         offset += n
     return out
+
+
+def muon_matrices(cfg: Config) -> list[tuple[str, tuple, int | None]]:
+    """(name inside a block, full shape, TP split dimension) of each Muon matrix of a block, in the block's order
+    (parallel/tensor.py: column-parallel q, k, v, gate, up split their rows, row-parallel o, down their columns;
+    k and v kept whole with fewer KV heads than TP ranks)."""
+    m, t = cfg.model, cfg.parallel.tensor
+    h, f, q, kv = m.hidden_size, m.ffn_hidden_size, m.num_attention_heads * m.head_dim, m.kv_heads * m.head_dim
+    rows, cols = (0, 1) if t > 1 else (None, None)
+    kv_dim = rows if m.kv_heads >= t else None
+    return [("self_attn.q_proj.weight", (q, h), rows), ("self_attn.k_proj.weight", (kv, h), kv_dim),
+            ("self_attn.v_proj.weight", (kv, h), kv_dim), ("self_attn.o_proj.weight", (h, q), cols),
+            ("mlp.gate_proj.weight", (f, h), rows), ("mlp.up_proj.weight", (f, h), rows),
+            ("mlp.down_proj.weight", (h, f), cols)]
+
+
+def muon_plan(cfg: Config, world_size: int, stage: int) -> OwnerPlan | None:
+    """The owner plan (engine/optim/muon_owners.owner_plan) of pipeline stage `stage`'s group (TP × CP × DP, in
+    rank order), from the pieces each of its ranks holds as the optimizers cut them: every block matrix's TP slice
+    whole under DDP (engine/optim/replicated.muon_part), the Muon ranges of its ZeRO shard of each block's unit
+    (engine/optim/zero.py, parallel/fsdp_units.py). None without optim.name=muon."""
+    if cfg.optim.name != "muon":
+        return None
+    p = cfg.parallel
+    layout = Layout(tp=p.tensor, pp=p.pipeline, dp=data_parallel_size(cfg, world_size), order=p.rank_order,
+                    cp=p.context)
+    group = next(g for g in layout.groups_along("tp", "cp", "dp") if layout.coords(g[0])["pp"] == stage)
+    if p.pipeline == 1:
+        layer_ids = list(range(cfg.model.num_layers))
+    else:
+        ids = stage_layer_ids(cfg.model.num_layers, p.pipeline, p.virtual_stages, chunk_layers(cfg),
+                              p.schedule == "zbv")[stage]
+        layer_ids = [i for chunk in ids for i in chunk]
+    block, matrices = layer_parameters(cfg), {name: (shape, dim) for name, shape, dim in muon_matrices(cfg)}
+    split = DTYPE_BYTES[cfg.train.precision] != FP32
+    placed = sorted(block, key=lambda x: split and reduces_in_fp32(x[0], p.fp32_reduce))  # fp32 segment last
+    shard_size = p.hsdp_group_size or len(group) // p.tensor
+    everyone = []
+    for rank in group:
+        tp_rank = layout.coords(rank)["tp"]
+        reduce_group = next(g for g in layout.groups_along("dp", "cp") if rank in g)
+        shard_rank = reduce_group.index(rank) % shard_size
+        pieces = []
+        for layer in layer_ids:
+            numel, offset = sum(n for _, n in block), 0
+            shard = -(-max(numel, 1) // shard_size)
+            lo, hi = (shard_rank * shard, (shard_rank + 1) * shard) if p.zero_stage else (0, numel)
+            for name, n in placed if p.zero_stage else block:
+                first, end = max(offset, lo), min(offset + n, hi)
+                if name in matrices and first < end:
+                    shape, dim = matrices[name]
+                    pieces.append(Piece(f"model.layers.{layer}.{name}", shape, dim,
+                                        tp_rank if dim is not None else 0, first - offset, end - offset))
+                offset += n
+        everyone.append(pieces)
+    return owner_plan(everyone, cfg.optim.muon_ns_steps)
+
+
+def muon_transient(cfg: Config, world_size: int, stage: int) -> int:
+    """Bytes Muon's step allocates at once on the fullest rank of `stage` (OwnerPlan.transient_bytes)."""
+    plan = muon_plan(cfg, world_size, stage)
+    if plan is None:
+        return 0
+    size = NS_BYTES[cfg.optim.muon_ns_dtype]
+    return max(plan.transient_bytes(rank, size, cfg.optim.muon_nesterov) for rank in range(plan.world))
 
 
 def ddp_overlaps(cfg: Config, name: str, reduce_size: int) -> bool:
@@ -404,7 +482,8 @@ def estimate(cfg: Config, world_size: int, shard_rank: int | None = None) -> lis
             activations = max(activations, estimate_activations(after, stage, dp))
         comm = comm_bytes(cfg, units, largest, e, dp)
         transient = stage_transient(cfg, stage, chunks, micro)
-        out.append(StageMemory(stage, weights, grads, optim, activations, comm, per_mb, flight, host, transient))
+        out.append(StageMemory(stage, weights, grads, optim, activations, comm, per_mb, flight, host, transient,
+                               muon_transient(cfg, world_size, stage), per_mb_constant))
     return out
 
 
@@ -584,7 +663,8 @@ def report(cfg: Config, world_size: int, device_memory: int = 0, host_memory: in
         lines.append(f"  stage {s.stage}: parameters {gib(s.parameters)}, gradients {gib(s.gradients)}, optimizer "
                      f"{gib(s.optimizer)}{host}, activations {gib(s.activations)} ({s.in_flight:g} × "
                      f"{gib(s.per_micro_batch)} per micro-batch), comm buffers {gib(s.comm_buffers)}: total "
-                     f"{gib(s.total)}; with the loss's transients {gib(s.transient)}: peak {gib(s.peak)}")
+                     f"{gib(s.total)}; with the loss's transients {gib(s.transient)}"
+                     f"{muon_step_text(s)}: peak {gib(s.peak)}")
     worst = max(stages, key=lambda s: s.peak)
     if device_memory:
         fits = worst.peak <= device_memory
@@ -597,6 +677,14 @@ def report(cfg: Config, world_size: int, device_memory: int = 0, host_memory: in
     if cfg.optim.offload_fraction > 0 or cfg.checkpoint.memory_interval > 0:
         lines.append(host_report(cfg, world_size, stages, host_memory, ranks_per_node))
     return "\n".join(lines)
+
+
+def muon_step_text(s: StageMemory) -> str:
+    """The report's words for Muon's step (optim.name=muon), which happens after backward has freed the
+    activations."""
+    if not s.optimizer_transient:
+        return ""
+    return f", or in Muon's step {gib(s.optimizer_transient)} beside {gib(s.total - s.activations + s.resident)}"
 
 
 def ddp_offload_warning(cfg: Config, world_size: int) -> str | None:

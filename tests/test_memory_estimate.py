@@ -3,7 +3,8 @@ parameters, gradients and optimizer state byte for byte, at ZeRO 0-3, HSDP, TP, 
 within 10% of the bytes autograd saves for backward (torch.autograd.graph.saved_tensors_hooks), for each
 recomputation mode, with and without sequence parallelism, on first, middle and last pipeline chunks; the peak
 (held tensors and the loss's transients) within 10% of the live tensor bytes of a step (engine/observe/tensor_peak.py)
-on one rank and on TP, PP and ZeRO-3 layouts of two."""
+on one rank and on TP, PP and ZeRO-3 layouts of two; Muon's step (its owner plan and the bytes it allocates at
+once) byte for byte on each rank at one rank, DDP, ZeRO-1, ZeRO-3, TP and PP."""
 import subprocess
 import sys
 
@@ -11,8 +12,8 @@ import pytest
 import torch
 
 from engine.config.schema import load_config, validate
-from engine.memory_estimate import (chunk_activation, defers_weight_grads, estimate, in_flight, parse_bytes,
-                                    queued_output_gradients, report)
+from engine.memory_estimate import (NS_BYTES, chunk_activation, defers_weight_grads, estimate, in_flight, muon_plan,
+                                    parse_bytes, queued_output_gradients, report)
 from engine.model import CausalLM
 from engine.observe.tensor_peak import TensorPeak, replay_peak
 from engine.train import Trainer
@@ -290,3 +291,58 @@ def test_the_peak_is_within_10_percent_of_the_live_tensor_bytes_on_one_rank():
 ])
 def test_the_peak_is_within_10_percent_of_the_live_tensor_bytes_on_two_ranks(pool, overrides):
     check_peaks(pool.run(measured_peak, *overrides))
+
+
+# -- Muon's step: the owner plan the estimate derives, and what the step allocates ----------------------------
+def muon_step(rank, world, *overrides) -> tuple:
+    """(stage, whether the estimate's owner plan is the run's, the most bytes the second step's Muon update
+    allocated at once on this rank, the plan's count for this rank, the estimate's for the stage)."""
+    cfg = config(world, "optim.name=muon", *overrides)
+    trainer = Trainer(cfg, DistEnv(rank, world))
+    trainer.train_step()
+    part, measured = trainer.optimizer.muon, []
+    step = part.step
+
+    def measured_step(*args):
+        with TensorPeak() as peak:
+            step(*args)
+        measured.append(peak.bytes)
+
+    part.step = measured_step
+    trainer.train_step()
+    stage, run = trainer.topo.pp_rank, part.exchange.plan
+    want = muon_plan(cfg, world, stage)
+    same = (run.held, run.owner) == (want.held, want.owner)
+    counted = want.transient_bytes(part.exchange.me, NS_BYTES[cfg.optim.muon_ns_dtype], cfg.optim.muon_nesterov)
+    return stage, same, measured[0], counted, estimate(cfg, world)[stage].optimizer_transient
+
+
+def check_muon(results, workspace: float = 0.0):
+    """The plans equal, each rank's measured bytes its count (up to `workspace` of it more: kernel workspaces),
+    and the estimate the fullest rank's count."""
+    for stage, same, measured, counted, _ in results:
+        assert same and counted <= measured <= counted * (1 + workspace), (stage, same, measured, counted)
+    for stage in {r[0] for r in results}:
+        assert max(r[3] for r in results if r[0] == stage) == next(r[4] for r in results if r[0] == stage)
+
+
+FP32_NS = "optim.muon_ns_dtype=fp32"  # bf16 matmuls on a CPU allocate fp32 workspaces, not always at one moment
+
+
+def test_muons_step_allocates_what_the_estimate_counts_on_one_rank():
+    check_muon([muon_step(0, 1, FP32_NS)])  # one owner of all: its last matrix's iteration and the upcasts
+
+
+@pytest.mark.parametrize("overrides", [
+    [FP32_NS],  # DDP: nothing gathered, every result sent
+    [FP32_NS, "parallel.zero_stage=1", "train.precision=bf16"],  # pieces cut mid-matrix by the shards
+    [FP32_NS, "parallel.zero_stage=3", "optim.muon_nesterov=false"],  # the inputs are the momentum buffers
+    [FP32_NS, "parallel.tensor=2", "parallel.zero_stage=3", "model.num_kv_heads=1"],  # TP slices, k and v whole
+    [FP32_NS, "parallel.pipeline=2"],  # a stage's own matrices
+])
+def test_muons_step_allocates_what_the_estimate_counts_on_every_layout(pool, overrides):
+    check_muon(pool.run(muon_step, *overrides))
+
+
+def test_muons_bf16_step_is_counted_but_for_the_cpus_matmul_workspaces(pool):
+    check_muon(pool.run(muon_step, "parallel.zero_stage=1"), workspace=0.10)

@@ -26,17 +26,29 @@ def momentum_input(grad: torch.Tensor, buf: torch.Tensor, momentum: float, neste
 
 
 def orthogonalise(x: torch.Tensor, coefficients, steps: int, eps: float) -> torch.Tensor:
-    """Newton–Schulz's approximate U·Vᵀ of the 2-D matrix `x`, in x's dtype: torch's iteration step for step
-    (the wide orientation, the Frobenius normalisation, X ← aX + (bA + cA²)X with A = XXᵀ)."""
+    """Newton–Schulz's approximate U·Vᵀ of the contiguous 2-D matrix `x`, in x's dtype: torch's iteration step
+    for step (the wide orientation, the Frobenius normalisation, X ← aX + (bA + cA²)X with A = XXᵀ). `x` is the
+    caller's scratch and is overwritten: its storage and one more matrix of its size are the two buffers the
+    iterates alternate between, beside A and bA + cA² (`work_bytes`). A tall matrix's first product reads the
+    strided transpose, as torch's does (a contiguous copy would change fp32's rounding)."""
     a, b, c = coefficients
     tall = x.size(0) > x.size(1)
-    y = (x.T if tall else x).clone()
+    y = x.T if tall else x
     y.div_(y.norm().clamp(min=eps))
-    for _ in range(steps):
-        gram = y @ y.T
-        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-        y = torch.addmm(y, poly, y, beta=a)
+    m, n = y.shape
+    buffers = (torch.empty(m, n, dtype=x.dtype, device=x.device), x.view(m, n))
+    gram, poly = (torch.empty(m, m, dtype=x.dtype, device=x.device) for _ in range(2))
+    for i in range(steps):
+        torch.mm(y, y.T, out=gram)
+        torch.addmm(gram, gram, gram, beta=b, alpha=c, out=poly)
+        y = torch.addmm(y, poly, y, beta=a, out=buffers[i % 2])
     return y.T if tall else y
+
+
+def work_bytes(shape, element_size: int) -> int:
+    """What `orthogonalise` allocates beside its input: the second iterate buffer (m·n) and A, bA + cA² (m² each)."""
+    m, n = sorted(shape[:2])
+    return element_size * (m * n + 2 * m * m)
 
 
 def lr_scale(adjust_lr_fn: str, shape) -> float:

@@ -18,12 +18,15 @@ from every rank's list of pieces (one all_gather_object).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from engine.optim import muon
 from parallel import comm
+
+FP32 = 4
 
 
 class Piece(NamedTuple):
@@ -57,6 +60,138 @@ def local_shape(full_shape: tuple, tp_dim, tp_size: int) -> tuple:
     return tuple(shape)
 
 
+def size(key: tuple) -> int:
+    return key[3] - key[2]
+
+
+@dataclass
+class OwnerPlan:
+    """Who orthogonalises what and what moves, from every rank's pieces (`owner_plan`): the run's exchange and the
+    memory estimate and time model (engine/memory_estimate.py, engine/plan/volumes.py) read the same plan."""
+
+    held: list  # per rank of the stage group: its pieces, in its inputs' order
+    matrices: dict  # name -> a Piece of it (its full shape and TP split)
+    owner: dict  # name -> the rank that orthogonalises it
+    pieces_of: dict  # name -> the keys of all its pieces, over all ranks, sorted
+    sender: dict  # key -> the rank that sends the piece to its owner (the owner itself when it holds it)
+    gather: list  # gather[a][b]: the keys rank a sends rank b before Newton–Schulz
+    result: list  # result[a][b]: the keys of the result rank a sends rank b after it
+
+    @property
+    def world(self) -> int:
+        return len(self.held)
+
+    @property
+    def gather_chunk(self) -> int:
+        return chunk(self.gather)
+
+    @property
+    def result_chunk(self) -> int:
+        return chunk(self.result)
+
+    def owned(self, rank: int) -> list[str]:
+        return sorted(n for n, r in self.owner.items() if r == rank)
+
+    def buffer_bytes(self, element_size: int) -> int:
+        """The send buffers of one step's two all-to-alls (one padded chunk per rank; all but this rank's own
+        chunk cross the wire, and as many bytes arrive)."""
+        return self.world * (self.gather_chunk + self.result_chunk) * element_size
+
+    def transient_bytes(self, rank: int, element_size: int, nesterov: bool) -> int:
+        """The most bytes `MuonPart.step` allocates at once on `rank` beyond the held state, in an NS dtype of
+        `element_size` bytes, phase by phase as the step runs: the NS inputs, the gather's buffers, each owned
+        matrix whole with `muon.work_bytes`, the results' buffers, the update upcast to fp32 as it is applied.
+        Kernel workspaces are not counted (a bf16 matmul's fp32 accumulators on a CPU, a strided addmm's packing:
+        the estimate's tests measure them)."""
+        held, world = self.held[rank], self.world
+        mine, keys = [size(p.key) for p in held], {p.key for p in held}
+        cast = FP32 if nesterov and element_size != FP32 else 0  # the fp32 Nesterov input before its cast
+        staged = [element_size * n for n in mine] if nesterov or element_size != FP32 else [0] * len(mine)
+        inputs = sum(staged)
+        peak = max((sum(staged[:i + 1]) + cast * n for i, n in enumerate(mine)), default=0)
+        gather = world * self.gather_chunk * element_size
+        peak = max(peak, inputs + 2 * gather)  # send and receive buffers
+        gathered = gather if any(self.gather[r][rank] for r in range(world)) else 0  # kept while pieces are used
+        done = kept = 0  # results of the owned matrices; the part of them this rank holds itself
+        for name in self.owned(rank):
+            m = self.matrices[name]
+            whole = element_size * m.full_shape[0] * m.full_shape[1]
+            peak = max(peak, inputs + gathered + done + whole + muon.work_bytes(m.full_shape, element_size))
+            done += whole
+            mine_of = [k for k in self.pieces_of[name] if k in keys]
+            kept += element_size * sum(size(k) for k in mine_of) if copied(m) else whole if mine_of else 0
+        result = world * self.result_chunk * element_size
+        peak = max(peak, inputs + done + 2 * result)
+        received = result if any(self.result[r][rank] for r in range(world)) else 0
+        upcast = FP32 * max(mine, default=0) if element_size != FP32 else 0  # master.add_ of a 16-bit update
+        return max(peak, inputs + received + kept + upcast)
+
+
+def chunk(messages) -> int:
+    """An all-to-all's per-rank chunk: the largest message (0: nothing to move)."""
+    return max((sum(size(k) for k in m) for row in messages for m in row), default=0)
+
+
+def owner_plan(everyone: list[list[Piece]], ns_steps: int) -> OwnerPlan:
+    """The plan for the pieces `everyone[r]` each rank r of a stage group holds."""
+    matrices: dict[str, Piece] = {}
+    holders: dict[tuple, list[int]] = {}
+    for rank, pieces in enumerate(everyone):
+        for p in pieces:
+            matrices.setdefault(p.name, p)
+            holders.setdefault(p.key, []).append(rank)
+    world = len(everyone)
+    owner = assign_owners({n: muon.ns_flops(p.full_shape, ns_steps) for n, p in matrices.items()}, world)
+    pieces_of: dict[str, list[tuple]] = {}
+    for k in sorted(holders):
+        pieces_of.setdefault(k[0], []).append(k)
+    sender = {k: owner[k[0]] if owner[k[0]] in h else h[0] for k, h in holders.items()}
+    gather = [[[] for _ in range(world)] for _ in range(world)]
+    result = [[[] for _ in range(world)] for _ in range(world)]
+    for k in sorted(holders):
+        o = owner[k[0]]
+        if sender[k] != o:
+            gather[sender[k]][o].append(k)
+        for h in holders[k]:
+            if h != o:
+                result[o][h].append(k)
+    return OwnerPlan(everyone, matrices, owner, pieces_of, sender, gather, result)
+
+
+def row_parts(cols: int, start: int, end: int) -> list[tuple]:
+    """(rows, columns, flat range) slices tiling the row-major range [start, end) of a matrix of `cols` columns:
+    a partial first row, the whole rows, a partial last row (so a strided region is copied without a temporary)."""
+    (r0, c0), (r1, c1) = divmod(start, cols), divmod(end, cols)
+    if r0 == r1:
+        return [(slice(r0, r0 + 1), slice(c0, c1), slice(0, end - start))]
+    head, whole = cols - c0, (r1 - r0 - 1) * cols
+    parts = [(slice(r0, r0 + 1), slice(c0, cols), slice(0, head)),
+             (slice(r0 + 1, r1), slice(0, cols), slice(head, head + whole))]
+    return parts + ([(slice(r1, r1 + 1), slice(0, c1), slice(head + whole, end - start))] if c1 else [])
+
+
+def write(region: torch.Tensor, start: int, values: torch.Tensor) -> None:
+    """Put the flat `values` at row-major offset `start` of the 2-D `region` (a column slice: strided)."""
+    for rows, cols, flat in row_parts(region.size(1), start, start + values.numel()):
+        region[rows, cols] = values[flat].view(rows.stop - rows.start, cols.stop - cols.start)
+
+
+def read(region: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """The row-major range [start, end) of the 2-D `region`: a view where it is contiguous, else a copy."""
+    if region.is_contiguous():
+        return region.view(-1)[start:end]
+    piece = region.new_empty(end - start)
+    for rows, cols, flat in row_parts(region.size(1), start, end):
+        piece[flat].view(rows.stop - rows.start, cols.stop - cols.start).copy_(region[rows, cols])
+    return piece
+
+
+def copied(m: Piece) -> bool:
+    """Whether the result pieces of `m` are copies (its output strided: a tall matrix, whose iteration runs on
+    the transpose, or a column slice of a TP split), not views of the output."""
+    return m.full_shape[0] > m.full_shape[1] or m.tp_dim == 1
+
+
 class OwnerExchange:
     """The agreed plan for `held` (this rank's pieces, in the order its inputs come) over `group`."""
 
@@ -68,84 +203,70 @@ class OwnerExchange:
             comm.all_gather_object(everyone, held, group)
         else:
             everyone = [held]
-        self.matrices: dict[str, Piece] = {}
-        holders: dict[tuple, list[int]] = {}
-        for rank, pieces in enumerate(everyone):
-            for p in pieces:
-                self.matrices.setdefault(p.name, p)
-                holders.setdefault(p.key, []).append(rank)
-        self.owner = assign_owners({n: muon.ns_flops(p.full_shape, ns_steps) for n, p in self.matrices.items()},
-                                   self.world)
-        self.pieces_of: dict[str, list[tuple]] = {}  # every piece of each matrix, over all ranks
-        for k in sorted(holders):
-            self.pieces_of.setdefault(k[0], []).append(k)
-        # sender of each piece to its owner, and the (piece, offset) lists of each rank-to-rank message
-        self.sender = {k: self.owner[k[0]] if self.owner[k[0]] in h else h[0] for k, h in holders.items()}
-        self.gather = [[[] for _ in range(self.world)] for _ in range(self.world)]
-        self.result = [[[] for _ in range(self.world)] for _ in range(self.world)]
-        for k in sorted(holders):
-            owner = self.owner[k[0]]
-            if self.sender[k] != owner:
-                self.gather[self.sender[k]][owner].append(k)
-            for h in holders[k]:
-                if h != owner:
-                    self.result[owner][h].append(k)
-        self.gather_chunk = self._chunk(self.gather)
-        self.result_chunk = self._chunk(self.result)
-
-    def _chunk(self, messages) -> int:
-        """The all-to-all's per-rank chunk: the largest message (0: nothing to move)."""
-        return max((sum(k[3] - k[2] for k in m) for row in messages for m in row), default=0)
+        self.plan = owner_plan(everyone, ns_steps)
+        self.matrices = self.plan.matrices
 
     def owned(self) -> list[str]:
-        return sorted(n for n, r in self.owner.items() if r == self.me)
+        return self.plan.owned(self.me)
 
     def buffer_bytes(self, element_size: int) -> int:
-        """The send buffers of one step's two all-to-alls (one padded chunk per rank; all but this rank's own
-        chunk cross the wire, and as many bytes arrive)."""
-        return self.world * (self.gather_chunk + self.result_chunk) * element_size
+        return self.plan.buffer_bytes(element_size)
 
-    def _all_to_all(self, messages, chunk: int, values: dict, dtype, device) -> dict:
+    def _all_to_all(self, messages, chunk_size: int, values: dict, dtype, device) -> dict:
         """Send values[k] for the keys of messages[me][r] to each rank r; returns {key: tensor} received."""
-        if chunk == 0:
+        if chunk_size == 0:
             return {}
-        send = torch.zeros(self.world, chunk, dtype=dtype, device=device)
+        send = torch.zeros(self.world, chunk_size, dtype=dtype, device=device)
         for r, keys in enumerate(messages[self.me]):
             offset = 0
             for k in keys:
-                send[r, offset:offset + k[3] - k[2]] = values[k]
-                offset += k[3] - k[2]
+                send[r, offset:offset + size(k)] = values[k]
+                offset += size(k)
         recv = torch.empty_like(send)
         comm.all_to_all_into(recv.view(-1), send.view(-1), self.group)
         out = {}
         for r in range(self.world):
             offset = 0
             for k in messages[r][self.me]:
-                out[k] = recv[r, offset:offset + k[3] - k[2]]
-                offset += k[3] - k[2]
+                out[k] = recv[r, offset:offset + size(k)]
+                offset += size(k)
         return out
+
+    def _orthogonalise_owned(self, mine: dict, dtype, device, coefficients, steps: int, eps: float) -> dict:
+        """Gather the pieces of this rank's matrices, orthogonalise each whole; {key: result piece}."""
+        plan = self.plan
+        arrived = {**self._all_to_all(plan.gather, plan.gather_chunk, mine, dtype, device),
+                   **{k: x for k, x in mine.items() if plan.sender[k] == self.me}}
+        results = {}
+        for name in self.owned():
+            results.update(self._orthogonalise_one(name, arrived, dtype, device, coefficients, steps, eps))
+        return results
+
+    def _orthogonalise_one(self, name: str, arrived: dict, dtype, device, coefficients, steps: int,
+                           eps: float) -> dict:
+        """Matrix `name` assembled from its pieces in `arrived` and orthogonalised; {key: result piece}. Its own
+        call, so that the assembled input and the output's buffer are freed once the pieces are taken."""
+        m, keys = self.plan.matrices[name], self.plan.pieces_of[name]
+        slots = self.tp_size if m.tp_dim is not None else 1
+        width = m.full_shape[m.tp_dim] // slots if slots > 1 else 0
+
+        def region(t, k):
+            return t.narrow(m.tp_dim, k[1] * width, width) if slots > 1 else t
+
+        full = torch.empty(m.full_shape, dtype=dtype, device=device)
+        for k in keys:  # the pieces tile the matrix: every element is written
+            write(region(full, k), k[2], arrived[k])
+        out = muon.orthogonalise(full, coefficients, steps, eps)
+        del full  # the iteration's scratch: freed before the pieces are copied out
+        return {k: read(region(out, k), k[2], k[3]) for k in keys}
 
     def orthogonalise(self, inputs: list[torch.Tensor], dtype, device, coefficients, steps: int,
                       eps: float) -> list[torch.Tensor]:
         """NS of every matrix from this rank's `inputs` (flat, aligned with `held`, in `dtype`); returns the
         result's pieces, aligned likewise."""
-        mine = {p.key: x for p, x in zip(self.held, inputs)}
-        arrived = {**self._all_to_all(self.gather, self.gather_chunk, mine, dtype, device),
-                   **{k: x for k, x in mine.items() if self.sender[k] == self.me}}
-        results = {}
-        for name in self.owned():
-            m, keys = self.matrices[name], self.pieces_of[name]
-            split = m.tp_dim is not None
-            shape = local_shape(m.full_shape, m.tp_dim, self.tp_size if split else 1)
-            slots = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.tp_size if split else 1)]
-            for k in keys:
-                slots[k[1]].view(-1)[k[2]:k[3]] = arrived[k]
-            full = torch.cat(slots, dim=m.tp_dim) if split else slots[0]
-            out = muon.orthogonalise(full, coefficients, steps, eps)
-            parts = out.chunk(len(slots), dim=m.tp_dim) if split else [out]
-            for k in keys:
-                results[k] = parts[k[1]].reshape(-1)[k[2]:k[3]]
-        results.update(self._all_to_all(self.result, self.result_chunk, results, dtype, device))
+        results = self._orthogonalise_owned({p.key: x for p, x in zip(self.held, inputs)}, dtype, device,
+                                            coefficients, steps, eps)
+        results.update(self._all_to_all(self.plan.result, self.plan.result_chunk, results, dtype, device))
         return [results[p.key] for p in self.held]
 
 
