@@ -28,21 +28,35 @@ def chunk_layer_counts(num_layers: int, num_chunks: int, explicit: list[int] | N
     return [base + (1 if c < extra else 0) for c in range(num_chunks)]
 
 
-def balanced_layer_counts(num_layers: int, num_chunks: int, first_extra: float = 0.0,
-                          last_extra: float = 0.0) -> list[int]:
-    """Layers per chunk that make the costliest chunk as cheap as possible, costs in units of one layer: the
-    first chunk also carries `first_extra` (embedding), the last `last_extra` (final norm, output layer, loss).
-    Each chunk gets one layer, then each further layer goes to the cheapest chunk so far (the earliest on a
-    tie): optimal for equal layers, and with no extras the same as the even split."""
-    if num_layers < num_chunks:
-        raise ValueError(f"model.num_layers={num_layers} cannot fill {num_chunks} pipeline chunks")
-    counts = [1] * num_chunks
-    extra = [0.0] * num_chunks
-    extra[0] += first_extra
-    extra[-1] += last_extra
-    for _ in range(num_layers - num_chunks):
-        cheapest = min(range(num_chunks), key=lambda c: (counts[c] + extra[c], c))
+def fill_cheapest(num_layers: int, extra: list[float], least: int = 1) -> list[int]:
+    """Layers per slot (a chunk, or a rank) that make the costliest slot as cheap as possible, costs in units of
+    one layer, slot i also carrying extra[i]: `least` layers each, then each further layer to the cheapest slot
+    so far (the earliest on a tie). Optimal because every layer costs the same; with no extras the even split."""
+    counts = [least] * len(extra)
+    for _ in range(num_layers - least * len(extra)):
+        cheapest = min(range(len(extra)), key=lambda i: (counts[i] + extra[i], i))
         counts[cheapest] += 1
+    return counts
+
+
+def balanced_layer_counts(num_layers: int, pipeline: int, first_extra: float = 0.0, last_extra: float = 0.0,
+                          virtual: int = 1, v_shape: bool = False) -> list[int]:
+    """Layers per model chunk (model order, p·v chunks), costs in units of one layer: the first chunk also
+    carries `first_extra` (embedding), the last `last_extra` (final norm, output layer, loss). A rank runs
+    every one of its chunks for each micro-batch, so the costliest rank sets the pipeline's steady pace: the
+    ranks' totals are evened out first (`fill_cheapest` over ranks, v layers each to start), then each rank's
+    chunks, the earlier taking a remainder. Under the V placement (`v_shape`) rank 0 holds both ends and so
+    both extras; interleaved, the last rank holds the last chunk beside v − 1 others."""
+    chunks = pipeline * virtual
+    if num_layers < chunks:
+        raise ValueError(f"model.num_layers={num_layers} cannot fill {chunks} pipeline chunks")
+    chunk_extra = [first_extra * (c == 0) + last_extra * (c == chunks - 1) for c in range(chunks)]
+    ranks = [[model_chunk(r, pipeline, j, v_shape) for j in range(virtual)] for r in range(pipeline)]
+    totals = fill_cheapest(num_layers, [sum(chunk_extra[c] for c in held) for held in ranks], least=virtual)
+    counts = [0] * chunks
+    for held, total in zip(ranks, totals):
+        for c, n in zip(held, fill_cheapest(total, [chunk_extra[c] for c in held])):
+            counts[c] = n
     return counts
 
 
@@ -53,28 +67,6 @@ def model_chunk(pp_rank: int, pipeline: int, chunk: int, v_shape: bool = False) 
     if v_shape:
         return pp_rank if chunk == 0 else 2 * pipeline - 1 - pp_rank
     return chunk * pipeline + pp_rank
-
-
-def balanced_v_layer_counts(num_layers: int, pipeline: int, first_extra: float = 0.0,
-                            last_extra: float = 0.0) -> list[int]:
-    """Layers per model chunk (model order, 2p chunks) under the V placement, costs in units of one layer:
-    rank r holds chunks r and 2p − 1 − r, so rank 0 carries both `first_extra` and `last_extra`. First each
-    rank's total, making the costliest rank as cheap as possible (two layers each, then every further layer
-    to the cheapest rank, the earliest on a tie); then each rank's two chunks as even in cost as its total
-    allows (the earlier chunk taking a remainder)."""
-    if num_layers < 2 * pipeline:
-        raise ValueError(f"model.num_layers={num_layers} cannot fill {2 * pipeline} pipeline chunks")
-    totals = [2] * pipeline
-    extra = [first_extra + last_extra] + [0.0] * (pipeline - 1)
-    for _ in range(num_layers - 2 * pipeline):
-        cheapest = min(range(pipeline), key=lambda r: (totals[r] + extra[r], r))
-        totals[cheapest] += 1
-    counts = [0] * (2 * pipeline)
-    for rank, total in enumerate(totals):
-        early, late = (first_extra, last_extra) if rank == 0 else (0.0, 0.0)
-        k = min(range(1, total), key=lambda k: (max(k + early, total - k + late), -k))
-        counts[rank], counts[2 * pipeline - 1 - rank] = k, total - k
-    return counts
 
 
 def stage_layer_ids(num_layers: int, pipeline: int, virtual: int = 1,

@@ -11,7 +11,7 @@ import torch
 
 from engine.config.schema import ConfigError, load_config, validate
 from engine.stage_balance import chunk_layers
-from parallel.stage_layers import balanced_v_layer_counts, chunk_roles, stage_layer_ids
+from parallel.stage_layers import balanced_layer_counts, chunk_roles, stage_layer_ids
 from parallel.zero_bubble_plan import critical_order, idle_fraction, peaks, plan
 from tests.distributed import WorkerPool
 from tests.helpers import TINY, launch
@@ -112,11 +112,11 @@ def test_v_placement_and_its_compute_balance():
     assert chunk_roles(0, 2, 2, 1, v_shape=True) == (False, True) and chunk_roles(1, 2, 2, 1, True) == (False, False)
     # By hand, 16 layers, p = 2, output layer worth 2.3 layers, all on rank 0 with the first chunk: rank totals
     # 7 + 2.3 and 9 (6 + 2.3 would leave rank 1 10); rank 0's 7 as 5 | 2 + 2.3 (4 | 3 + 2.3 costs 5.3).
-    assert balanced_v_layer_counts(16, 2, 0.0, 2.3) == [5, 5, 4, 2]
+    assert balanced_layer_counts(16, 2, 0.0, 2.3, virtual=2, v_shape=True) == [5, 5, 4, 2]
     # p = 4, 8 layers: two each whatever the head costs; 12 layers, head 1.5: rank 0 keeps 2 (3.5), the
     # others take the rest (4, 3, 3), each rank's earlier chunk the odd layer
-    assert balanced_v_layer_counts(8, 4, 0.0, 5.0) == [1, 1, 1, 1, 1, 1, 1, 1]
-    assert balanced_v_layer_counts(12, 4, 0.0, 1.5) == [1, 2, 2, 2, 1, 1, 2, 1]
+    assert balanced_layer_counts(8, 4, 0.0, 5.0, virtual=2, v_shape=True) == [1, 1, 1, 1, 1, 1, 1, 1]
+    assert balanced_layer_counts(12, 4, 0.0, 1.5, virtual=2, v_shape=True) == [1, 2, 2, 2, 1, 1, 2, 1]
     bench = ["model.hidden_size=256", "model.num_layers=16", "model.num_attention_heads=8", "model.num_kv_heads=8",
              "model.ffn_hidden_size=688", "model.vocab_size=8192", "model.seq_length=256", "parallel.pipeline=2",
              "parallel.schedule=zbv", "parallel.virtual_stages=2", "parallel.stage_balance=compute"]

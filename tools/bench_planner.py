@@ -5,7 +5,8 @@
 
 At the peer benchmark's shape (the config defaults: hidden 256, 4 layers, 8 heads, FFN 688, vocabulary 8,192,
 sequence 256; global batch 8, fp32, synthetic data) the planner enumerates the layouts of --nproc ranks in the
-benchmark's space (TP 1-8, CP 1-2, PP 1-4, ZeRO 0/3, no recomputation, micro batch 1: engine/plan/layouts.Space) and
+benchmark's space (TP 1-8, CP 1-2, PP 1-4 with one chunk per rank (1F1B, ZB-H1) or two (interleaved, ZBV), ZeRO 0/3,
+no recomputation, micro batch 1: engine/plan/layouts.Space; ZeRO 3 refuses the zero-bubble schedules) and
 predicts each one's step time and memory, from a profile calibrated first in the same run (--profile fresh, the
 default: tools/plan_calibrate.py at the benchmark's shapes, ~40 s; the machine's load changes the numbers more
 than anything the model leaves out) or a stored one. One torchrun job of --nproc ranks then trains each layout
@@ -46,8 +47,8 @@ from engine.plan.planner import plan  # noqa: E402
 from engine.plan.profile import load_profile  # noqa: E402
 from engine.plan.time_model import predict  # noqa: E402
 
-# 30 layouts of 8 ranks: ~5 minutes here
-SPACE = Space(tensor=(1, 2, 4, 8), context=(1, 2), pipeline=(1, 2, 4), virtual_stages=(1,),
+# 53 layouts of 8 ranks (8 ZB-H1, 5 ZBV, 10 interleaved); --budget cuts a shuffled sample of them
+SPACE = Space(tensor=(1, 2, 4, 8), context=(1, 2), pipeline=(1, 2, 4), virtual_stages=(1, 2),
               stage_balance=("layers",), zero_stage=(0, 3), hsdp=False, recompute=("none",), micro_batch_size=(1,))
 
 
@@ -162,9 +163,10 @@ def rescore(work: Path, profile_name: str, nproc: int) -> int:
     measured = json.loads((work / "results.json").read_text())
     base = from_dict(job["base"])
     jobs = [(" ".join(lines), apply(base, lines)) for lines in job["layouts"][:len(measured)]]
-    jobs = [(f"{c.parallel.tensor}/{c.parallel.context}/{c.parallel.pipeline}/Z{c.parallel.zero_stage}", c)
-            for _, c in jobs]
-    print(f"rescoring {len(measured)} measured layouts in {work} (TP/CP/PP/ZeRO) with profile {profile_name}")
+    jobs = [(f"{c.parallel.tensor}/{c.parallel.context}/{c.parallel.pipeline}/{c.parallel.virtual_stages} "
+             f"{c.parallel.schedule}/Z{c.parallel.zero_stage}", c) for _, c in jobs]
+    print(f"rescoring {len(measured)} measured layouts in {work} (TP/CP/PP/v schedule/ZeRO) with profile "
+          f"{profile_name}")
     report(jobs, measured, load_profile(profile_name), nproc)
     return 0
 
