@@ -13,6 +13,8 @@ more micro-batches' activations: `memory_estimate` shows what that costs per sta
 """
 from __future__ import annotations
 
+import functools
+
 from engine.config.schema import Config
 from engine.model import layer_parameters
 from parallel.stage_layers import balanced_layer_counts, balanced_v_layer_counts, chunk_layer_counts
@@ -31,8 +33,14 @@ def chunk_layers(cfg: Config) -> list[int]:
     chunks = p.pipeline * p.virtual_stages
     if p.stage_layers:
         return chunk_layer_counts(cfg.model.num_layers, chunks, p.stage_layers)
-    if p.stage_balance == "compute" and p.schedule == "zbv":  # rank 0 holds both ends of the V
-        return balanced_v_layer_counts(cfg.model.num_layers, p.pipeline, last_extra=output_layer_cost(cfg))
     if p.stage_balance == "compute":
-        return balanced_layer_counts(cfg.model.num_layers, chunks, last_extra=output_layer_cost(cfg))
+        return list(compute_balanced(cfg.model.num_layers, p.pipeline, chunks, p.schedule == "zbv",
+                                     output_layer_cost(cfg)))
     return chunk_layer_counts(cfg.model.num_layers, chunks)
+
+
+@functools.lru_cache(maxsize=1024)  # the planner asks for every stage of thousands of layouts
+def compute_balanced(num_layers: int, pipeline: int, chunks: int, v_shape: bool, last_extra: float) -> tuple:
+    if v_shape:  # rank 0 holds both ends of the V
+        return tuple(balanced_v_layer_counts(num_layers, pipeline, last_extra=last_extra))
+    return tuple(balanced_layer_counts(num_layers, chunks, last_extra=last_extra))
