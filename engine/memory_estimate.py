@@ -153,16 +153,20 @@ def state_bytes(cfg: Config, units: list, shard_size: int, shard_rank: int | Non
     rank `shard_rank` of its shard group, by default the one with the most gradient bytes (ranks differ only in
     the fp32 gradients of the norm segment their shard holds)."""
     e, stage, fraction = DTYPE_BYTES[cfg.train.precision], cfg.parallel.zero_stage, cfg.optim.offload_fraction
-    if stage == 0:  # the optimizer offloads whole parameters, in reverse model order
-        named = sorted((x for unit in units for x in unit), key=lambda x: MODEL_ORDER.get(x[0], 1))
-        params = [n for _, n in named]
-        on_host = offloaded(params[::-1], fraction)[::-1]
-        host = sum(n for n, off in zip(params, on_host) if off)
-        spares = sum(n for (name, n), off in zip(named, on_host) if off and ddp_overlaps(cfg, name, shard_size))
-        n = sum(params)
-        muon = sum(k for name, k in named if muon_stepped(cfg, name))  # one momentum buffer, not two moments
+    if stage == 0:
+        distinct = Counter(units)  # the blocks' units are equal: each distinct one counted once, times its count
+        n = sum(times * sum(k for _, k in unit) for unit, times in distinct.items())
+        muon = sum(times * sum(k for name, k in unit if muon_stepped(cfg, name))  # one momentum buffer, not two
+                   for unit, times in distinct.items())  # moments
+        host = spares = staging = 0
+        if fraction:  # the optimizer offloads whole parameters, in reverse model order
+            named = sorted((x for unit in units for x in unit), key=lambda x: MODEL_ORDER.get(x[0], 1))
+            params = [k for _, k in named]
+            on_host = offloaded(params[::-1], fraction)[::-1]
+            host = sum(k for k, off in zip(params, on_host) if off)
+            spares = sum(k for (name, k), off in zip(named, on_host) if off and ddp_overlaps(cfg, name, shard_size))
+            staging = sum(staging_bytes(e, k) for k, off in zip(params, on_host) if off) if e != FP32 else 0
         state = (n - host) * (8 if e == FP32 else 12) - muon * FP32
-        staging = sum(staging_bytes(e, k) for k, off in zip(params, on_host) if off) if e != FP32 else 0
         return n * e, n * e, state, 0, host * HOST_STATE + spares * HOST_SPARE + staging
     shards = [-(-max(sum(n for _, n in unit), 1) // shard_size) for unit in units]
     on_host = offloaded(shards[::-1], fraction)[::-1]
@@ -454,8 +458,8 @@ def comm_bytes(cfg: Config, units: list, largest_unit: int, e: int, dp: int) -> 
     are pending), and the pipeline's activation messages."""
     p, m, t = cfg.parallel, cfg.model, cfg.train
     if p.zero_stage == 0:
-        total = FP32 * sum(n for unit in units for name, n in unit if reduces_in_fp32(name, p.fp32_reduce)) \
-            if dp > 1 and e != FP32 else 0
+        total = FP32 * sum(times * sum(n for name, n in unit if reduces_in_fp32(name, p.fp32_reduce))
+                           for unit, times in Counter(units).items()) if dp > 1 and e != FP32 else 0
     else:
         total = (3 * largest_unit if p.zero_stage >= 2 else 0) + (2 * largest_unit if p.zero_stage == 3 else 0)
         if p.zero_stage == 3 and p.zero3_keep_last_gathered and p.pipeline > 1:
