@@ -46,7 +46,9 @@ total − activations + the RoPE tables + optimizer_transient: the most live ten
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -119,19 +121,26 @@ def layer_parameters(cfg: Config) -> list[tuple[str, int]]:
     return out
 
 
-def chunk_units(cfg: Config, layer_count: int, pre: bool, post: bool) -> list[list[tuple[str, int]]]:
+def chunk_units(cfg: Config, layer_count: int, pre: bool, post: bool) -> list[tuple[tuple[str, int], ...]]:
     """The parameters of one model chunk grouped as parallel/fsdp's sharding units (embedding [+ final norm when
-    the tied output layer is on the same chunk], each block, final norm + output layer)."""
+    the tied output layer is on the same chunk], each block, final norm + output layer). Units are tuples, so that
+    the planner's per-unit counts can be memoised on them."""
     m, t = cfg.model, cfg.parallel.tensor
-    vocab_rows = padded_vocab_size(m.vocab_size, t) // t
-    embedding = ("model.embed_tokens.weight", vocab_rows * m.hidden_size)
-    norm = ("model.norm.weight", m.hidden_size)
-    tied_here = post and pre and m.tie_embeddings
-    units = [[embedding, norm] if tied_here else [embedding]] if pre else []
-    units += [[(f"model.layers.{name}", n) for name, n in layer_parameters(cfg)] for _ in range(layer_count)]
+    return list(units_of_chunk(tuple(layer_parameters(cfg)), padded_vocab_size(m.vocab_size, t) // t, m.hidden_size,
+                               m.tie_embeddings, layer_count, pre, post))
+
+
+@functools.lru_cache(maxsize=4096)  # the planner asks for the same few chunks of thousands of layouts
+def units_of_chunk(block: tuple, vocab_rows: int, hidden: int, tied: bool, layer_count: int, pre: bool,
+                   post: bool) -> tuple:
+    embedding = ("model.embed_tokens.weight", vocab_rows * hidden)
+    norm = ("model.norm.weight", hidden)
+    tied_here = post and pre and tied
+    units = [(embedding, norm) if tied_here else (embedding,)] if pre else []
+    units += [tuple((f"model.layers.{name}", n) for name, n in block)] * layer_count
     if post and not tied_here:
-        units.append([norm, ("lm_head.weight", vocab_rows * m.hidden_size)])
-    return units
+        units.append((norm, ("lm_head.weight", vocab_rows * hidden)))
+    return tuple(units)
 
 
 def stage_chunks(cfg: Config, stage: int) -> list[tuple[int, bool, bool]]:
@@ -139,10 +148,16 @@ def stage_chunks(cfg: Config, stage: int) -> list[tuple[int, bool, bool]]:
     p = cfg.parallel
     if p.pipeline == 1:
         return [(cfg.model.num_layers, True, True)]
-    v_shape = p.schedule == "zbv"
-    ids = stage_layer_ids(cfg.model.num_layers, p.pipeline, p.virtual_stages, chunk_layers(cfg), v_shape)[stage]
-    return [(len(ids[j]), *chunk_roles(stage, p.pipeline, p.virtual_stages, j, v_shape))
-            for j in range(p.virtual_stages)]
+    return list(pipeline_chunks(cfg.model.num_layers, p.pipeline, p.virtual_stages, p.schedule == "zbv",
+                                tuple(chunk_layers(cfg)))[stage])
+
+
+@functools.lru_cache(maxsize=4096)
+def pipeline_chunks(num_layers: int, pipeline: int, virtual: int, v_shape: bool, counts: tuple) -> tuple:
+    """stage_chunks of every stage, for layers per chunk `counts`."""
+    ids = stage_layer_ids(num_layers, pipeline, virtual, list(counts), v_shape)
+    return tuple(tuple((len(ids[stage][j]), *chunk_roles(stage, pipeline, virtual, j, v_shape))
+                       for j in range(virtual)) for stage in range(pipeline))
 
 
 def state_bytes(cfg: Config, units: list, shard_size: int, shard_rank: int | None = None
@@ -151,16 +166,20 @@ def state_bytes(cfg: Config, units: list, shard_size: int, shard_rank: int | Non
     rank `shard_rank` of its shard group, by default the one with the most gradient bytes (ranks differ only in
     the fp32 gradients of the norm segment their shard holds)."""
     e, stage, fraction = DTYPE_BYTES[cfg.train.precision], cfg.parallel.zero_stage, cfg.optim.offload_fraction
-    if stage == 0:  # the optimizer offloads whole parameters, in reverse model order
-        named = sorted((x for unit in units for x in unit), key=lambda x: MODEL_ORDER.get(x[0], 1))
-        params = [n for _, n in named]
-        on_host = offloaded(params[::-1], fraction)[::-1]
-        host = sum(n for n, off in zip(params, on_host) if off)
-        spares = sum(n for (name, n), off in zip(named, on_host) if off and ddp_overlaps(cfg, name, shard_size))
-        n = sum(params)
-        muon = sum(k for name, k in named if muon_stepped(cfg, name))  # one momentum buffer, not two moments
+    if stage == 0:
+        distinct = Counter(units)  # the blocks' units are equal: each distinct one counted once, times its count
+        n = sum(times * sum(k for _, k in unit) for unit, times in distinct.items())
+        muon = sum(times * sum(k for name, k in unit if muon_stepped(cfg, name))  # one momentum buffer, not two
+                   for unit, times in distinct.items())  # moments
+        host = spares = staging = 0
+        if fraction:  # the optimizer offloads whole parameters, in reverse model order
+            named = sorted((x for unit in units for x in unit), key=lambda x: MODEL_ORDER.get(x[0], 1))
+            params = [k for _, k in named]
+            on_host = offloaded(params[::-1], fraction)[::-1]
+            host = sum(k for k, off in zip(params, on_host) if off)
+            spares = sum(k for (name, k), off in zip(named, on_host) if off and ddp_overlaps(cfg, name, shard_size))
+            staging = sum(staging_bytes(e, k) for k, off in zip(params, on_host) if off) if e != FP32 else 0
         state = (n - host) * (8 if e == FP32 else 12) - muon * FP32
-        staging = sum(staging_bytes(e, k) for k, off in zip(params, on_host) if off) if e != FP32 else 0
         return n * e, n * e, state, 0, host * HOST_STATE + spares * HOST_SPARE + staging
     shards = [-(-max(sum(n for _, n in unit), 1) // shard_size) for unit in units]
     on_host = offloaded(shards[::-1], fraction)[::-1]
@@ -170,9 +189,10 @@ def state_bytes(cfg: Config, units: list, shard_size: int, shard_rank: int | Non
     spares = 0
     fp32_held = [0] * shard_size  # per rank: elements of the units' fp32 norm segments its shards hold
     staging = [0] * shard_size  # per rank: the offloaded units' 16-bit gradient staging buffers (offload.HostGrad)
-    for unit, host in zip(units, on_host):
+    # the blocks' units are equal: each distinct (unit, placement) is counted once, times how often it occurs
+    for (unit, host), times in Counter(zip(units, on_host)).items():
         if host and cfg.optim.offload_overlap != "false" and not tp_summed_later(cfg, unit):
-            spares += -(-max(sum(n for _, n in unit), 1) // shard_size)
+            spares += times * -(-max(sum(n for _, n in unit), 1) // shard_size)
         numel = sum(n for _, n in unit)
         fp32_numel = sum(n for name, n in unit if split and reduces_in_fp32(name, cfg.parallel.fp32_reduce))
         shard = -(-max(numel, 1) // shard_size)
@@ -181,14 +201,15 @@ def state_bytes(cfg: Config, units: list, shard_size: int, shard_rank: int | Non
         held32 = [0] * shard_size
         for rank in range(fp32_start // shard, -(-numel // shard)) if fp32_numel else ():
             held32[rank] = min(numel, (rank + 1) * shard) - max(fp32_start, rank * shard)
-        fp32_held = [a + b for a, b in zip(fp32_held, held32)]
+        fp32_held = [a + times * b for a, b in zip(fp32_held, held32)]
         if host and split:
-            staging = [a + staging_bytes(e, shard, k) for a, k in zip(staging, held32)]
-        weights += shard * (e if stage == 3 else e * shard_size)
-        grads += shard * shard_size * e + fp32_numel * FP32 if stage == 1 else shard * e
+            staging = [a + times * staging_bytes(e, shard, k) for a, k in zip(staging, held32)]
+        weights += times * shard * (e if stage == 3 else e * shard_size)
+        grads += times * (shard * shard_size * e + fp32_numel * FP32 if stage == 1 else shard * e)
         if not host:  # fp32 stage 3: the shard is the master
             muon = muon_in_shards(cfg, unit, shard, shard_size)
-            optim = [o + (2 if stage == 3 and not split else 3) * FP32 * shard - FP32 * k for o, k in zip(optim, muon)]
+            optim = [o + times * ((2 if stage == 3 and not split else 3) * FP32 * shard - FP32 * k)
+                     for o, k in zip(optim, muon)]
     grads += FP32 * (max(fp32_held) if shard_rank is None else fp32_held[shard_rank])
     optim = max(optim) if shard_rank is None else optim[shard_rank]
     return weights, grads, optim, largest, HOST_STATE * sum(s for s, host in zip(shards, on_host) if host) + \
@@ -516,8 +537,8 @@ def comm_bytes(cfg: Config, units: list, largest_unit: int, e: int, dp: int) -> 
     are pending), and the pipeline's activation messages."""
     p, m, t = cfg.parallel, cfg.model, cfg.train
     if p.zero_stage == 0:
-        total = FP32 * sum(n for unit in units for name, n in unit if reduces_in_fp32(name, p.fp32_reduce)) \
-            if dp > 1 and e != FP32 else 0
+        total = FP32 * sum(times * sum(n for name, n in unit if reduces_in_fp32(name, p.fp32_reduce))
+                           for unit, times in Counter(units).items()) if dp > 1 and e != FP32 else 0
     else:
         total = (3 * largest_unit if p.zero_stage >= 2 else 0) + (2 * largest_unit if p.zero_stage == 3 else 0)
         if p.zero_stage == 3 and p.zero3_keep_last_gathered and p.pipeline > 1:

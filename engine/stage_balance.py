@@ -14,6 +14,8 @@ more layers, and under 1F1B they also keep more micro-batches' activations: `mem
 """
 from __future__ import annotations
 
+import functools
+
 from engine.config.schema import Config
 from engine.model import layer_parameters
 from parallel.stage_layers import balanced_layer_counts, chunk_layer_counts
@@ -33,6 +35,11 @@ def chunk_layers(cfg: Config) -> list[int]:
     if p.stage_layers:
         return chunk_layer_counts(cfg.model.num_layers, chunks, p.stage_layers)
     if p.stage_balance == "compute":
-        return balanced_layer_counts(cfg.model.num_layers, p.pipeline, last_extra=output_layer_cost(cfg),
-                                     virtual=p.virtual_stages, v_shape=p.schedule == "zbv")
+        return list(compute_balanced(cfg.model.num_layers, p.pipeline, p.virtual_stages, p.schedule == "zbv",
+                                     output_layer_cost(cfg)))
     return chunk_layer_counts(cfg.model.num_layers, chunks)
+
+
+@functools.lru_cache(maxsize=1024)  # the planner asks for every stage of thousands of layouts
+def compute_balanced(num_layers: int, pipeline: int, virtual: int, v_shape: bool, last_extra: float) -> tuple:
+    return tuple(balanced_layer_counts(num_layers, pipeline, last_extra=last_extra, virtual=virtual, v_shape=v_shape))

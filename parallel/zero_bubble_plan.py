@@ -188,6 +188,7 @@ def idle_fraction(schedule: str, p: int, m: int) -> float:
     return 1 - busy / (max(t for r in plans for t, *_ in r.slots) + 1)
 
 
+@functools.lru_cache(maxsize=4096)  # the planner asks it for every stage of thousands of layouts
 def peaks(schedule: str, p: int, m: int, rank: int) -> tuple[int, int]:
     """(most chunk activations held at once, from F to W; most chunk backwards between their B and W at once)
     on `rank`: what engine/memory_estimate.py counts."""

@@ -88,16 +88,21 @@ def range_problem(cfg) -> str | None:
     divides by, allocates or loops over one of them."""
     for section in dataclasses.fields(cfg):
         target = getattr(cfg, section.name)
-        hints = type_hints(type(target))
-        for f in dataclasses.fields(target):
-            value, typ, key = getattr(target, f.name), hints[f.name], f"{section.name}.{f.name}"
-            named = ([(key, value)] if typ in (int, float) else
-                     [(f"{key}[{i}]", v) for i, v in enumerate(value)] if typ in (list[int], list[float]) else [])
-            for where, v in named:
-                bounds = field_range(section.name, f.name)
+        for name, key, listed, bounds in numeric_fields(section.name, type(target)):
+            value = getattr(target, name)
+            for where, v in [(f"{key}[{i}]", v) for i, v in enumerate(value)] if listed else [(key, value)]:
                 if v not in bounds:
                     need = ("a finite number" + ("" if str(bounds) == "finite" else f" {bounds}") if isinstance(v, float) else
                             f"{bounds} and fit in 64 bits" if abs(v) > INT64_MAX else str(bounds))
                     shown = repr(v) if len(repr(v)) <= 60 else repr(v)[:57] + "..."
                     return f"{where}={shown} must be {need}"
     return None
+
+
+@functools.cache
+def numeric_fields(section: str, cls) -> tuple:
+    """(field, section.field, whether a list, its field_range) of each int, float, list[int] or list[float] field of
+    a section, in field order: resolved once, since the planner validates thousands of candidate layouts."""
+    hints = type_hints(cls)
+    return tuple((f.name, f"{section}.{f.name}", hints[f.name] in (list[int], list[float]), field_range(section, f.name))
+                 for f in dataclasses.fields(cls) if hints[f.name] in (int, float, list[int], list[float]))

@@ -164,19 +164,20 @@ def data_parallel_time(cfg: Config, stage: int, world_size: int, gpus_per_node: 
                        forward: float, backward: float) -> tuple[float, float]:
     """(exposed, overlapped) seconds of data parallelism's collectives in one step on `stage`."""
     collectives = volumes.per_step(cfg, stage, world_size, gpus_per_node)
-    total = sum(c.count * c.seconds(profile.link(c.link)) for c in collectives)
+    timed = [(c, c.seconds(profile.link(c.link))) for c in collectives]  # one call's time each, computed once
+    total = sum(c.count * seconds for c, seconds in timed)
     if profile.shared_cores:  # the collectives run on the cores the compute needs: nothing hides
         return total, 0.0
     exposed = 0.0
     windows = {"reduce": backward, "gather_forward": forward, "gather_backward": backward}
     for phase, window in windows.items():
-        calls = [c for c in collectives if c.phase == phase]
+        calls = [(c, seconds) for c, seconds in timed if c.phase == phase]
         if not calls:
             continue
-        occasions = max(c.count for c in calls)  # reductions or gathers per step (a call each time per unit or
+        occasions = max(c.count for c, _ in calls)  # reductions or gathers per step (a call each time per unit or
         # bucket), each behind one compute span
-        each = sum(c.count * c.seconds(profile.link(c.link)) for c in calls) / occasions
-        last = max(c.seconds(profile.link(c.link)) for c in calls)  # the piece issued after the compute ends
+        each = sum(c.count * seconds for c, seconds in calls) / occasions
+        last = max(seconds for _, seconds in calls)  # the piece issued after the compute ends
         exposed += occasions * max(each - window, last)
-    exposed += sum(c.count * c.seconds(profile.link(c.link)) for c in collectives if c.phase not in windows)
+    exposed += sum(c.count * seconds for c, seconds in timed if c.phase not in windows)
     return exposed, total - exposed

@@ -28,6 +28,8 @@ are summed over TP in fp32 after the reduction, under ZeRO 0 all of them.
 """
 from __future__ import annotations
 
+import functools
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -139,34 +141,54 @@ def padded(numel: int, shard_size: int) -> int:
     return -(-max(numel, 1) // shard_size) * shard_size
 
 
-def fp32_width(cfg: Config, unit: list, shard_size: int) -> int:
+def fp32_width(cfg: Config, unit: tuple, shard_size: int) -> int:
     """Elements per rank of a ZeRO unit's fp32 norm segment, which below fp32 reduce-scatters on its own
     (parallel/fsdp_units.Unit.fp32_send_buffer: the segment sits at the unit's end, each rank's part of it padded
     to the largest); 0 in fp32 or without one."""
+    if DTYPE_BYTES[cfg.train.precision] == 4:
+        return 0
+    return widest_fp32_part(unit, shard_size, tuple(cfg.parallel.fp32_reduce))
+
+
+@functools.lru_cache(maxsize=4096)  # the same few units of thousands of layouts
+def widest_fp32_part(unit: tuple, shard_size: int, fp32_reduce: tuple) -> int:
     numel = sum(n for _, n in unit)
-    fp32 = sum(n for name, n in unit if reduces_in_fp32(name, cfg.parallel.fp32_reduce))
-    if DTYPE_BYTES[cfg.train.precision] == 4 or not fp32:
+    fp32 = sum(n for name, n in unit if reduces_in_fp32(name, fp32_reduce))
+    if not fp32:
         return 0
     shard, start = -(-max(numel, 1) // shard_size), numel - fp32
     return max(max(0, min(numel, (r + 1) * shard) - max(start, r * shard)) for r in range(shard_size))
 
 
-def tp_replicated(cfg: Config, units: list, shard_size: int, shard_rank: int) -> int:
-    """Elements of TP-replicated parameters (engine/memory_estimate.tp_summed_later) inside shard `shard_rank`
-    of the units: their reduced gradients are summed over TP in fp32 after the reduction (parallel/fsdp)."""
+def tp_replicated(cfg: Config, units: list, shard_size: int) -> list[int]:
+    """Per rank of the shard group: elements of TP-replicated parameters (engine/memory_estimate.tp_summed_later)
+    inside its shard of the units; their reduced gradients are summed over TP in fp32 after the reduction
+    (parallel/fsdp)."""
     p = cfg.parallel
+    total = [0] * shard_size
+    if p.tensor == 1:
+        return total
     split = DTYPE_BYTES[cfg.train.precision] != 4
-    total = 0
-    for unit in units:
-        shard = -(-max(sum(n for _, n in unit), 1) // shard_size)
-        lo, hi = shard_rank * shard, (shard_rank + 1) * shard
-        placed = sorted(unit, key=lambda x: split and reduces_in_fp32(x[0], p.fp32_reduce))  # fp32 segment last
-        offset = 0
-        for name, n in placed:
-            if tp_summed_later(cfg, [(name, n)]):
-                total += max(0, min(hi, offset + n) - max(lo, offset))
-            offset += n
-    return total if p.tensor > 1 else 0
+    for unit, times in Counter(units).items():  # the blocks' units are equal: each distinct one once
+        fp32_last = tuple(split and reduces_in_fp32(name, p.fp32_reduce) for name, _ in unit)
+        replicated = tuple(tp_summed_later(cfg, [x]) for x in unit)
+        total = [a + times * b for a, b in zip(total, replicated_in_shards(unit, fp32_last, replicated, shard_size))]
+    return total
+
+
+@functools.lru_cache(maxsize=4096)
+def replicated_in_shards(unit: tuple, fp32_last: tuple, replicated: tuple, shard_size: int) -> tuple:
+    """Per shard: elements of the `replicated` parameters of `unit` in it, laid out as parallel/fsdp_units does
+    (the fp32-reduced ones, `fp32_last`, at the end)."""
+    shard = -(-max(sum(n for _, n in unit), 1) // shard_size)
+    placed = sorted(zip(unit, replicated, fp32_last), key=lambda x: x[2])
+    out = [0] * shard_size
+    offset = 0
+    for (_, n), is_replicated, _ in placed:
+        for rank in range(offset // shard, -(-(offset + n) // shard)) if is_replicated else ():
+            out[rank] += min((rank + 1) * shard, offset + n) - max(rank * shard, offset)
+        offset += n
+    return tuple(out)
 
 
 def flat_or_hierarchical(cfg: Config, op: str, nbytes: float, count: float, ranks: int, link: str,
@@ -249,7 +271,8 @@ def per_step(cfg: Config, stage: int, world_size: int, gpus_per_node: int,
         shards = sum(padded(sum(num for _, num in unit), k) for unit_list, _ in units for unit in unit_list) // k
         out.append(Collective("dp-replicas", "all_reduce", shards * e, reductions, n // k, link))
     flat_units = [u for unit_list, _ in units for u in unit_list]
-    replicated = max(tp_replicated(cfg, flat_units, k, r) for r in (range(k) if shard_rank is None else [shard_rank]))
+    per_rank = tp_replicated(cfg, flat_units, k)
+    replicated = max(per_rank) if shard_rank is None else per_rank[shard_rank]
     if replicated:
         out.append(Collective("tp", "all_reduce", replicated * 4, 1, p.tensor, link_of(p.tensor, gpus_per_node)))
     return out
