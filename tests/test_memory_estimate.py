@@ -296,7 +296,8 @@ def test_the_peak_is_within_10_percent_of_the_live_tensor_bytes_on_two_ranks(poo
 # -- Muon's step: the owner plan the estimate derives, and what the step allocates ----------------------------
 def muon_step(rank, world, *overrides) -> tuple:
     """(stage, whether the estimate's owner plan is the run's, the most bytes the second step's Muon update
-    allocated at once on this rank, the plan's count for this rank, the estimate's for the stage)."""
+    allocated at once on this rank, the plan's count for this rank, the estimate's for the stage, the bytes of
+    the gather's send buffer)."""
     cfg = config(world, "optim.name=muon", *overrides)
     trainer = Trainer(cfg, DistEnv(rank, world))
     trainer.train_step()
@@ -314,14 +315,22 @@ def muon_step(rank, world, *overrides) -> tuple:
     want = muon_plan(cfg, world, stage)
     same = (run.held, run.owner) == (want.held, want.owner)
     counted = want.transient_bytes(part.exchange.me, NS_BYTES[cfg.optim.muon_ns_dtype], cfg.optim.muon_nesterov)
-    return stage, same, measured[0], counted, estimate(cfg, world)[stage].optimizer_transient
+    late = run.world * run.gather_chunk * NS_BYTES[cfg.optim.muon_ns_dtype]
+    return stage, same, measured[0], counted, estimate(cfg, world)[stage].optimizer_transient, late
+
+
+# What the profiler can see beyond the step's own tensors, timing-dependent under load: gloo's worker thread
+# drops its reference to the gather's send buffer after wait() returns, so on a busy host that buffer can still
+# be alive at the Newton-Schulz peak; and the profiler counts every thread's allocations (a few scalars).
+OTHER_THREADS = 256
 
 
 def check_muon(results, workspace: float = 0.0):
-    """The plans equal, each rank's measured bytes its count (up to `workspace` of it more: kernel workspaces),
-    and the estimate the fullest rank's count."""
-    for stage, same, measured, counted, _ in results:
-        assert same and counted <= measured <= counted * (1 + workspace), (stage, same, measured, counted)
+    """The plans equal, each rank's measured bytes its count (up to `workspace` of it more: kernel workspaces,
+    and what gloo's thread may still hold), and the estimate the fullest rank's count."""
+    for stage, same, measured, counted, _, late in results:
+        most = counted * (1 + workspace) + late + OTHER_THREADS
+        assert same and counted <= measured <= most, (stage, same, measured, counted, late)
     for stage in {r[0] for r in results}:
         assert max(r[3] for r in results if r[0] == stage) == next(r[4] for r in results if r[0] == stage)
 
