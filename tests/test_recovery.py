@@ -98,7 +98,8 @@ def test_killed_rank_restarts_from_its_own_snapshot(tmp_path, reference):
 
 def test_hung_rank_times_out_and_restarts_from_its_own_snapshot(tmp_path, reference):
     """Rank 1 stops as step 3 ends; rank 0's next collective times out (parallel.timeout_minutes=0.2: 12 s),
-    torchrun ends both, and the restart resumes from the snapshot of step 2."""
+    torchrun ends both (the hung rank by SIGKILL 30 s after its SIGTERM: the agent's _stop_workers ignores
+    --shutdown-timeout), and the restart resumes from the snapshot of step 2."""
     run = tmp_path / "run"
     out = finish(popen(command(run, ["--nproc", "2", "--max-restarts", "1"], "parallel.timeout_minutes=0.2",
                                "run.inject_fault=hang@step=3,rank=1")))
