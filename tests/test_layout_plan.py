@@ -17,6 +17,7 @@ from engine.plan.layouts import Layout, Space, apply, configure, enumerate_layou
 from engine.plan.planner import plan, warning
 from engine.plan.calibrate import fit_link
 from engine.plan.profile import DeviceProfile, Link, interpolate, load_profile, parallel_key
+from engine.optim.muon import ns_flops
 from engine.plan.time_model import head_flops, layer_flops, predict
 from engine.preflight import layout_advice
 from engine.train import Trainer
@@ -121,7 +122,7 @@ def predicted_bytes(cfg, world) -> dict:
     out: dict = {}
     for c in volumes.per_micro_batch(cfg, 0, world, 8):
         out[c.group, c.op] = out.get((c.group, c.op), 0) + m * c.count * c.nbytes
-    for c in volumes.per_step(cfg, 0, world, 8):
+    for c in volumes.per_step(cfg, 0, world, 8) + volumes.muon_exchange(cfg, 0, world, 8):
         out[c.group, c.op] = out.get((c.group, c.op), 0) + c.count * c.nbytes
     return out
 
@@ -135,11 +136,16 @@ def predicted_bytes(cfg, world) -> dict:
     ["parallel.zero_stage=3", "train.micro_batch_size=2"],  # the embedding looked up by rows
     ["parallel.context=2", "train.micro_batch_size=2"],
     ["parallel.pipeline=2", "train.micro_batch_size=2"],
+    ["optim.name=muon", "parallel.zero_stage=0", "train.micro_batch_size=2"],  # Muon: only the results move
+    ["optim.name=muon", "parallel.zero_stage=1", "train.micro_batch_size=2"],  # pieces to owners and back
+    ["optim.name=muon", "parallel.tensor=2", "optim.muon_ns_dtype=fp32"],  # TP slices to owners, in fp32
 ])
 def test_the_volumes_are_the_bytes_the_collective_record_holds(pool, lines):
     recorded = pool.run(recorded_bytes, *lines)[0]
     cfg = small_config("model.num_layers=2", *lines)
-    for (group, op), nbytes in predicted_bytes(cfg, 2).items():
+    predicted = predicted_bytes(cfg, 2)
+    assert (("stage", "all_to_all") in predicted) == ("optim.name=muon" in lines)  # Muon's exchange, counted
+    for (group, op), nbytes in predicted.items():
         ops = ("send", "recv") if op == "p2p" else (op,)
         got = sum(b for (g, o), b in recorded.items() if g.split("_")[0] == group and o in ops)
         # the record also holds scalars (the loss's token count, the gradient norm): a few bytes
@@ -173,6 +179,27 @@ def flat_profile(shared_cores: int = 0) -> DeviceProfile:
     free = {"latency_s": 0.0, "seconds_per_byte": 0.0}
     return DeviceProfile("flat", False, "test", "fp32", rows, rows, 0.0, {"intra": free, "inter": free},
                          ranks=8, shared_cores=shared_cores)
+
+
+def test_muons_newton_schulz_is_the_busiest_owners_flops_and_its_exchange_is_exposed():
+    """DP 1, 2, 4 (ZeRO 1) on the flat profile (1 ns a forward FLOP, × its contention for ranks on one machine):
+    the optimizer step gains the busiest owner's Newton–Schulz FLOPs, which fall as 1/DP; the two all-to-alls
+    are exposed at the link's time."""
+    profile = flat_profile()
+    profile.links["intra"].seconds_per_byte = 1e-9
+    base = ["parallel.zero_stage=1", "train.micro_batch_size=1", "model.num_layers=2"]
+    busiest = {}
+    for dp in (1, 2, 4):
+        adamw = predict(small_config(*base), dp, profile, 8)
+        muon = predict(small_config(*base, "optim.name=muon"), dp, profile, 8)
+        plan = volumes.muon_plan(small_config(*base, "optim.name=muon"), dp, 0)
+        busiest[dp] = max(sum(ns_flops(plan.matrices[n].full_shape, 5) for n in plan.owned(r)) for r in range(dp))
+        assert muon.optimizer - adamw.optimizer == pytest.approx(busiest[dp] * 1e-9 * profile.contention(dp))
+        moved = (dp - 1) / dp * 2 * dp * (plan.gather_chunk + plan.result_chunk)  # bf16, ring all-to-all
+        assert muon.exposed.get("muon", 0.0) == pytest.approx(moved * 1e-9)
+    # a layer: q, k, v, o 256 × 256; gate, up, down 256 × 688 (m ≤ n): 4m²n + 2m³ an iteration, 5 iterations
+    assert busiest[1] == 2 * 5 * (4 * (4 * 256**3 + 2 * 256**3) + 3 * (4 * 256**2 * 688 + 2 * 256**3))
+    assert busiest[2] <= 0.55 * busiest[1] and busiest[4] <= 0.3 * busiest[1], busiest
 
 
 def test_the_pipeline_span_is_the_schedules_and_shared_cores_lend_the_bubble_out():

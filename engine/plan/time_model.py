@@ -18,14 +18,18 @@ parameter gathers are prefetched the same way behind the forward and backward; t
 parameters after the optimizer step (ZeRO 1, 2) and HSDP's all-reduce across groups are exposed whole, and so
 are the step's scalar reductions (the gradient norm over the model-parallel and shard groups, the loss over
 data parallelism: one latency each). The optimizer step costs its fp32 master elements × the profile's time
-per element.
+per element; under optim.name=muon also the Newton–Schulz work of the stage's busiest owner (its matrices'
+`muon.ns_flops` at the profile's layer-forward FLOP rate for calls of that size: the iteration is matmuls) and,
+exposed, the exchange's two all-to-alls (volumes.muon_exchange).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from engine.config.schema import Config, data_parallel_size
+from engine.memory_estimate import muon_plan
 from engine.model import layer_parameters
+from engine.optim import muon
 from engine.plan import volumes
 from engine.plan.bubble import bubble_time
 from engine.plan.profile import DeviceProfile, parallel_key
@@ -154,7 +158,11 @@ def predict(cfg: Config, world_size: int, profile: DeviceProfile, gpus_per_node:
     pred.exposed["scalars"] = scalars * world_link.time(8, volumes.STEPS["all_reduce"](world_size))
     shard = (p.hsdp_group_size or n) if p.zero_stage else 1
     slowdown = profile.contention(ranks)
-    pred.optimizer = volumes.stage_parameters(cfg, stage) / shard * profile.optimizer_s_per_element * slowdown
+    pred.optimizer = volumes.stage_parameters(cfg, stage) / shard * profile.optimizer_s_per_element * slowdown + \
+        newton_schulz_time(cfg, world_size, stage, profile, ranks)
+    muon = volumes.muon_exchange(cfg, stage, world_size, gpus_per_node)
+    if muon:
+        pred.exposed["muon"] = comm_time(muon, profile)["stage"]
     pred.overhead = (profile.step_overhead_s + micro_batches * p.virtual_stages * profile.micro_batch_overhead_s) * \
         slowdown
     return pred
@@ -181,3 +189,14 @@ def data_parallel_time(cfg: Config, stage: int, world_size: int, gpus_per_node: 
         exposed += occasions * max(each - window, last)
     exposed += sum(c.count * seconds for c, seconds in timed if c.phase not in windows)
     return exposed, total - exposed
+
+
+def newton_schulz_time(cfg: Config, world_size: int, stage: int, profile: DeviceProfile, ranks_per_node: int) \
+        -> float:
+    """Seconds of Newton–Schulz a step on the busiest rank of `stage`'s group (0 without optim.name=muon)."""
+    plan = muon_plan(cfg, world_size, stage)
+    if plan is None:
+        return 0.0
+    steps = cfg.optim.muon_ns_steps
+    return max(sum(profile.layer_time(muon.ns_flops(plan.matrices[name].full_shape, steps), ranks_per_node)[0]
+                   for name in plan.owned(rank)) for rank in range(plan.world))

@@ -25,6 +25,10 @@ all-reduces the shard across the groups. Hierarchical reduction
 (parallel.hierarchical_node_size) is counted stage by stage, within the node block and across the blocks. Under
 ZeRO the gradients of TP-replicated parameters (norms under SP, KV projections kept whole) in a rank's shard
 are summed over TP in fp32 after the reduction, under ZeRO 0 all of them.
+Per step under optim.name=muon, over the stage group (TP × CP × DP: engine/optim/muon_owners.py): the two
+all-to-alls of the owner plan (engine/memory_estimate.muon_plan), the pieces to their matrices' owners and the
+results back, each a send buffer of the group's size × its largest message in optim.muon_ns_dtype (none where
+nothing moves: the gather under DDP without TP).
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config.schema import Config, data_parallel_size
-from engine.memory_estimate import DTYPE_BYTES, chunk_units, stage_chunks, tp_summed_later
+from engine.memory_estimate import DTYPE_BYTES, NS_BYTES, chunk_units, muon_plan, stage_chunks, tp_summed_later
 from parallel.ddp import reduces_in_fp32
 from parallel.embedding_rows import rows_worth_it
 from parallel.embedding_shards import lookup_worth_it
@@ -286,3 +290,14 @@ def tp_sum_of_replicated(cfg: Config, units: list, gpus_per_node: int) -> list[C
         return []
     replicated = sum(n for unit in units for name, n in unit if tp_summed_later(cfg, [(name, n)]))
     return [Collective("tp", "all_reduce", replicated * 4, 1, t, link_of(t, gpus_per_node))] if replicated else []
+
+
+def muon_exchange(cfg: Config, stage: int, world_size: int, gpus_per_node: int) -> list[Collective]:
+    """Muon's gather and return all-to-alls of one step on `stage` (exposed: the optimizer step waits on them)."""
+    plan = muon_plan(cfg, world_size, stage)
+    if plan is None or plan.world == 1:
+        return []
+    link = link_of(plan.world, gpus_per_node)  # TP × CP × DP: consecutive ranks in the default rank order
+    size = NS_BYTES[cfg.optim.muon_ns_dtype]
+    return [Collective("stage", "all_to_all", plan.world * chunk * size, 1, plan.world, link, "after_step")
+            for chunk in (plan.gather_chunk, plan.result_chunk) if chunk]
