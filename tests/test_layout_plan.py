@@ -153,6 +153,22 @@ def test_the_volumes_are_the_bytes_the_collective_record_holds(pool, lines):
         assert got == pytest.approx(nbytes, rel=0.25 if small else 1e-4, abs=64), (group, op, recorded)
 
 
+def test_the_tp_replicated_count_per_shard_is_the_element_by_element_one():
+    # parallel/fsdp_units' layout element by element (fp32-reduced parameters last, the unit padded to the shard
+    # group): what the memoised, unit-by-unit count must equal for every rank, however many units repeat
+    cfg = small_config("parallel.tensor=2", "parallel.sequence_parallel=true", "train.precision=bf16",
+                       "model.num_layers=3", "model.num_kv_heads=1")
+    units = [u for chunk in volumes.stage_chunks(cfg, 0) for u in volumes.chunk_units(cfg, *chunk)]
+    for shard_size in (1, 3, 7, 64):
+        want = [0] * shard_size
+        for unit in units:
+            shard = -(-max(sum(n for _, n in unit), 1) // shard_size)
+            placed = [x for x in unit if "norm" not in x[0]] + [x for x in unit if "norm" in x[0]]
+            flags = [flag for x in placed for flag in [volumes.tp_summed_later(cfg, [x])] * x[1]]
+            want = [w + sum(flags[r * shard:(r + 1) * shard]) for r, w in enumerate(want)]
+        assert volumes.tp_replicated(cfg, units, shard_size) == want and sum(want) > 0
+
+
 def test_the_bubble_and_the_interpolation_are_the_hand_worked_ones():
     assert bubble_time("1f1b", 4, 8, 1, busy=8.0) == pytest.approx(3.0)  # (p-1)/(m+p-1) of the span
     assert bubble_time("interleaved", 4, 8, 2, busy=16.0) == pytest.approx(3.0)  # 3/19 of the span
@@ -303,7 +319,7 @@ def test_a_pre_flight_run_logs_the_warning(tmp_path, capsys, monkeypatch):
 def test_the_tool_prints_five_layouts_with_breakdowns_for_the_7b_recipe():
     done = subprocess.run([sys.executable, "tools/plan_layout.py", "--config", RECIPE_7B, "--nodes", "8",
                            "--gpus-per-node", "8", "--gpu-memory", "80"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=400)  # ~70 CPU s over ~17k candidate layouts; the limit only guards against a hang
+                          timeout=400)  # ~11 CPU s over ~17k candidate layouts; the limit only guards against a hang
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     ranked = [line for line in lines if line[:2] in ("1.", "2.", "3.", "4.", "5.")]
