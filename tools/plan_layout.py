@@ -4,13 +4,16 @@
     python tools/plan_layout.py --config FILE --nodes 1 --gpus-per-node 8 --gpu-memory 141 --global-batch 256
     python tools/plan_layout.py --calibrate --device cuda --nproc 8 --out engine/plan/profiles/gpu_bf16.json
     python tools/plan_layout.py --config FILE --nodes 1 --gpus-per-node 8 --verify 3
+    python tools/plan_layout.py --config FILE --nodes 128 --gpus-per-node 8 --dry-run 3
 
 Enumerates the layouts engine/config/schema.validate accepts (engine/plan/layouts.py), drops those whose fullest
 rank's memory estimate exceeds --gpu-memory less --margin, predicts each one's step time from a device profile
 (engine/plan/profiles/; --profile) and prints the five fastest with their memory and time breakdowns, then the
 winner as section.key=value overrides for launch/run_pretrain.sh. --calibrate records a profile on this
 machine's devices (tools/plan_calibrate.py); --verify K runs the K best for a few steps through
-launch/run_pretrain.sh and prints predicted against measured step time and peak memory (tools/plan_verify.py).
+launch/run_pretrain.sh and prints predicted against measured step time and peak memory (tools/plan_verify.py);
+--dry-run K simulates a covering sample of the K best's ranks on one CPU and checks their schedule, memory and
+volumes against the estimate and the plan (tools/plan_dry_run.py).
 docs/planner.md explains the model.
 """
 from __future__ import annotations
@@ -50,6 +53,8 @@ def parse_args(argv):
                     "(default: cpu_fp32 for train.device=cpu, else a recorded gpu_<precision>, else h200_bf16_assumed)")
     ap.add_argument("--top", type=int, default=5, help="layouts printed")
     ap.add_argument("--verify", type=int, default=0, metavar="K", help="run the K best for a few steps and compare")
+    ap.add_argument("--dry-run", type=int, default=0, metavar="K", help="simulate the K best on this CPU (fake "
+                    "backend, meta device) and check schedule, memory and volumes")
     ap.add_argument("--calibrate", action="store_true", help="record a device profile here instead (its options: "
                     "tools/plan_layout.py --calibrate --help)")
     ap.add_argument("overrides", nargs="*", help="section.key=value overrides, as for training")
@@ -66,8 +71,10 @@ def main(argv=None) -> int:
         return calibrate([a for a in argv if a != "--calibrate"])
     args = parse_args(argv)
     try:
-        if min(args.nodes, args.gpus_per_node) < 1 or args.global_batch < 0 or args.top < 1 or args.verify < 0:
-            raise ValueError("--nodes, --gpus-per-node and --top must be ≥ 1, --global-batch and --verify ≥ 0")
+        if min(args.nodes, args.gpus_per_node) < 1 or args.global_batch < 0 or args.top < 1 or args.verify < 0 \
+                or args.dry_run < 0:
+            raise ValueError("--nodes, --gpus-per-node and --top must be ≥ 1, --global-batch, --verify and "
+                             "--dry-run ≥ 0")
         if not 0 <= args.margin < 1:
             raise ValueError(f"--margin {args.margin} must be a fraction in [0, 1)")
         device_memory = memory_arg(args.gpu_memory) if args.gpu_memory else 0
@@ -82,6 +89,10 @@ def main(argv=None) -> int:
         return 2
     world = args.nodes * args.gpus_per_node
     result = plan(cfg, world, profile, device_memory, args.gpus_per_node, margin=args.margin)
+    if result.ranked and args.dry_run > len(result.ranked):
+        print(f"plan_layout: --dry-run {args.dry_run}: only {len(result.ranked)} layouts fit; give at most "
+              f"{len(result.ranked)}", file=sys.stderr)
+        return 2
     m = cfg.model
     limit = f"{gib(device_memory)} per device less {args.margin:.0%} margin" if device_memory else "no memory limit"
     print(f"{world} ranks ({args.nodes} × {args.gpus_per_node}), {limit}; "
@@ -98,10 +109,15 @@ def main(argv=None) -> int:
     best = result.ranked[0]
     print("the fastest as overrides for launch/run_pretrain.sh:")
     print("  " + " ".join(overrides(cfg, best.layout, world)))
+    status = 0
+    if args.dry_run:
+        from tools.plan_dry_run import dry_run
+        status = dry_run(result.ranked[:args.dry_run], world)
     if args.verify:
         from tools.plan_verify import verify
-        return verify(args.config, args.overrides, result.ranked[:args.verify], world, profile, args.nodes)
-    return 0
+        status = max(status, verify(args.config, args.overrides, result.ranked[:args.verify], world, profile,
+                                    args.nodes))
+    return status
 
 
 if __name__ == "__main__":
