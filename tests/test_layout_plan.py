@@ -1,8 +1,9 @@
 """The layout planner (engine/plan/, tools/plan_layout.py): the enumeration against hand counts, the fit filter
 against hand-worked bytes, the override text reproducing each layout through the launcher's parser, the
 communication volumes against what parallel/comm.py records in a real step, the time model's bubble and
-interpolation, and the pre-flight's warning on a deliberately poor layout."""
+interpolation, the pre-flight's warning on a deliberately poor layout, and --dry-run's check of the best layouts."""
 import os
+import re
 import subprocess
 import sys
 
@@ -343,6 +344,42 @@ def test_verify_runs_the_best_layouts_as_docs_planner_shows():
     rows = [[cell.strip() for cell in row.strip("|").split("|")] for row in table if row.startswith("| TP")]
     assert [row[0] for row in rows] == ranked and len(rows) == 2
     assert all(float(row[2]) > 0 and float(row[5]) > 0 for row in rows)  # measured step time and peak
+
+
+DRY_RUN = ["--config", "launch/configs/tiny.yaml", "--nodes", "1", "--gpus-per-node", "4", "train.device=cpu",
+           "--dry-run", "2"]  # as docs/planner.md gives it
+
+
+def dry_run_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("dry run TP")]
+
+
+def test_dry_run_checks_the_best_layouts_as_docs_planner_shows(capsys):
+    # the 2 best layouts at 4 ranks, each simulated on its covering sample: schedule, memory and volumes agree
+    import tools.plan_layout
+    assert tools.plan_layout.main(DRY_RUN) == 0
+    out = capsys.readouterr().out
+    ranked = [line.split(":")[0].split(". ", 1)[1] for line in out.splitlines() if line[:3] in ("1. ", "2. ")]
+    lines = dry_run_lines(out)
+    assert [line.split(":")[0].removeprefix("dry run ") for line in lines] == ranked and len(lines) == 2
+    assert all(": PASS (4 ranks, " in line and "schedule ok, memory equal, volumes within 0%)" in line
+               for line in lines), lines
+    assert tools.plan_layout.main(DRY_RUN[:-1] + ["100000"]) == 2
+    assert "--dry-run 100000: only" in capsys.readouterr().err
+
+
+def test_dry_run_fails_and_names_the_volume_when_the_prediction_is_off(capsys, monkeypatch):
+    import tools.plan_layout
+    from engine.dry_run import report
+    planned = report.planned_volumes
+    monkeypatch.setattr(report, "planned_volumes", lambda *a: {k: 1.5 * b if k == ("tp", "all_gather") else b
+                                                               for k, b in planned(*a).items()})
+    assert tools.plan_layout.main(DRY_RUN) == 1
+    lines = dry_run_lines(capsys.readouterr().out)
+    assert len(lines) == 2 and all(": FAIL (4 ranks, " in line for line in lines), lines
+    for line in lines:  # the largest difference first: the all-gather the prediction overstates by half
+        got, want = re.search(r": rank \d+ tp all_gather: recorded (\d+) B, planned (\d+) B", line).groups()
+        assert int(want) == 1.5 * int(got) > 0, line
 
 
 def test_profiles_load_and_name_their_source():
