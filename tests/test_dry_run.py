@@ -117,6 +117,15 @@ def test_blocking_sends_in_the_same_order_deadlock_and_a_batch_does_not():
     assert schedule_check.check(batched) == (None, 0)
 
 
+def test_hsdp_replica_reductions_equal_the_planners_with_the_fp32_norms(capsys, tmp_path):
+    # HSDP 2 of DP 4 in bf16: the replicas' all-reduce runs on parallel/topology's dp_inter group and carries the
+    # fp32 norm segments beside the bf16 shards; both must be the planner's dp-replicas volume
+    assert main(["--config", TINY, "--world-size", "4", "--jobs", "2", f"run.dir={tmp_path}", "parallel.zero_stage=1",
+                 "parallel.hsdp_group_size=2", "train.precision=bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "dry run: PASS" in out and "volumes differ" not in out, out[-2000:]
+
+
 @pytest.mark.parametrize("arguments,named", [
     (["--world-size", "6", "parallel.tensor=4"], "--world-size 6: world size 6 is not divisible by TP×CP×PP"),
     (["--world-size", "8", "--ranks", "3,9"], "--ranks '3,9': rank 9 is outside the world of --world-size 8"),

@@ -14,14 +14,15 @@ MEMORY = ("parameters", "gradients", "optimizer")
 SMALL = 2**16  # the loss's statistics and the gradient norm: scalars the planner does not count
 
 
-def recorded_volumes(rows: list) -> dict:
+def recorded_volumes(rows: list, hsdp: bool = False) -> dict:
     """{(group kind, op): bytes} of a step's events, named as the planner names them (dp_cp, dp_unit3 -> dp;
-    send and recv -> p2p)."""
+    send and recv -> p2p; under HSDP the replicas' group, parallel/topology's dp_inter -> dp-replicas)."""
     out: dict = {}
     for op, _, dtype, count, shape, peer, batch, name in rows:
         if op in ("barrier", "all_gather_object"):
             continue
-        key = (name.split("_")[0] if name != "dp_replicate" else "dp-replicas", "p2p" if op in ("send", "recv") else op)
+        key = ("dp-replicas" if hsdp and name == "dp_inter" else name.split("_")[0],
+               "p2p" if op in ("send", "recv") else op)
         out[key] = out.get(key, 0) + count * _BYTES[dtype]
     return out
 
@@ -61,7 +62,7 @@ def rank_report(cfg: Config, world_size: int, result: dict) -> dict:
     c = result["coords"]
     memory, step_rows = result["memory"], result["events"][result["setup_events"]:]
     want = estimated_bytes(cfg, world_size, c["pp"], memory["shard_rank"])
-    recorded = recorded_volumes(step_rows)
+    recorded = recorded_volumes(step_rows, bool(cfg.parallel.hsdp_group_size))
     planned = planned_volumes(cfg, world_size, c["pp"], memory["shard_rank"])
     return {"rank": result["rank"], "coords": c, "memory": {k: memory[k] for k in MEMORY},
             "estimate": want, "memory_equal": all(memory[k] == want[k] for k in MEMORY),

@@ -274,6 +274,9 @@ def per_step(cfg: Config, stage: int, world_size: int, gpus_per_node: int,
     if k < n:
         shards = sum(padded(sum(num for _, num in unit), k) for unit_list, _ in units for unit in unit_list) // k
         out.append(Collective("dp-replicas", "all_reduce", shards * e, reductions, n // k, link))
+        fp32 = sum(fp32_width(cfg, unit, k) for unit_list, _ in units for unit in unit_list)
+        if fp32:  # the norm segments, reduced across the replicas in fp32 as they were reduce-scattered
+            out.append(Collective("dp-replicas", "all_reduce", fp32 * 4, reductions, n // k, link))
     flat_units = [u for unit_list, _ in units for u in unit_list]
     per_rank = tp_replicated(cfg, flat_units, k)
     replicated = max(per_rank) if shard_rank is None else per_rank[shard_rank]
