@@ -261,19 +261,30 @@ def muon_plan(cfg: Config, world_size: int, stage: int) -> OwnerPlan | None:
     if cfg.optim.name != "muon":
         return None
     p = cfg.parallel
-    layout = Layout(tp=p.tensor, pp=p.pipeline, dp=data_parallel_size(cfg, world_size), order=p.rank_order,
-                    cp=p.context)
-    group = next(g for g in layout.groups_along("tp", "cp", "dp") if layout.coords(g[0])["pp"] == stage)
     if p.pipeline == 1:
-        layer_ids = list(range(cfg.model.num_layers))
+        layer_ids = tuple(range(cfg.model.num_layers))
     else:
         ids = stage_layer_ids(cfg.model.num_layers, p.pipeline, p.virtual_stages, chunk_layers(cfg),
                               p.schedule == "zbv")[stage]
-        layer_ids = [i for chunk in ids for i in chunk]
-    block, matrices = layer_parameters(cfg), {name: (shape, dim) for name, shape, dim in muon_matrices(cfg)}
-    split = DTYPE_BYTES[cfg.train.precision] != FP32
-    placed = sorted(block, key=lambda x: split and reduces_in_fp32(x[0], p.fp32_reduce))  # fp32 segment last
-    shard_size = p.hsdp_group_size or len(group) // p.tensor
+        layer_ids = tuple(i for chunk in ids for i in chunk)
+    matrices = tuple((name, shape, dim) for name, shape, dim in muon_matrices(cfg))
+    return stage_owner_plan(p.tensor, p.pipeline, data_parallel_size(cfg, world_size), p.context, p.rank_order,
+                            stage, layer_ids, tuple(layer_parameters(cfg)), matrices,
+                            DTYPE_BYTES[cfg.train.precision] != FP32, tuple(p.fp32_reduce), p.hsdp_group_size,
+                            p.zero_stage, cfg.optim.muon_ns_steps)
+
+
+@functools.lru_cache(maxsize=256)  # the planner asks for it from the estimate, the volumes and the time model
+def stage_owner_plan(tp: int, pp: int, dp: int, cp: int, order: str, stage: int, layer_ids: tuple, block: tuple,
+                     matrices: tuple, split: bool, fp32_reduce: tuple, hsdp_group_size: int, zero_stage: int,
+                     ns_steps: int) -> OwnerPlan:
+    """muon_plan's work, on hashable inputs: of every layout the planner scores, those that differ only in micro
+    batch, recomputation or schedule share one plan."""
+    layout = Layout(tp=tp, pp=pp, dp=dp, order=order, cp=cp)
+    group = next(g for g in layout.groups_along("tp", "cp", "dp") if layout.coords(g[0])["pp"] == stage)
+    matrices = {name: (shape, dim) for name, shape, dim in matrices}
+    placed = sorted(block, key=lambda x: split and reduces_in_fp32(x[0], fp32_reduce))  # fp32 segment last
+    shard_size = hsdp_group_size or len(group) // tp
     everyone = []
     for rank in group:
         tp_rank = layout.coords(rank)["tp"]
@@ -283,8 +294,8 @@ def muon_plan(cfg: Config, world_size: int, stage: int) -> OwnerPlan | None:
         for layer in layer_ids:
             numel, offset = sum(n for _, n in block), 0
             shard = -(-max(numel, 1) // shard_size)
-            lo, hi = (shard_rank * shard, (shard_rank + 1) * shard) if p.zero_stage else (0, numel)
-            for name, n in placed if p.zero_stage else block:
+            lo, hi = (shard_rank * shard, (shard_rank + 1) * shard) if zero_stage else (0, numel)
+            for name, n in placed if zero_stage else block:
                 first, end = max(offset, lo), min(offset + n, hi)
                 if name in matrices and first < end:
                     shape, dim = matrices[name]
@@ -292,7 +303,7 @@ def muon_plan(cfg: Config, world_size: int, stage: int) -> OwnerPlan | None:
                                         tp_rank if dim is not None else 0, first - offset, end - offset))
                 offset += n
         everyone.append(pieces)
-    return owner_plan(everyone, cfg.optim.muon_ns_steps)
+    return owner_plan(everyone, ns_steps)
 
 
 def muon_transient(cfg: Config, world_size: int, stage: int) -> int:

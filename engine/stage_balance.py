@@ -5,12 +5,13 @@
 token instead, first over ranks, then over each rank's chunks (`balanced_layer_counts`), counting the last
 chunk's output layer: 6·h·V for the output matmul against 6·(a layer's parameters) + 12·h·s for a layer
 (engine/observe/metrics.flops_per_token's terms). The first chunk's embedding is a lookup (forward a gather,
-backward a scatter-add: h operations a token against a layer's millions) and counts as nothing, although the 6N of flops_per_token counts its parameters as a matmul's. With a large vocabulary the
-output layer is worth several layers (hidden 256, vocabulary 8192, sequence 256: 2.3; hidden 2048,
-vocabulary 131072, sequence 2048: 4.5), and the even split leaves the last stage the bottleneck of every
-pipeline step. Interleaved, the last rank holds the output layer beside its other chunks; under the V
-placement (parallel.schedule=zbv) rank 0 holds the first and the last chunk. Earlier stages then hold
-more layers, and under 1F1B they also keep more micro-batches' activations: `memory_estimate` shows what that costs per stage.
+backward a scatter-add: h operations a token against a layer's millions) and counts as nothing, although the
+6N of flops_per_token counts its parameters as a matmul's. With a large vocabulary the output layer is worth
+several layers (hidden 256, vocabulary 8192, sequence 256: 2.3; hidden 2048, vocabulary 131072, sequence 2048:
+4.5), and the even split leaves the last stage the bottleneck of every pipeline step. Interleaved, the last rank
+holds the output layer beside its other chunks; under the V placement (parallel.schedule=zbv) rank 0 holds the
+first and the last chunk. Earlier stages then hold more layers, and under 1F1B they also keep more
+micro-batches' activations: `memory_estimate` shows what that costs per stage.
 """
 from __future__ import annotations
 

@@ -120,7 +120,8 @@ class MemorySnapshots:
         between = (lambda: self.faults.mid_snapshot(step)) if self.faults else (lambda: None)
         written = self.store.write(self.rank, step, manifest, state, between)
         mine = pack(json.loads((written / "manifest.json").read_text()), state)
-        received = self.exchange.swap(mine, (lambda: self.faults.mid_transfer(step)) if self.faults else (lambda: None))
+        mid_transfer = (lambda: self.faults.mid_transfer(step)) if self.faults else (lambda: None)
+        received = self.exchange.swap(mine, mid_transfer)
         if received is not None:
             theirs, data = unpack(received)
             self.store.write(theirs["rank"], theirs["step"], {k: theirs[k] for k in ("meta", "ranges", "rng")},

@@ -18,6 +18,8 @@ from every rank's list of pieces (one all_gather_object).
 """
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -81,11 +83,11 @@ class OwnerPlan:
     def world(self) -> int:
         return len(self.held)
 
-    @property
+    @functools.cached_property  # read for every rank by transient_bytes, a walk over every message
     def gather_chunk(self) -> int:
         return chunk(self.gather)
 
-    @property
+    @functools.cached_property
     def result_chunk(self) -> int:
         return chunk(self.result)
 
