@@ -96,7 +96,7 @@ class _Optimizer:
     def __init__(self):
         self.host_grads = {i: HostGrad(torch.zeros(4), torch.bfloat16) for i in range(3)}
         self.scaler, self.adam_step, self.stepped = _Scaler(), 0, []
-        self.release = threading.Event()
+        self.release, self.running = threading.Event(), threading.Event()
 
     def send_grad(self, i):
         grad = torch.full((4,), float(i + 1), dtype=torch.bfloat16)
@@ -106,6 +106,7 @@ class _Optimizer:
     def speculate(self, i, grad, lr, adam_step):
         assert not torch.is_grad_enabled()  # the worker runs without autograd
         if i == 0:
+            self.running.set()
             self.release.wait(10)
         self.stepped.append((i, grad.clone()))
 
@@ -116,7 +117,14 @@ def test_a_clipped_step_cancels_the_jobs_not_started():
     steps.begin(lr=1.0)
     for i in range(3):
         steps.reduced(i)
-    threading.Timer(0.2, opt.release.set).start()
+    assert opt.running.wait(10)  # settle must meet piece 0 running: on a loaded host the worker starts it late
+    queued = [steps.jobs[i] for i in (1, 2)]
+
+    def release_once_cancelled():  # piece 0 ends only after settle has cancelled 1 and 2, however slow the host
+        while not all(job.cancelled() for job in queued):
+            time.sleep(0.01)
+        opt.release.set()
+    threading.Thread(target=release_once_cancelled, daemon=True).start()
     started = time.perf_counter()
     committed, landed = steps.settle(commit=False, backward_end=started)
     assert committed == set() and landed == {0}  # piece 0 was running: waited for; 1 and 2 cancelled
