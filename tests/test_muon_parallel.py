@@ -27,12 +27,13 @@ def reference():
 
 
 @pytest.mark.parametrize("world, parallel", [
-    (2, {"zero_stage": 0}), (4, {"zero_stage": 0}), (2, {"zero_stage": 1}), (2, {"zero_stage": 3}),
+    (2, {"zero_stage": 0}), (4, {"zero_stage": 0}), (2, {"zero_stage": 1}), (2, {"zero_stage": 2}),
+    (2, {"zero_stage": 3}),
     (2, {"zero_stage": 0, "tensor": 2}), (4, {"zero_stage": 3, "tensor": 2, "sequence_parallel": True}),
     (4, {"zero_stage": 1, "pipeline": 2}), (4, {"zero_stage": 0, "tensor": 2, "sequence_parallel": True, "context": 2}),
     (4, {"zero_stage": 3, "hsdp_group_size": 2}),
-], ids=["ddp-dp2", "ddp-dp4", "zero1-dp2", "zero3-dp2", "tp2", "tp2-sp-zero3-dp2", "pp2-zero1-dp2", "tp2-sp-cp2",
-        "hsdp-2x2"])
+], ids=["ddp-dp2", "ddp-dp4", "zero1-dp2", "zero2-dp2", "zero3-dp2", "tp2", "tp2-sp-zero3-dp2", "pp2-zero1-dp2",
+        "tp2-sp-cp2", "hsdp-2x2"])
 def test_muon_layouts_follow_single_process(pools, reference, world, parallel):
     results = pools[world].run(train_run, MUON, parallel)
     assert_matches_reference(results, reference, tp_size=parallel.get("tensor", 1))
