@@ -1,6 +1,8 @@
 """Muon (optim.name=muon) at one process equals torch.optim.Muon on the blocks' matrices + torch.optim.AdamW on
 the rest, applied to the same model and batches; the pieces it is built of; its configuration errors."""
 import copy
+import dataclasses
+import inspect
 import math
 import re
 
@@ -111,6 +113,17 @@ def test_owners_share_the_newton_schulz_flops_evenly():
         owner = assign_owners(flops, ranks)
         load = [sum(f for n, f in flops.items() if owner[n] == r) for r in range(ranks)]
         assert max(load) <= sum(load) / ranks * 1.1, load
+
+
+def test_muon_options_default_to_torchs():
+    """Each optim.muon_<option> defaults to torch.optim.Muon's <option> (adjust_lr_fn None is 'original')."""
+    defaults = {k: p.default for k, p in inspect.signature(torch.optim.Muon).parameters.items() if k != "params"}
+    ours = OptimConfig()
+    assert set(defaults) == {f.name.removeprefix("muon_") for f in dataclasses.fields(ours)
+                             if f.name.startswith("muon_") and f.name != "muon_ns_dtype"}
+    for key, value in defaults.items():
+        mine = getattr(ours, f"muon_{key}")
+        assert (tuple(mine) if key == "ns_coefficients" else mine) == ("original" if value is None else value), key
 
 
 def test_muon_lr_follows_the_schedule_and_scales_by_shape():
