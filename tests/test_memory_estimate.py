@@ -297,7 +297,7 @@ def test_the_peak_is_within_10_percent_of_the_live_tensor_bytes_on_two_ranks(poo
 def muon_step(rank, world, *overrides) -> tuple:
     """(stage, whether the estimate's owner plan is the run's, the most bytes the second step's Muon update
     allocated at once on this rank, the plan's count for this rank, the estimate's for the stage, the bytes of
-    the gather's send buffer)."""
+    the two all-to-alls' send buffers)."""
     cfg = config(world, "optim.name=muon", *overrides)
     trainer = Trainer(cfg, DistEnv(rank, world))
     trainer.train_step()
@@ -315,13 +315,14 @@ def muon_step(rank, world, *overrides) -> tuple:
     want = muon_plan(cfg, world, stage)
     same = (run.held, run.owner) == (want.held, want.owner)
     counted = want.transient_bytes(part.exchange.me, NS_BYTES[cfg.optim.muon_ns_dtype], cfg.optim.muon_nesterov)
-    late = run.world * run.gather_chunk * NS_BYTES[cfg.optim.muon_ns_dtype]
+    late = run.buffer_bytes(NS_BYTES[cfg.optim.muon_ns_dtype])
     return stage, same, measured[0], counted, estimate(cfg, world)[stage].optimizer_transient, late
 
 
 # What the profiler can see beyond the step's own tensors, timing-dependent under load: gloo's worker thread
-# drops its reference to the gather's send buffer after wait() returns, so on a busy host that buffer can still
-# be alive at the Newton-Schulz peak; and the profiler counts every thread's allocations (a few scalars).
+# drops its reference to an all-to-all's send buffer after wait() returns, so on a busy host the gather's can
+# still be alive at the Newton-Schulz peak, and both at the update's (measured at load 12: 1,772,544 bytes on
+# rank 1 of ZeRO-1 DP 2 = its count + 2 × 295,936); and the profiler counts every thread's allocations.
 OTHER_THREADS = 256
 
 
