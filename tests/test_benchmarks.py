@@ -146,10 +146,10 @@ def test_bench_offload_prints_ratios_and_the_deepest_models():
 
 
 def test_bench_optim_prints_muon_against_adamw_and_the_newton_schulz_share():
-    """TP 2 × DP 2: the owners spread the Newton–Schulz FLOPs over the TP and the DP ranks (7 matrices over 4)."""
+    """TP 2: the owners spread the Newton–Schulz FLOPs over the TP ranks too (over DP: test_muon_parallel.py)."""
     out = tool("tools/bench_optim.py", "--hidden", "32", "--layers", "1", "--ffn", "64", "--vocab", "64", "--seq", "8",
-               "--dp", "2", "--zero", "1", "--tensor", "2", "--rounds", "1")
-    assert re.search(r"^zero 1 dp 2 tp 2: AdamW step [\d.]+ ms, Muon step [\d.]+ ms \(ratio [\d.]+\); "
-                     r"Newton–Schulz per rank max [\d.]+ ms CPU \(1.00 of dp 2 tp 2\)", out, re.M), out
+               "--dp", "1", "--zero", "1", "--tensor", "2", "--rounds", "1")
+    assert re.search(r"^zero 1 dp 1 tp 2: AdamW step [\d.]+ ms, Muon step [\d.]+ ms \(ratio [\d.]+\); "
+                     r"Newton–Schulz per rank max [\d.]+ ms CPU \(1.00 of dp 1 tp 2\)", out, re.M), out
     shares = [int(s) for s in re.findall(r"^  rank \d: Newton–Schulz [\d.]+ ms CPU/step, (\d+)% of the FLOPs", out, re.M)]
-    assert len(shares) == 4 and abs(sum(shares) - 100) <= 2 and max(shares) <= 1.5 * 100 / 4, out
+    assert len(shares) == 2 and abs(sum(shares) - 100) <= 1 and min(shares) >= 40, out
