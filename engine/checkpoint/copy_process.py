@@ -5,7 +5,8 @@ read-back): in a thread of the training process it took the interpreter lock fro
 copy in flight ran at 2.4× its time (docs/benchmarks.md). The uploader's thread for an S3 location (uploader.py)
 sends each call here instead and waits on a pipe, which holds no lock. The child is started (spawn, so no
 state of the parent is forked) at the first copy and kept for the run, at a lower CPU priority (`NICE`) so
-that where cores are short the step wins; its memory is the upload's own (parts in flight × part size).
+that where cores are short the step wins; its memory is an interpreter with the parent's main module (and
+so torch) imported, about 270 MiB, and the upload's parts in flight × part size.
 A child that dies is a failed copy, retried by the uploader like any other, in a new child.
 """
 from __future__ import annotations
