@@ -177,7 +177,8 @@ def test_a_store_killed_mid_upload_never_names_the_partial_copy_and_training_goe
     assert t.checkpointer.locations[0].store.sizes("step_00000001") == {}
 
 
-def test_lost_run_dir_resumes_from_the_store_and_a_corrupt_object_falls_back_to_the_next_copy(tmp_path, server):
+def test_lost_run_dir_resumes_from_the_store_and_a_corrupt_object_falls_back_to_the_next_copy(tmp_path, server,
+                                                                                               caplog):
     straight = trainer(tmp_path / "straight")
     expected = [straight.train_step()["loss"] for _ in range(13)]
     mirror = tmp_path / "mirror"
@@ -188,6 +189,19 @@ def test_lost_run_dir_resumes_from_the_store_and_a_corrupt_object_falls_back_to_
     resumed = trainer(tmp_path / "run", mirrors)
     assert resumed.step == 3 and read_latest(tmp_path / "run" / "checkpoints").name == "step_00000003"
     assert [resumed.train_step()["loss"] for _ in range(10)] == expected[3:]  # the next 10 steps
+
+    # a corrupt local file: named; with fallback, replaced by the store's copy (the first location), verified
+    local = tmp_path / "run" / "checkpoints" / "step_00000003" / FILE
+    good = sha256(local)
+    flip = bytearray(local.read_bytes())
+    flip[-5] ^= 0xFF
+    local.write_bytes(bytes(flip))
+    with pytest.raises(CheckpointError, match=rf"{local}: SHA-256 differs.*fallback=true"):
+        trainer(tmp_path / "run", mirrors)
+    with caplog.at_level(logging.INFO, logger="trilith"):
+        replaced = trainer(tmp_path / "run", mirrors, "checkpoint.fallback=true")
+    assert replaced.step == 3 and sha256(local) == good and replaced.train_step()["loss"] == expected[3]
+    assert f"checkpoint: restored s3://ckpt/lost/step_00000003 to {local.parent} (SHA-256 verified)" in caplog.messages
 
     shutil.rmtree(tmp_path / "run" / "checkpoints")
     obj = server.root / "ckpt" / "lost" / "step_00000003" / FILE
