@@ -73,11 +73,13 @@ class _Worker:
             try:
                 self._call("put", self.source / name, name, files)
             except Exception as exc:  # any store failure: training goes on, the copy is retried
+                if self.closed:
+                    return  # finish() stopped this copy (its child killed) and names it as not finished
                 error = str(exc) if isinstance(exc, (CheckpointError, OSError)) else f"{type(exc).__name__}: {exc}"
                 with self.cond:
                     self.failures += 1
                     self.last_error = " ".join(error.splitlines())[:300]
-                if attempt > self.retries or self.closed:
+                if attempt > self.retries:
                     log.warning(f"checkpoint: WARNING copying {name} to {where} failed after {attempt} attempts "
                                 f"({self.last_error}); the next save tries again")
                     return
