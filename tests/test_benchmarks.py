@@ -60,6 +60,9 @@ def test_bench_upload_prints_the_ratio_to_no_mirrors():
                "--save-every", "2", "--rounds", "1")
     ratio = re.search(r"mirrors=\[s3://\.\.\.\]: +median step [\d.]+ ms over 3 steps, ratio ([\d.]+)", out)
     assert float(ratio.group(1)) > 0
+    cpu = re.search(r"CPU per copy of [\d.]+ MiB: copy process ([\d.]+) s .*, local store ([\d.]+) s, over (\d) "
+                    r"copies", out)
+    assert cpu and int(cpu.group(3)) >= 1 and float(cpu.group(1)) > 0 and float(cpu.group(2)) > 0, out
 
 
 def test_bench_preprocess_checks_identical_output(tmp_path):

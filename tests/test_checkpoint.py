@@ -1,5 +1,7 @@
 """Checkpoint verification, fallback, retention, mirror, async snapshots, and the reshard matrix."""
 import json
+import logging
+import os
 import shutil
 
 import pytest
@@ -56,10 +58,15 @@ def test_truncated_file_is_caught_even_without_checksums(tmp_path):
         trainer(tmp_path, "checkpoint.verify=false")
 
 
-def test_retention_keeps_last_k_and_every_nth_and_mirror_is_verified_copy(tmp_path):
+def test_retention_keeps_last_k_and_every_nth_and_mirror_is_verified_copy(tmp_path, caplog):
     mirror = tmp_path / "mirror"
-    saved_run(tmp_path / "run", "checkpoint.keep=2", "checkpoint.keep_every=2", f"checkpoint.mirror_dir={mirror}",
-              steps=5)
+    with caplog.at_level(logging.WARNING, logger="trilith"):
+        saved_run(tmp_path / "run", "checkpoint.keep=2", "checkpoint.keep_every=2", f"checkpoint.mirror_dir={mirror}",
+                  steps=5)
+    # the older key still works, with one line saying how to write it now
+    assert [r.getMessage() for r in caplog.records if "mirror_dir" in r.getMessage()] == [
+        f"checkpoint: checkpoint.mirror_dir is read as the first entry of checkpoint.mirrors; write "
+        f"checkpoint.mirrors=[{mirror}] instead"]
     names = ["step_00000005", "step_00000004", "step_00000002"]
     for root in (tmp_path / "run" / "checkpoints", mirror):
         assert [d.name for d in step_dirs(root)] == names
@@ -200,6 +207,54 @@ def test_hsdp_checkpoint_is_written_once_and_resumes(pool, tmp_path):
         assert has_state == (dp < 2), dp
     step, resumed = pool.run(_hsdp_resume, str(tmp_path / "b"), str(step2))[0]
     assert step == 2 and resumed == straight
+
+
+# Saved at DP 4 with ZeRO-3 and copied to an object store (tests/s3_server.py) as checkpoint.mirrors copies it,
+# loaded from the store at TP 2 × DP 2 with bucketed DDP: the same reshard as from disk.
+S3_SAVE_AT, S3_LOAD_AT = ["parallel.zero_stage=3"], ["parallel.tensor=2", "parallel.zero_stage=0"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from tests.s3_server import serve
+    yield from serve(tmp_path_factory, ["ckpt"])
+
+
+def _save_zero3_and_continue(rank, world, run_dir):
+    torch.set_num_threads(1)
+    t = trainer(run_dir, *S3_SAVE_AT, rank=rank, world=world)
+    train(t, STEPS_BEFORE_SAVE)
+    t.save_checkpoint()
+    t.checkpointer.wait()
+    return train(t, 1)[0]
+
+
+def _load_from_store_and_step(rank, world, run_dir, env):
+    torch.set_num_threads(1)
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # the store's variables for this call only: the pool's workers outlive the test
+    try:
+        t = trainer(run_dir, *S3_LOAD_AT, "checkpoint.load=s3://ckpt/zero3", rank=rank, world=world)
+    finally:
+        for k, v in before.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    assert t.step == STEPS_BEFORE_SAVE and t.consumed_samples == STEPS_BEFORE_SAVE * 8
+    return train(t, 1)[0]
+
+
+def test_reshard_on_load_from_an_object_store(pool, server, tmp_path):
+    from engine.checkpoint.locations import S3Location
+    reference = pool.run(_save_zero3_and_continue, str(tmp_path / "src"))[0]
+    step = tmp_path / "src" / "checkpoints" / "step_00000003"
+    # the pool's ranks are daemonic processes, which may not start the uploader's copy process: this process
+    # makes the copy, by the method the uploader calls
+    manifest = json.loads((step / "manifest.json").read_text())
+    S3Location("s3://ckpt/zero3", 3, 0, 1, 2).put(step, step.name, manifest["files"])
+    losses = pool.run(_load_from_store_and_step, str(tmp_path / "tp2"), server.env())
+    assert (tmp_path / "tp2" / "checkpoints" / step.name / "manifest.json").read_bytes() == \
+        (step / "manifest.json").read_bytes()  # restored from the store into run.dir, verified
+    for rank, loss in enumerate(losses):
+        assert abs(loss - reference) <= 1e-5, (rank, loss, reference)
 
 
 def test_checkpoints_by_wall_time(tmp_path, monkeypatch):

@@ -13,7 +13,8 @@ import time
 import pytest
 import torch
 
-from engine.checkpoint.files import CheckpointError, read_latest
+from engine.checkpoint.files import CheckpointError, read_latest, set_latest, step_dirs
+from engine.checkpoint.locations import DirLocation, S3Location
 from engine.checkpoint.load_check import check_load
 from engine.observe.metrics import MetricsLog
 from tests.helpers import LAUNCH_ENV, ROOT, tiny_trainer
@@ -86,6 +87,53 @@ def test_every_copy_is_the_manifests_and_retention_is_per_location(tmp_path, ser
         assert (tmp_path / "hf_s3" / name).read_bytes() == (tmp_path / "hf_disk" / name).read_bytes(), name
 
 
+def test_retention_never_deletes_what_a_locations_latest_names(tmp_path, server):
+    mirror = tmp_path / "mirror"
+    t = trainer(tmp_path / "run", f"checkpoint.mirrors=[{mirror}, s3://ckpt/retained]")  # keep=3: all three stay
+    saved(t, 3)
+    names = ["step_00000001", "step_00000002", "step_00000003"]
+    # each location's `latest` names an older step (what another writer, or an abandoned run, left there): its
+    # retention (keep=1) deletes the step between, never that one nor the last save
+    directory, store = DirLocation(str(mirror), 1, 0), S3Location("s3://ckpt/retained", 1, 0, 1, 2)
+    set_latest(mirror, names[0])
+    store.store.put_bytes(f"{names[0]}\n".encode(), "latest")
+    for location in (directory, store):
+        assert location.latest() == names[0] and location.steps()[::-1] == names
+        location.prune(names)
+    assert [d.name for d in step_dirs(mirror)] == [names[2], names[0]]
+    assert sorted(p.name for p in (server.root / "ckpt" / "retained").iterdir()) == ["latest", names[0], names[2]]
+    DirLocation(str(mirror), 1, 2).prune(names)  # keep_every=2 keeps step 2 forever; `latest` still step 1
+    assert [d.name for d in step_dirs(mirror)] == [names[2], names[0]]
+
+
+def test_the_wait_for_pending_copies_is_bounded_and_names_what_did_not_finish(tmp_path, server, caplog):
+    t = trainer(tmp_path / "run", "checkpoint.mirrors=[s3://ckpt/late]", "checkpoint.upload_retries=3",
+                "checkpoint.upload_backoff_s=300", "checkpoint.upload_wait_s=1")
+    worker = t.checkpointer.uploader.workers[0]
+    server.stop()  # a dead store: the copy fails and waits 300 s for its retry
+    try:
+        t.train_step()
+        t.save_checkpoint()
+        deadline = time.monotonic() + 120
+        while worker.failures == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert worker.failures == 1 and worker.pending() == ["step_00000001"]
+        with caplog.at_level(logging.WARNING, logger="trilith"):
+            start = time.monotonic()
+            line = t.checkpointer.finish_uploads()
+            waited = time.monotonic() - start
+        worker.thread.join(timeout=60)
+        assert not worker.thread.is_alive() and worker.child.process is None  # no retry after the wait gave up
+    finally:
+        server.start()
+    assert waited < 60  # checkpoint.upload_wait_s=1, not the 300 s back-off
+    assert line == (f"checkpoint: the final checkpoint step_00000001 is complete in {tmp_path / 'run' / 'checkpoints'}"
+                    f"; missing from s3://ckpt/late (not finished)")
+    assert "checkpoint: WARNING copies to s3://ckpt/late not finished after checkpoint.upload_wait_s=1 s: " \
+           "step_00000001" in [r.getMessage() for r in caplog.records]
+    assert not (server.root / "ckpt" / "late" / "latest").exists()
+
+
 def test_a_store_killed_mid_upload_never_names_the_partial_copy_and_training_goes_on(tmp_path, server, caplog):
     mirror = tmp_path / "mirror"
     t = trainer(tmp_path / "run", f"checkpoint.mirrors=[s3://ckpt/killed, {mirror}]", "checkpoint.upload_retries=1")
@@ -129,7 +177,8 @@ def test_a_store_killed_mid_upload_never_names_the_partial_copy_and_training_goe
     assert t.checkpointer.locations[0].store.sizes("step_00000001") == {}
 
 
-def test_lost_run_dir_resumes_from_the_store_and_a_corrupt_object_falls_back_to_the_next_copy(tmp_path, server):
+def test_lost_run_dir_resumes_from_the_store_and_a_corrupt_object_falls_back_to_the_next_copy(tmp_path, server,
+                                                                                               caplog):
     straight = trainer(tmp_path / "straight")
     expected = [straight.train_step()["loss"] for _ in range(13)]
     mirror = tmp_path / "mirror"
@@ -140,6 +189,19 @@ def test_lost_run_dir_resumes_from_the_store_and_a_corrupt_object_falls_back_to_
     resumed = trainer(tmp_path / "run", mirrors)
     assert resumed.step == 3 and read_latest(tmp_path / "run" / "checkpoints").name == "step_00000003"
     assert [resumed.train_step()["loss"] for _ in range(10)] == expected[3:]  # the next 10 steps
+
+    # a corrupt local file: named; with fallback, replaced by the store's copy (the first location), verified
+    local = tmp_path / "run" / "checkpoints" / "step_00000003" / FILE
+    good = sha256(local)
+    flip = bytearray(local.read_bytes())
+    flip[-5] ^= 0xFF
+    local.write_bytes(bytes(flip))
+    with pytest.raises(CheckpointError, match=rf"{local}: SHA-256 differs.*fallback=true"):
+        trainer(tmp_path / "run", mirrors)
+    with caplog.at_level(logging.INFO, logger="trilith"):
+        replaced = trainer(tmp_path / "run", mirrors, "checkpoint.fallback=true")
+    assert replaced.step == 3 and sha256(local) == good and replaced.train_step()["loss"] == expected[3]
+    assert f"checkpoint: restored s3://ckpt/lost/step_00000003 to {local.parent} (SHA-256 verified)" in caplog.messages
 
     shutil.rmtree(tmp_path / "run" / "checkpoints")
     obj = server.root / "ckpt" / "lost" / "step_00000003" / FILE

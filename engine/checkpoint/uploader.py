@@ -2,11 +2,12 @@
 
 One thread per location, so that a slow or dead store holds back no other location and never a training
 step: a save only queues its step. An object store's copies run in a child process (copy_process.py), the
-thread only waiting on it, so that boto3's Python work does not take the step's interpreter lock. A failed copy is a warning, retried after a back-off that doubles
-(checkpoint.upload_retries times); after the last try the next save tries again. A step still waiting
-when a newer one is queued is dropped for that location (never a multiple of checkpoint.keep_every).
-What each location holds is in `status()` (metrics.jsonl's `checkpoint_copies`); `finish(wait_s)` gives
-pending copies a bounded wait before the process exits and names what did not finish.
+thread only waiting on it, so that boto3's Python work does not take the step's interpreter lock. A failed
+copy is a warning, retried after a back-off that doubles (checkpoint.upload_retries times); after the last
+try the next save tries again. A step still waiting when a newer one is queued is dropped for that location
+(never a multiple of checkpoint.keep_every). What each location holds is in `status()` (metrics.jsonl's
+`checkpoint_copies`); `finish(wait_s)` gives pending copies a bounded wait before the process exits, names
+what did not finish and stops it (no retry starts after that).
 """
 from __future__ import annotations
 
@@ -72,11 +73,13 @@ class _Worker:
             try:
                 self._call("put", self.source / name, name, files)
             except Exception as exc:  # any store failure: training goes on, the copy is retried
+                if self.closed:
+                    return  # finish() stopped this copy (its child killed) and names it as not finished
                 error = str(exc) if isinstance(exc, (CheckpointError, OSError)) else f"{type(exc).__name__}: {exc}"
                 with self.cond:
                     self.failures += 1
                     self.last_error = " ".join(error.splitlines())[:300]
-                if attempt > self.retries or self.closed:
+                if attempt > self.retries:
                     log.warning(f"checkpoint: WARNING copying {name} to {where} failed after {attempt} attempts "
                                 f"({self.last_error}); the next save tries again")
                     return
@@ -84,7 +87,8 @@ class _Worker:
                 log.warning(f"checkpoint: WARNING copying {name} to {where} failed (attempt {attempt} of "
                             f"{self.retries + 1}: {self.last_error}); retrying in {delay:g} s")
                 with self.cond:
-                    self.cond.wait_for(lambda: self.closed, timeout=delay)
+                    if self.cond.wait_for(lambda: self.closed, timeout=delay):
+                        return  # finish() gave up on this copy and named it; a retry would start a new child
                 continue
             with self.cond:
                 self.saved = [n for n in self.saved if n != name] + [name]
