@@ -57,3 +57,21 @@ def test_a_slot_waits_for_its_input_from_the_neighbour_and_keeps_its_rank_order(
     assert [r[-1] for r in replay(traces, "interleaved")] == [(2, 3), (3, 4)]
     with pytest.raises(ValueError, match="in a circle"):
         replay([[("B", 0, 0, 0, 1), ("F", 0, 0, 1, 2)], [("F", 0, 0, 0, 1), ("B", 0, 0, 1, 2)]], "1f1b")
+
+
+def test_a_rank_slowed_for_most_of_its_slots_is_charged_its_fastest_ones():
+    """Contention only lengthens a slot: with 7 slots in 10 of rank 1 slowed (a median would charge the slow
+    cost and read the imbalance as bubble), the replay still gives the plan's own idle fraction."""
+    p, m = 4, 8
+    slots = [[(k, mb, c) for _, k, c, mb in r.slots] for r in plan("zb-h1", p, m)]
+    traces = stretched(slots, {"F": 1.0, "B": 1.0, "W": 1.0})
+    traces[1] = [(k, mb, c, s, s + (e - s) * (3 if i % 10 < 7 else 1)) for i, (k, mb, c, s, e) in enumerate(traces[1])]
+    assert replayed_idle(traces, "zb-h1") == pytest.approx([analytic_bubble("zb-h1", p, m)] * p)
+
+
+def test_a_split_backward_costs_what_split_ones_cost():
+    # PP 2, 1F1B: the last stage's first backward holds its weight gradients (3 s), its last one is split
+    # (1 s, then its W slot, 2 s), as 1F1B with deferred weight gradients runs its cool-down
+    traces = [[("F", 0, 0, 0, 1), ("F", 1, 0, 1, 2), ("B", 0, 0, 9, 10), ("B", 1, 0, 12, 13)],
+              [("F", 0, 0, 1, 2), ("B", 0, 0, 2, 5), ("F", 1, 0, 5, 6), ("B", 1, 0, 6, 7), ("W", 1, 0, 7, 9)]]
+    assert replay(traces, "1f1b") == [[(0, 1), (1, 2), (5, 6), (7, 8)], [(1, 2), (2, 5), (5, 6), (6, 7), (7, 9)]]
