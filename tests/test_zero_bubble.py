@@ -151,12 +151,21 @@ def named_after_steps(rank, world, overrides):
                    for n, p in c.named_parameters()}
 
 
+# packed documents: an end-of-document token every 40 or so tokens of the synthetic data
+PACKED = ["model.vocab_size=40", "data.eod_token_id=5", "data.reset_attention_mask=true", "data.reset_position_ids=true",
+          "data.eod_mask_loss=true"]
+
+
 @pytest.mark.parametrize("layout", [["parallel.pipeline=2", "model.tie_embeddings=true"],
                                     ["parallel.pipeline=4", "train.recompute=full", "model.tie_embeddings=true"],
                                     ["parallel.pipeline=2", "parallel.tensor=2", "parallel.sequence_parallel=true"],
                                     ["parallel.pipeline=2", "parallel.context=2"],
+                                    ["parallel.pipeline=2", "parallel.context=2", "parallel.context_attention=ring",
+                                     *PACKED],
+                                    ["parallel.pipeline=2", "parallel.context=2", "parallel.context_attention=alltoall"],
                                     ["parallel.pipeline=2", "parallel.zero_stage=1", "model.tie_embeddings=true"]],
-                         ids=["pp2-dp2-tied", "pp4-recompute-tied", "tp2-sp-pp2", "pp2-cp2", "pp2-dp2-zero1-tied"])
+                         ids=["pp2-dp2-tied", "pp4-recompute-tied", "tp2-sp-pp2", "pp2-cp2", "pp2-cp2-ring-packed",
+                              "pp2-cp2-alltoall", "pp2-dp2-zero1-tied"])
 def test_trained_parameters_equal_1f1b_bit_for_bit(pool, layout):
     """Through the Trainer (DP buckets or ZeRO-1 units, whose fused layers queue their weight gradients):
     every stage runs W slots, and two steps leave every parameter bit-equal to 1F1B's."""
