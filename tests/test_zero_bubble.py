@@ -152,8 +152,8 @@ def named_after_steps(rank, world, overrides):
 
 
 # packed documents: an end-of-document token every 40 or so tokens of the synthetic data
-PACKED = ["model.vocab_size=40", "data.eod_token_id=5", "data.reset_attention_mask=true", "data.reset_position_ids=true",
-          "data.eod_mask_loss=true"]
+PACKED = ["model.vocab_size=40", "data.eod_token_id=5", "data.reset_attention_mask=true",
+          "data.reset_position_ids=true", "data.eod_mask_loss=true"]
 
 
 @pytest.mark.parametrize("layout", [["parallel.pipeline=2", "model.tie_embeddings=true"],
@@ -162,7 +162,8 @@ PACKED = ["model.vocab_size=40", "data.eod_token_id=5", "data.reset_attention_ma
                                     ["parallel.pipeline=2", "parallel.context=2"],
                                     ["parallel.pipeline=2", "parallel.context=2", "parallel.context_attention=ring",
                                      *PACKED],
-                                    ["parallel.pipeline=2", "parallel.context=2", "parallel.context_attention=alltoall"],
+                                    ["parallel.pipeline=2", "parallel.context=2",
+                                     "parallel.context_attention=alltoall"],
                                     ["parallel.pipeline=2", "parallel.zero_stage=1", "model.tie_embeddings=true"]],
                          ids=["pp2-dp2-tied", "pp4-recompute-tied", "tp2-sp-pp2", "pp2-cp2", "pp2-cp2-ring-packed",
                               "pp2-cp2-alltoall", "pp2-dp2-zero1-tied"])
