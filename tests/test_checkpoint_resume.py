@@ -18,6 +18,7 @@ LAYOUTS = [
                               "model.attention_dropout=0.1"]),
     ("dp2", 2, []),
     ("pp2", 2, ["parallel.pipeline=2"]),
+    ("pp2-zbv", 2, ["parallel.pipeline=2", "parallel.schedule=zbv", "parallel.virtual_stages=2"]),
     ("dp2-zero3", 2, ["parallel.zero_stage=3"]),
     ("tp2-pp2-dp2", 8, ["parallel.tensor=2", "parallel.pipeline=2"]),
 ]

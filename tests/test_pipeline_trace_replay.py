@@ -57,3 +57,51 @@ def test_a_slot_waits_for_its_input_from_the_neighbour_and_keeps_its_rank_order(
     assert [r[-1] for r in replay(traces, "interleaved")] == [(2, 3), (3, 4)]
     with pytest.raises(ValueError, match="in a circle"):
         replay([[("B", 0, 0, 0, 1), ("F", 0, 0, 1, 2)], [("F", 0, 0, 0, 1), ("B", 0, 0, 1, 2)]], "1f1b")
+
+
+def test_a_rank_slowed_for_most_of_its_slots_is_charged_its_fastest_ones():
+    """Contention only lengthens a slot: with 7 slots in 10 of rank 1 slowed (a median would charge the slow
+    cost and read the imbalance as bubble), the replay still gives the plan's own idle fraction."""
+    p, m = 4, 8
+    slots = [[(k, mb, c) for _, k, c, mb in r.slots] for r in plan("zb-h1", p, m)]
+    traces = stretched(slots, {"F": 1.0, "B": 1.0, "W": 1.0})
+    traces[1] = [(k, mb, c, s, s + (e - s) * (3 if i % 10 < 7 else 1)) for i, (k, mb, c, s, e) in enumerate(traces[1])]
+    assert replayed_idle(traces, "zb-h1") == pytest.approx([analytic_bubble("zb-h1", p, m)] * p)
+
+
+def test_a_split_backward_costs_what_split_ones_cost():
+    # PP 2, 1F1B: the last stage's first backward holds its weight gradients (3 s), its last one is split
+    # (1 s, then its W slot, 2 s), as 1F1B with deferred weight gradients runs its cool-down
+    traces = [[("F", 0, 0, 0, 1), ("F", 1, 0, 1, 2), ("B", 0, 0, 9, 10), ("B", 1, 0, 12, 13)],
+              [("F", 0, 0, 1, 2), ("B", 0, 0, 2, 5), ("F", 1, 0, 5, 6), ("B", 1, 0, 6, 7), ("W", 1, 0, 7, 9)]]
+    assert replay(traces, "1f1b") == [[(0, 1), (1, 2), (5, 6), (7, 8)], [(1, 2), (2, 5), (5, 6), (6, 7), (7, 9)]]
+
+
+def back_to_back(slots: list[tuple], cost) -> list[tuple]:
+    """A trace of (kind, mb, chunk) slots run one after another, each `cost(kind, mb)` long."""
+    now, trace = 0.0, []
+    for kind, mb, chunk in slots:
+        trace.append((kind, mb, chunk, now, now + cost(kind, mb)))
+        now += cost(kind, mb)
+    return trace
+
+
+@pytest.mark.parametrize("m", [8, 16])
+def test_zb_h1_idles_less_than_1f1b_at_unequal_slot_costs(m):
+    """ZB-H1's plan, made with equal slots, against 1F1B as Trilith runs it (its cool-down's and last steady
+    backwards split from their W on every stage after the first) at PP 4: below it whatever a W costs against
+    a B and with a last stage half again as slow, by less the cheaper the W (the tiny config's W is about a
+    seventh of a B, which leaves ZB-H1 a point below 1F1B at m = 16, under the replay's run-to-run spread)."""
+    p = 4
+    for w, last in ((1.0, 1.0), (0.5, 1.0), (0.15, 1.0), (0.5, 1.5), (0.15, 1.5)):
+        ones, zero_bubble = [], []
+        for rank in range(p):
+            f = last if rank == p - 1 else 1.0
+            split = set(range(m - min(p - rank - 1, m) - 1, m)) if rank else set()
+            slots = []
+            for kind, chunk, mb in critical_order("zb-h1", p, m, rank):
+                slots += [(kind, mb, chunk)] + ([("W", mb, chunk)] if kind == "B" and mb in split else [])
+            ones.append(back_to_back(slots, lambda k, mb: {"F": f, "W": w, "B": 1.0 + w * (mb not in split)}[k]))
+            planned = [(k, mb, c) for _, k, c, mb in plan("zb-h1", p, m)[rank].slots]
+            zero_bubble.append(back_to_back(planned, lambda k, mb: {"F": f, "B": 1.0, "W": w}[k]))
+        assert sum(replayed_idle(zero_bubble, "zb-h1")) < sum(replayed_idle(ones, "1f1b")) - 0.005 * p, (w, last)

@@ -13,10 +13,10 @@ bubble — idle time over the span from the first slot on any stage to the last 
 and the peak number of chunk activations held (1F1B: ≤ p; GPipe: m; ZB-H1 and ZBV hold one from its F to its
 W: p stages' worth at most). Two idle fractions are read from the trace's slots: measured, the time no slot of
 the stage ran, which includes transfers and, when ranks share fewer cores than there are stages, CPU
-contention; and replayed (engine/plan/trace_replay.py), the step's slots rerun in each rank's recorded order
-with their measured durations, each as soon as its inputs are done, transfers free: the schedule's bubble at
-the slots' real costs, without the cores' waits. `--compare` traces 1F1B, interleaved (v = --virtual), ZB-H1
-and ZBV in turn and prints a table.
+contention; and replayed (engine/plan/trace_replay.py), the step's slots rerun in each rank's recorded order,
+each at the shortest duration of its rank's slots of the same work and as soon as its inputs are done,
+transfers free: the schedule's bubble at the slots' real costs, without the cores' waits. `--compare` traces
+1F1B, interleaved (v = --virtual), ZB-H1 and ZBV in turn and prints a table.
 """
 from __future__ import annotations
 

@@ -3,8 +3,13 @@
 A measured idle fraction (time no slot of a stage ran) counts as bubble every moment a rank was ready but not
 on a core: with 4 ranks on 2 shared cores that is most of the step, and it ranks nothing. The replay keeps what
 the trace knows for sure: each rank's order of slots (ScheduleTrace: kind, micro-batch, chunk, start, end) and
-what a slot costs there, the median duration of that rank's slots of the same kind and chunk (the same work on
-the same shapes; a slot whose rank lost its core midway lasts longer, and the median leaves it out). It starts
+what a slot costs there: the shortest duration of that rank's slots of the same work, the same kind and chunk
+and, for a B, whether its weight gradients ran in a W slot of their own (1F1B splits only its cool-down's
+backwards; its other B slots hold the W's work too). Contention only ever lengthens a slot, so the shortest is
+the closest to its cost on a core of its own. The median was not: with 4 ranks on 2 busy cores most of a rank's
+slots lose the core a while, and the median charged one rank several times another's cost for the same work
+(4 December 2026, load average 20, ZB-H1 at PP 4, m = 16, hidden 256: W 51 ms on rank 0, 9 ms on rank 3), and
+that imbalance read as bubble. It starts
 every slot as soon as its rank's previous slot and its inputs from the other ranks are done, with transfers
 free (as the analytic bubble, engine/plan/bubble.py):
     F of model chunk c, micro-batch i   after F(c − 1, i)
@@ -14,8 +19,6 @@ A stage's replayed idle is what is left idle by the schedule's shape and its slo
 loss layer's, the embedding's, a B's against its W), not by the cores. tools/pipeline_trace.py prints both.
 """
 from __future__ import annotations
-
-import statistics
 
 from parallel.stage_layers import model_chunk
 
@@ -28,10 +31,11 @@ def replay(traces: list[list[tuple]], schedule: str) -> list[list[tuple[float, f
     chunks = max(e[2] for t in traces for e in t) + 1 if schedule in ("interleaved", "zbv") else 1
     last = p * chunks - 1
     ordered = [sorted(t, key=lambda e: e[3]) for t in traces]
-    costs = [{} for _ in range(p)]  # rank -> (kind, chunk) -> the median duration
+    costs = [{} for _ in range(p)]  # rank -> the work of a slot -> its shortest duration
     for rank, trace in enumerate(ordered):
-        for kind, chunk in {(e[0], e[2]) for e in trace}:
-            costs[rank][kind, chunk] = statistics.median(e[4] - e[3] for e in trace if (e[0], e[2]) == (kind, chunk))
+        for event in trace:
+            work = _work(trace, event)
+            costs[rank][work] = min(costs[rank].get(work, event[4] - event[3]), event[4] - event[3])
     done: dict = {}  # (kind, model chunk, micro-batch) -> replayed end
     out: list[list[tuple[float, float]]] = [[] for _ in range(p)]
     position, free = [0] * p, [0.0] * p
@@ -46,7 +50,7 @@ def replay(traces: list[list[tuple]], schedule: str) -> list[list[tuple[float, f
                 if any(key not in done for key in need):
                     break
                 begin = max([free[rank]] + [done[key] for key in need])
-                free[rank] = begin + costs[rank][kind, chunk]
+                free[rank] = begin + costs[rank][_work(ordered[rank], ordered[rank][position[rank]])]
                 done[kind, stage, mb] = free[rank]
                 out[rank].append((begin, free[rank]))
                 position[rank] += 1
@@ -54,6 +58,12 @@ def replay(traces: list[list[tuple]], schedule: str) -> list[list[tuple[float, f
         if not progressed:
             raise ValueError("the traces' slots wait on each other in a circle: not one step of one schedule")
     return out
+
+
+def _work(trace: list[tuple], event: tuple) -> tuple:
+    """(kind, chunk, whether this B's weight gradients run in a W slot of their own on the rank)."""
+    kind, mb, chunk = event[:3]
+    return kind, chunk, kind == "B" and any(e[0] == "W" and e[1] == mb and e[2] == chunk for e in trace)
 
 
 def replayed_idle(traces: list[list[tuple]], schedule: str) -> list[float]:
