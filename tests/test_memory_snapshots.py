@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -163,3 +164,60 @@ def test_store_keeps_two_generations_and_names_what_it_ignores(tmp_path):
     assert held == [] and len(ignored) == 2 and "token 't1', this run's is 't2'" in ignored[0]
     store.drop_after(4)
     assert store.held()[0] == [(0, 4)]
+
+
+def one_rank(tmp, *overrides):
+    from tests.helpers import tiny_trainer
+    return tiny_trainer(f"run.dir={tmp}/run", "train.steps=6", "run.replica_check_interval=0",
+                        "checkpoint.memory_interval=2", "checkpoint.interval=3", f"checkpoint.memory_dir={tmp}/shm",
+                        *overrides)
+
+
+def logged(build):
+    """(what `build()` returned, the lines it logged to the trilith logger)."""
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("trilith").addHandler(handler)
+    logging.getLogger("trilith").setLevel(logging.INFO)
+    try:
+        return build(), lines
+    finally:
+        logging.getLogger("trilith").removeHandler(handler)
+
+
+def test_another_configurations_snapshots_are_named_and_ignored(tmp_path):
+    """One rank fails in step 5 (disk checkpoint of 3, memory snapshots of 2 and 4). Restarted with the same
+    configuration, it resumes from memory at step 4; restarted with another learning rate (another config hash),
+    it names both snapshots, ignores them and resumes from the disk checkpoint."""
+    first = one_rank(tmp_path)
+    with contextlib.suppress(Failure):
+        first.train(MetricsLog(tmp_path, enabled=False), FailAfter(5))
+    first.memory.wait()
+    same, lines = logged(lambda: one_rank(tmp_path))
+    assert same.step == 4 and any(x.startswith("recovery: from memory (own shards) at step 4: 0 steps lost, ")
+                                  for x in lines), lines
+    other, lines = logged(lambda: one_rank(tmp_path, "optim.lr=1e-3"))
+    ignored = [x for x in lines if x.startswith("memory snapshot: ignoring ")]
+    assert len(ignored) == 2 and all(re.search(r"rank_00000/step_0000000[24] \(another run's or layout's snapshot: "
+                                               r"config_hash '\w+', this run's is '\w+'\)$", x) for x in ignored), lines
+    assert other.step == 3 and any(x.startswith("recovery: from the disk checkpoint (no complete memory snapshot) at "
+                                                "step 3: 1 step lost, ") for x in lines), lines
+
+
+def test_the_host_memory_count_is_two_generations_of_own_and_partner_shards(tmp_path):
+    """The estimate's shard equals the bytes a rank's snapshot holds (one rank, AdamW: master and two moments
+    of every parameter); the node's count is 2 generations × (own + partner's) × its ranks, and a node too
+    small for it is one line naming checkpoint.memory_interval."""
+    from engine.checkpoint.snapshot_writer import space_needed, state_bytes
+    from engine.memory_estimate import host_problem, report, snapshot_host_bytes, snapshot_shard_bytes
+    t = one_rank(tmp_path)
+    shard = state_bytes(t.optimizer)
+    assert snapshot_shard_bytes(t.cfg, 1) == shard == 3 * 4 * sum(p.numel() for _, p in t.named_params)
+    assert snapshot_host_bytes(t.cfg, 1) == 4 * shard == space_needed(shard, partner=True)
+    assert "memory snapshots 8.3 MiB: 2 generations × own + partner's shard of 2.1 MiB): 8.3 MiB on the fullest " \
+           "rank, 66.2 MiB per node of 8 ranks" in report(t.cfg, 1, 0, 1 << 30, 8)
+    assert host_problem(t.cfg, 1, 8, 10 * 8 * 4 * shard) is None
+    assert host_problem(t.cfg, 1, 8, 8 * 4 * shard).startswith(
+        "checkpoint.memory_interval=2 keeps 66.2 MiB of memory snapshots in each node's host memory (8 ranks × 2 "
+        "generations × own + partner's shard), more than 80% of its 66.2 MiB; set checkpoint.memory_interval=0")
