@@ -6,7 +6,8 @@ the disk checkpoint's step. All ranks then agree, from the same gathered list, o
 every rank's shard is held somewhere. If it is newer than the disk checkpoint, the holders send the missing
 shards to their owners (parallel/snapshot_exchange.py) and every rank restores its state from its own shard:
 optimizer state (and with it the weights), Adam step, loss scaler, RNG, data position. Otherwise the disk
-checkpoint is loaded, as without snapshots. Rank 0 logs one line: the tier, the step, the steps lost, the seconds.
+checkpoint is loaded, as without snapshots. Rank 0 logs one line: the tier, the step, the steps lost, the seconds
+(also without snapshots, after loading a disk checkpoint: the steps lost then unknown).
 """
 from __future__ import annotations
 
@@ -68,9 +69,13 @@ def restore_shard(checkpointer, manifest: dict, state: bytes) -> dict:
 
 def recover(checkpointer, memory) -> dict | None:
     """The restored metadata (step, consumed samples, ...) from the best tier, or None for a fresh start."""
-    if memory is None:
-        return checkpointer.resume()
     start = time.perf_counter()
+    if memory is None:
+        meta = checkpointer.resume()
+        if meta and checkpointer.rank == 0:  # no progress marks without snapshots: the steps lost are not known here
+            log.info(f"recovery: from the disk checkpoint (checkpoint.memory_interval=0) at step {meta['step']}: "
+                     f"steps lost unknown, {time.perf_counter() - start:.2f} s")
+        return meta
     store, rank = memory.store, memory.rank
     held, ignored = store.held()
     gathered = memory.exchange.gather({"held": held, "ignored": ignored, "progress": store.progress(rank),
