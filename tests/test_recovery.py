@@ -86,6 +86,33 @@ def test_lost_node_on_two_localhost_nodes_resumes_from_the_partner_copy(tmp_path
     assert sorted(p.name for p in next(node1.iterdir()).glob("rank_*")) == ["rank_00000", "rank_00001"]
 
 
+def test_a_replacement_node_with_a_new_name_takes_the_partner_copy(tmp_path, reference):
+    """Node names as SLURM gives them (SLURMD_NODENAME): rank 1 on nodeB is SIGKILLed as step 5 ends, after the
+    snapshot of step 4, and nodeB's launcher has no restarts left. A replacement node, nodeC (empty shared memory;
+    nodeB's directory is not its own), joins node 0's second attempt (--master-port + 1) as node 1; rank 1 takes
+    its shard of step 4 from rank 0's partner copy and the run ends on the uninterrupted curve."""
+    run, port = tmp_path / "run", free_port()
+
+    def node(rank: int, name: str, attempt: int, restarts: int) -> subprocess.Popen:
+        launcher = ["--nproc", "1", "--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1",
+                    "--master-port", str(port + attempt), "--max-restarts", str(restarts)]
+        return subprocess.Popen(command(run, launcher, "run.inject_fault=kill@step=5,rank=1"), cwd=ROOT,
+                                env={**LAUNCH_ENV, "SLURMD_NODENAME": name}, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    first, lost = node(0, "nodeA", 0, 1), node(1, "nodeB", 0, 0)
+    lost.communicate(timeout=400)
+    assert lost.returncode != 0
+    replacement = node(1, "nodeC", 1, 0)
+    out = finish(first)
+    finish(replacement)
+    assert "recovery: from memory (partner copies for rank 1) at step 4: 1 step lost" in out, out[-4000:]
+    assert assert_uninterrupted(run, reference) == [5]
+    shm = tmp_path / "shm"
+    assert sorted(p.name for p in shm.iterdir()) == ["nodeA.node0", "nodeB.node1", "nodeC.node1"]
+    held = next((shm / "nodeC.node1").iterdir()).glob("rank_*")  # its own shard and rank 0's copy, again
+    assert sorted(p.name for p in held) == ["rank_00000", "rank_00001"]
+
+
 def test_killed_rank_restarts_from_its_own_snapshot(tmp_path, reference):
     """Rank 1 is SIGKILLed as step 3 ends; --max-restarts 1 starts both ranks again from the snapshot of step 2
     in their node's shared memory."""
