@@ -18,6 +18,8 @@
 
     KIND@every=N,rank=R     the same at every step that is a multiple of N (the goodput benchmark's failure
                             every N steps, tools/bench_goodput.py)
+    KIND@random=N,rank=R    the same at one step drawn uniformly from 1..N at the first start (kept in
+                            run.dir/logs/fault.random, so that the restarts agree on it)
 
 A fault fires once per step and run.dir: the marker run.dir/logs/fault.fired (a line KIND@step=N written before it
 fires) keeps the restarted job from repeating it when it trains that step again.
@@ -25,6 +27,7 @@ fires) keeps the restarted job from repeating it when it trains that step again.
 from __future__ import annotations
 
 import os
+import random
 import re
 import shutil
 import signal
@@ -34,19 +37,20 @@ from pathlib import Path
 from engine.config.schema import ConfigError
 
 KINDS = ("kill", "hang", "kill_during_snapshot", "kill_during_transfer", "corrupt_snapshot", "lose_node")
-SPEC = re.compile(r"^(\w+)@(step|every)=(\d+),rank=(\d+)$")
+SPEC = re.compile(r"^(\w+)@(step|every|random)=(\d+),rank=(\d+)$")
 
 
-def parse(spec: str) -> tuple[str, int, int, bool] | None:
-    """(kind, step, rank, every) of run.inject_fault, None for ""; a malformed spec is a ConfigError naming it."""
+def parse(spec: str) -> tuple[str, int, int, str] | None:
+    """(kind, N, rank, "step", "every" or "random") of run.inject_fault, None for ""; a malformed spec is a
+    ConfigError naming it."""
     if not spec:
         return None
     match = SPEC.match(spec.strip())
-    if not match or match.group(1) not in KINDS or (match.group(2) == "every" and int(match.group(3)) < 1):
-        raise ConfigError(f"run.inject_fault={spec!r} is not KIND@step=N,rank=R or KIND@every=N,rank=R (N ≥ 1) with "
-                          f"KIND one of {', '.join(KINDS)} (e.g. kill@step=7,rank=1); set run.inject_fault=\"\" for "
-                          f"none")
-    return match.group(1), int(match.group(3)), int(match.group(4)), match.group(2) == "every"
+    if not match or match.group(1) not in KINDS or (match.group(2) != "step" and int(match.group(3)) < 1):
+        raise ConfigError(f"run.inject_fault={spec!r} is not KIND@step=N,rank=R, KIND@every=N,rank=R or "
+                          f"KIND@random=N,rank=R (N ≥ 1) with KIND one of {', '.join(KINDS)} (e.g. "
+                          f"kill@step=7,rank=1); set run.inject_fault=\"\" for none")
+    return match.group(1), int(match.group(3)), int(match.group(4)), match.group(2)
 
 
 class FaultInjector:
@@ -54,9 +58,20 @@ class FaultInjector:
         parsed = parse(spec)
         self.marker = Path(run_dir) / "logs" / "fault.fired"
         mine = parsed is not None and parsed[2] == rank
-        self.kind, self.step, self.every = (parsed[0], parsed[1], parsed[3]) if mine else (None, -1, False)
+        self.kind, self.step, mode = (parsed[0], parsed[1], parsed[3]) if mine else (None, -1, "step")
+        self.every = mode == "every"
+        if mode == "random":
+            self.step = self._drawn(parsed[1])
         # a restarted job: the faults that have fired, each at its step
         self.fired = set(self.marker.read_text().split()) if self.kind and self.marker.exists() else set()
+
+    def _drawn(self, last: int) -> int:
+        """The step of KIND@random=N: drawn from 1..N at the first start, the same after every restart."""
+        path = self.marker.parent / "fault.random"
+        if not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(str(random.SystemRandom().randint(1, last)))
+        return int(path.read_text())
 
     def _due(self, kinds: tuple, step: int) -> bool:
         at = step % self.step == 0 if self.every else step == self.step

@@ -187,3 +187,19 @@ def test_a_malformed_fault_is_a_configuration_error(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "run.inject_fault='explode@step=1' is not KIND@step=N,rank=R" in done.stderr, \
         done.stderr[-2000:]
+
+
+def test_faults_every_n_steps_and_at_a_random_step_fire_once_per_step(tmp_path):
+    """KIND@every=N fires at each multiple of N once (a restart that trains the step again passes it);
+    KIND@random=N at one step of 1..N that every restart agrees on; another rank's fault is not this rank's."""
+    from engine.fault_inject import FaultInjector
+    every = FaultInjector("kill@every=3,rank=1", 1, str(tmp_path / "a"))
+    assert [s for s in range(1, 10) if every._due(("kill",), s)] == [3, 6, 9]
+    every._fire(3)
+    again = FaultInjector("kill@every=3,rank=1", 1, str(tmp_path / "a"))
+    assert [s for s in range(1, 10) if again._due(("kill",), s)] == [6, 9]
+    assert not FaultInjector("kill@every=3,rank=1", 0, str(tmp_path / "a"))._due(("kill",), 3)
+    drawn = {FaultInjector("hang@random=5,rank=0", 0, str(tmp_path / f"r{i}")).step for i in range(40)}
+    assert drawn <= set(range(1, 6)) and len(drawn) > 1
+    first = FaultInjector("hang@random=1000,rank=0", 0, str(tmp_path / "b")).step
+    assert FaultInjector("hang@random=1000,rank=0", 0, str(tmp_path / "b")).step == first
