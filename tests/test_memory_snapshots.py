@@ -68,7 +68,7 @@ def damage(rank, tmp, run, case):
     """What the fault leaves behind, done on the ranks whose node it hits."""
     node = Path(f"{tmp}/shm/{os.uname().nodename}.node{rank // 2}")
     runs = list(node.glob(f"{run}-*"))
-    if case == "lost_node" and rank // 2 == 1:
+    if case == "lost_node" and rank == 2:  # one rank of the node: two removing one tree at once race
         shutil.rmtree(node)  # node 1 is gone: its ranks restart on a node with empty shared memory
     if case == "corrupt_own" and rank == 1:
         for state in runs[0].glob("rank_00001/step_*/state.safetensors"):
@@ -124,7 +124,8 @@ CASES = [  # (case, checkpoint.interval, step resumed at, what the recovery line
 ]
 
 
-@pytest.mark.skip(reason="not yet verified: timed out (>420 s) on the shared 2-core machine at load 50-130; see the report")
+@pytest.mark.skip(reason="not yet verified: > 7 min on the shared 2-core machine at load 20 (its first run there "
+                         "failed in its own damage step, two ranks removing one directory; fixed since)")
 @pytest.mark.parametrize("parallel", [{"zero_stage": 0}, {"tensor": 2, "zero_stage": 1}], ids=["dp4", "tp2-zero1"])
 def test_recovery_resumes_on_the_uninterrupted_curve(pool, tmp_path, parallel):
     want = pool.run(reference, str(tmp_path), parallel)[0]
@@ -221,3 +222,17 @@ def test_the_host_memory_count_is_two_generations_of_own_and_partner_shards(tmp_
     assert host_problem(t.cfg, 1, 8, 8 * 4 * shard).startswith(
         "checkpoint.memory_interval=2 keeps 66.2 MiB of memory snapshots in each node's host memory (8 ranks × 2 "
         "generations × own + partner's shard), more than 80% of its 66.2 MiB; set checkpoint.memory_interval=0")
+
+
+def test_each_snapshot_on_a_node_is_verified_by_one_of_its_ranks(tmp_path):
+    """Two nodes of two ranks: a rank verifies its own shard, and the owners from elsewhere (partner copies) are
+    split between the node's ranks; together they cover every owner once."""
+    from engine.checkpoint.snapshot_recovery import verified_here
+    nodes = ["a", "a", "b", "b"]
+    chosen = {r: [o for o in range(4) if verified_here(nodes, r)(o)] for r in range(4)}
+    assert chosen == {0: [0, 2], 1: [1, 3], 2: [0, 2], 3: [1, 3]}
+    assert [o for o in range(2) if verified_here(["a", "b"], 0)(o)] == [0, 1]  # one rank per node: all of them
+    store = SnapshotStore(str(tmp_path / "shm"), "a", Identity(str(tmp_path / "run"), 4, "abc", "t"))
+    for owner in (0, 1, 2, 3):
+        store.write(owner, 4, {"meta": {}, "ranges": {}, "rng": {}}, b"state")
+    assert store.held(verified_here(nodes, 1)) == ([(1, 4), (3, 4)], [])
