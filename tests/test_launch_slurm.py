@@ -142,6 +142,27 @@ def test_max_restarts_reruns_a_failed_step_in_the_same_allocation(cluster, tmp_p
     assert max(abs(ref[r["step"] - 1] - r["loss"]) for r in second) <= 1e-4
 
 
+def test_a_lost_node_resumes_from_the_partner_copies_of_its_shards(cluster, tmp_path):
+    """Memory snapshots every 2 steps on two SLURM nodes of one rank each (snapshot directories by SLURM node
+    name): rank 1 deletes its node's snapshots after step 4's and dies (run.inject_fault=lose_node); srun ends the
+    step, the batch shell starts a new one (--max-restarts 1), rank 1 takes its shard of step 4 from rank 0's
+    partner copy and the job completes on the single-process curve."""
+    run_dir, out, shm = tmp_path / "run", tmp_path / "job.out", tmp_path / "shm"
+    job = cluster.sbatch(["--nodes=2", "--ntasks-per-node=1", "-c", "1", "--overcommit", f"--output={out}",
+                          "launch/run_pretrain.sh", "--max-restarts", "1", "--config", TINY, f"run.dir={run_dir}",
+                          "train.steps=6", "checkpoint.memory_interval=2", f"checkpoint.memory_dir={shm}",
+                          "run.inject_fault=lose_node@step=4,rank=1"], cwd=ROOT, env=ENV)
+    state, code = cluster.wait(job, timeout=300)
+    text = out.read_text()
+    assert (state, code) == ("COMPLETED", "0:0"), text[-3000:] + cluster.logs()
+    assert "restart 1 of 1" in text and \
+        "recovery: from memory (partner copies for rank 1) at step 4: 0 steps lost" in text, text[-3000:]
+    assert sorted(p.name for p in shm.iterdir()) == sorted(cluster.nodes)  # one directory per SLURM node name
+    got = {r["step"]: r["loss"] for r in read_metrics(run_dir)}
+    ref = reference_losses(tmp_path / "single", 6)
+    assert sorted(got) == list(range(1, 7)) and max(abs(ref[s - 1] - got[s]) for s in got) <= 1e-4, (ref, got)
+
+
 # nvidia-ml-py's module as the monitor uses it, for a CPU job: one GPU whose temperature crosses 90 °C at
 # its second reading in the job's first run, and stays at 60 °C once SLURM has requeued the job.
 FAKE_PYNVML = '''

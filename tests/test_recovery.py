@@ -86,6 +86,33 @@ def test_lost_node_on_two_localhost_nodes_resumes_from_the_partner_copy(tmp_path
     assert sorted(p.name for p in next(node1.iterdir()).glob("rank_*")) == ["rank_00000", "rank_00001"]
 
 
+def test_a_replacement_node_with_a_new_name_takes_the_partner_copy(tmp_path, reference):
+    """Node names as SLURM gives them (SLURMD_NODENAME): rank 1 on nodeB is SIGKILLed as step 5 ends, after the
+    snapshot of step 4, and nodeB's launcher has no restarts left. A replacement node, nodeC (empty shared memory;
+    nodeB's directory is not its own), joins node 0's second attempt (--master-port + 1) as node 1; rank 1 takes
+    its shard of step 4 from rank 0's partner copy and the run ends on the uninterrupted curve."""
+    run, port = tmp_path / "run", free_port()
+
+    def node(rank: int, name: str, attempt: int, restarts: int) -> subprocess.Popen:
+        launcher = ["--nproc", "1", "--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1",
+                    "--master-port", str(port + attempt), "--max-restarts", str(restarts)]
+        return subprocess.Popen(command(run, launcher, "run.inject_fault=kill@step=5,rank=1"), cwd=ROOT,
+                                env={**LAUNCH_ENV, "SLURMD_NODENAME": name}, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    first, lost = node(0, "nodeA", 0, 1), node(1, "nodeB", 0, 0)
+    lost.communicate(timeout=400)
+    assert lost.returncode != 0
+    replacement = node(1, "nodeC", 1, 0)
+    out = finish(first)
+    finish(replacement)
+    assert "recovery: from memory (partner copies for rank 1) at step 4: 1 step lost" in out, out[-4000:]
+    assert assert_uninterrupted(run, reference) == [5]
+    shm = tmp_path / "shm"
+    assert sorted(p.name for p in shm.iterdir()) == ["nodeA.node0", "nodeB.node1", "nodeC.node1"]
+    held = next((shm / "nodeC.node1").iterdir()).glob("rank_*")  # its own shard and rank 0's copy, again
+    assert sorted(p.name for p in held) == ["rank_00000", "rank_00001"]
+
+
 def test_killed_rank_restarts_from_its_own_snapshot(tmp_path, reference):
     """Rank 1 is SIGKILLed as step 3 ends; --max-restarts 1 starts both ranks again from the snapshot of step 2
     in their node's shared memory."""
@@ -149,8 +176,9 @@ def test_shared_memory_too_small_is_one_line_with_the_size(tmp_path, monkeypatch
     import shutil
     from engine.checkpoint import snapshot_writer
     monkeypatch.setattr(snapshot_writer.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(1 << 30, 1 << 30, 4096))
-    with pytest.raises(CheckpointError, match=r"checkpoint.memory_dir=\S+ on \S+ has 0.00 GiB free but memory "
-                                              r"snapshots need 0.00 GiB \(1 ranks × 2 generations × own shard"):
+    with pytest.raises(CheckpointError, match=r"checkpoint.memory_dir=\S+ on \S+ has 0.0 MiB free but memory "
+                                              r"snapshots need 4.1 MiB \(1 ranks × 2 generations × own shard of "
+                                              r"2.1 MiB\); enlarge it"):
         tiny_trainer(f"run.dir={tmp_path / 'run'}", "checkpoint.memory_interval=2",
                      f"checkpoint.memory_dir={tmp_path / 'shm'}")
 
@@ -160,3 +188,19 @@ def test_a_malformed_fault_is_a_configuration_error(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "run.inject_fault='explode@step=1' is not KIND@step=N,rank=R" in done.stderr, \
         done.stderr[-2000:]
+
+
+def test_faults_every_n_steps_and_at_a_random_step_fire_once_per_step(tmp_path):
+    """KIND@every=N fires at each multiple of N once (a restart that trains the step again passes it);
+    KIND@random=N at one step of 1..N that every restart agrees on; another rank's fault is not this rank's."""
+    from engine.fault_inject import FaultInjector
+    every = FaultInjector("kill@every=3,rank=1", 1, str(tmp_path / "a"))
+    assert [s for s in range(1, 10) if every._due(("kill",), s)] == [3, 6, 9]
+    every._fire(3)
+    again = FaultInjector("kill@every=3,rank=1", 1, str(tmp_path / "a"))
+    assert [s for s in range(1, 10) if again._due(("kill",), s)] == [6, 9]
+    assert not FaultInjector("kill@every=3,rank=1", 0, str(tmp_path / "a"))._due(("kill",), 3)
+    drawn = {FaultInjector("hang@random=5,rank=0", 0, str(tmp_path / f"r{i}")).step for i in range(40)}
+    assert drawn <= set(range(1, 6)) and len(drawn) > 1
+    first = FaultInjector("hang@random=1000,rank=0", 0, str(tmp_path / "b")).step
+    assert FaultInjector("hang@random=1000,rank=0", 0, str(tmp_path / "b")).step == first

@@ -117,14 +117,15 @@ class SnapshotStore:
         found = [int(m.group(1)) for p in base.iterdir() if (m := STEP.match(p.name))] if base.is_dir() else []
         return sorted(found, reverse=True)
 
-    def held(self) -> tuple[list[tuple[int, int]], list[str]]:
-        """([(owner, step)] of the intact snapshots of this run here, [why each other one is ignored])."""
+    def held(self, select=lambda owner: True) -> tuple[list[tuple[int, int]], list[str]]:
+        """([(owner, step)] of the intact snapshots of this run here whose owner `select` takes, [why each other
+        one of those is ignored])."""
         held, ignored = [], []
         if not self.dir.is_dir():
             return held, ignored
         for base in sorted(self.dir.iterdir()):
             match = OWNER.match(base.name)
-            if not match:
+            if not match or not select(int(match.group(1))):
                 continue
             for step in self._steps(int(match.group(1))):
                 problem = self.problem(base / f"step_{step:08d}")

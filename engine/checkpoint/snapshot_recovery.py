@@ -1,12 +1,14 @@
 """Resuming a restarted job from memory snapshots, else from the disk checkpoint (checkpoint.memory_interval).
 
-After init_process_group every rank states which snapshots its node holds for it to hand out (its own shards
-and its partner's copies, checksums verified), the last step it finished before the restart and, on rank 0,
-the disk checkpoint's step. All ranks then agree, from the same gathered list, on the newest step for which
-every rank's shard is held somewhere. If it is newer than the disk checkpoint, the holders send the missing
-shards to their owners (parallel/snapshot_exchange.py) and every rank restores its state from its own shard:
-optimizer state (and with it the weights), Adam step, loss scaler, RNG, data position. Otherwise the disk
-checkpoint is loaded, as without snapshots. Rank 0 logs one line: the tier, the step, the steps lost, the seconds.
+After init_process_group every rank states which snapshots its node holds for it to hand out (its own shard and
+its share of the other owners' there, partner copies; checksums verified, each file by one rank of the node), the
+last step it finished before the restart and, on rank 0, the disk checkpoint's step. All ranks then agree, from
+the same gathered list, on the newest step for which every rank's shard is held somewhere. If it is newer than
+the disk checkpoint, the holders send the missing shards to their owners (parallel/snapshot_exchange.py) and
+every rank restores its state from its own shard: optimizer state (and with it the weights), Adam step, loss
+scaler, RNG, data position. Otherwise the disk checkpoint is loaded, as without snapshots. Rank 0 logs one line:
+the tier, the step, the steps lost, the seconds (also without snapshots, after loading a disk checkpoint: the
+steps lost then unknown).
 """
 from __future__ import annotations
 
@@ -45,6 +47,14 @@ def agree(gathered: list[dict], world: int) -> tuple[int, dict]:
     return -1, {}
 
 
+def verified_here(nodes: list[str], rank: int):
+    """Which owners' snapshots in its node's directory `rank` verifies and reports: each file once per node (a
+    rank hashing all of them would hash the node's snapshots once per rank). Its own; of owners not on this node
+    (partner copies, or ranks placed elsewhere since) those whose number modulo the node's ranks is its index."""
+    mine = [r for r, n in enumerate(nodes) if n == nodes[rank]]
+    return lambda owner: owner == rank or (owner not in mine and owner % len(mine) == mine.index(rank))
+
+
 def restore_shard(checkpointer, manifest: dict, state: bytes) -> dict:
     """Set this rank's training state from its shard; returns the metadata (as Checkpointer.load does)."""
     tensors, ranges, meta = decode_tensors(state), manifest["ranges"], manifest["meta"]
@@ -68,11 +78,15 @@ def restore_shard(checkpointer, manifest: dict, state: bytes) -> dict:
 
 def recover(checkpointer, memory) -> dict | None:
     """The restored metadata (step, consumed samples, ...) from the best tier, or None for a fresh start."""
-    if memory is None:
-        return checkpointer.resume()
     start = time.perf_counter()
+    if memory is None:
+        meta = checkpointer.resume()
+        if meta and checkpointer.rank == 0:  # no progress marks without snapshots: the steps lost are not known here
+            log.info(f"recovery: from the disk checkpoint (checkpoint.memory_interval=0) at step {meta['step']}: "
+                     f"steps lost unknown, {time.perf_counter() - start:.2f} s")
+        return meta
     store, rank = memory.store, memory.rank
-    held, ignored = store.held()
+    held, ignored = store.held(verified_here(memory.nodes, rank))
     gathered = memory.exchange.gather({"held": held, "ignored": ignored, "progress": store.progress(rank),
                                        "disk": disk_step(checkpointer) if rank == 0 else -1})
     for report in gathered if rank == 0 else []:

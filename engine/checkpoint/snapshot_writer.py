@@ -19,12 +19,12 @@ from engine.checkpoint.background import BackgroundWrite
 from engine.checkpoint.checkpointer import rng_snapshot
 from engine.checkpoint.files import CheckpointError
 from engine.checkpoint.memory_snapshot import Identity, SnapshotStore, config_hash, pack, unpack
+from engine.memory_estimate import gib
 from parallel import comm
 from parallel.distributed import snapshot_node
 from parallel.snapshot_exchange import SnapshotExchange
 
 log = logging.getLogger("trilith")
-GIB = 1 << 30
 TOKEN = "memory_snapshots.token"
 
 
@@ -77,10 +77,10 @@ class MemorySnapshots:
             on_node = sum(n == self.nodes[self.rank] for n in self.nodes)
             free = shutil.disk_usage(root).free + self.store.bytes_held()
             if need * on_node > free:
-                problem = (f"checkpoint.memory_dir={root} on {self.nodes[self.rank]} has {free / GIB:.2f} GiB free but "
-                           f"memory snapshots need {need * on_node / GIB:.2f} GiB ({on_node} ranks × 2 generations × "
+                problem = (f"checkpoint.memory_dir={root} on {self.nodes[self.rank]} has {gib(free)} free but "
+                           f"memory snapshots need {gib(need * on_node)} ({on_node} ranks × 2 generations × "
                            f"{'own + partner' if self.exchange.partner is not None else 'own'} shard of "
-                           f"{need / GIB / (4 if self.exchange.partner is not None else 2):.3f} GiB); enlarge it "
+                           f"{gib(need / (4 if self.exchange.partner is not None else 2))}); enlarge it "
                            f"(mount -o remount,size=... /dev/shm), set checkpoint.memory_dir elsewhere, or "
                            f"checkpoint.memory_interval=0")
         except OSError as exc:

@@ -259,8 +259,9 @@ class RunConfig:
     """The run directory, and the health checks that warn about a run or stop it."""
 
     dir: str = "runs/default"  # run directory: config.yaml, metrics.jsonl, logs/, checkpoints/
-    inject_fault: str = ""  # test only: a fault to inject once per run.dir, KIND@step=N,rank=R with KIND kill,
-        # hang, kill_during_snapshot, kill_during_transfer, corrupt_snapshot or lose_node (engine/fault_inject.py,
+    inject_fault: str = ""  # test only: a fault to inject, once per step and run.dir: KIND@step=N,rank=R with KIND
+        # kill, hang, kill_during_snapshot, kill_during_transfer, corrupt_snapshot or lose_node; KIND@every=N,rank=R
+        # at every multiple of N, KIND@random=N,rank=R at one step drawn from 1..N (engine/fault_inject.py,
         # docs/launching.md); "" = none
     health_interval: int = 100  # steps between GPU health readings (NVML; also at step 0); 0 = off
     max_ecc_errors_per_hour: int = 5  # more new ECC errors than this on one GPU within an hour stops the run

@@ -1,0 +1,66 @@
+"""tools/bench_goodput.py: the failures it counts, the steps lost and the tiers it reads from rank 0's train.log, on
+a written log and on one real launch at the tiny shape (rank 1 killed at step 3, snapshots every 2 steps: one
+restart from memory, one step lost). The goodput itself is measured in docs/benchmarks.md, not asserted."""
+import json
+
+from tests.helpers import tool
+from tools.bench_goodput import attempts, failures, summary
+
+BANNER = "Trilith: 2 ranks = TP 1 × PP 1 × DP 2 on cpu"
+LOG = f"""2026-12-06 03:00:00,000 {BANNER}
+2026-12-06 03:00:01,000 step      1 | loss 5.5 | lr 1e-3 | grad_norm 1.0
+2026-12-06 03:00:02,000 step      2 | loss 5.4 | lr 1e-3 | grad_norm 1.0
+2026-12-06 03:00:03,000 step      3 | loss 5.3 | lr 1e-3 | grad_norm 1.0
+2026-12-06 03:00:20,000 {BANNER}
+2026-12-06 03:00:21,500 step      1 | loss 5.5 | lr 1e-3 | grad_norm 1.0
+2026-12-06 03:00:22,500 step      2 | loss 5.4 | lr 1e-3 | grad_norm 1.0
+2026-12-06 03:00:23,500 step      3 | loss 5.3 | lr 1e-3 | grad_norm 1.0
+2026-12-06 03:00:24,500 step      4 | loss 5.2 | lr 1e-3 | grad_norm 1.0
+2026-12-06 03:00:25,500 step      5 | loss 5.1 | lr 1e-3 | grad_norm 1.0
+2026-12-06 03:00:45,000 {BANNER}
+2026-12-06 03:00:45,250 recovery: from the disk checkpoint (checkpoint.memory_interval=0) at step 4: \
+steps lost unknown, 0.25 s
+2026-12-06 03:00:46,500 step      5 | loss 5.1 | lr 1e-3 | grad_norm 1.0
+2026-12-06 03:00:50,000 {BANNER}
+2026-12-06 03:00:50,100 recovery: from memory (partner copies for rank 1) at step 5: 0 steps lost, 0.05 s
+"""
+
+
+def test_each_restart_is_read_with_its_tier_steps_lost_and_times():
+    got = failures(attempts(LOG))
+    assert [(f["failed_after"], f["resumed_at"], f["lost"], f["tier"], f["stated_lost"]) for f in got] == [
+        (3, 0, 3, "fresh start", None), (5, 4, 1, "disk", None), (5, 5, 0, "memory", 0)]
+    assert [f["restore_s"] for f in got] == [0.0, 0.25, 0.05]
+    assert [round(f["restart_s"], 3) for f in got] == [18.5, 19.75, 3.6]  # last step → recovery line (or first step)
+
+
+def test_the_summary_judges_the_goals_from_the_numbers():
+    class Args:
+        shape, nproc, steps, rank, fail_every, checkpoint_interval, memory_interval = "tiny", 2, 10, 1, 3, 4, 2
+
+    def result(mode, lost, tier, restore):
+        fails = [{"lost": lost, "tier": tier, "restore_s": restore, "restart_s": 20.0}]
+        return {"mode": mode, "memory_interval": 2 if mode == "memory" else 0, "wall_s": 50.0, "steps": 10,
+                "goodput_steps_per_s": 0.2, "useful_share": 0.2, "step_s": 1.0, "failures": fails,
+                "redone_equal": True, "curve": {1: (5.0, 1.0)}}
+    lines = summary(Args, [result("disk", 3, "disk", 0.4), result("memory", 1, "memory", 0.1)])
+    assert "steps lost per failure with snapshots: at most 1 (goal ≤ memory_interval=2: met)" in lines
+    assert "restore from memory 0.10 s, from the disk checkpoint 0.40 s: 4.0× (goal ≥ 3×: met)" in lines
+    lines = summary(Args, [result("disk", 3, "disk", 0.2), result("memory", 3, "memory", 0.1)])
+    assert "steps lost per failure with snapshots: at most 3 (goal ≤ memory_interval=2: MISSED)" in lines
+    assert "restore from memory 0.10 s, from the disk checkpoint 0.20 s: 2.0× (goal ≥ 3×: MISSED)" in lines
+
+
+def test_a_killed_rank_costs_at_most_memory_interval_steps(tmp_path):
+    out = tool("tools/bench_goodput.py", "--shape", "tiny", "--modes", "memory", "--steps", "5", "--fail-every", "3",
+               "--checkpoint-interval", "0", "--memory-interval", "2", "--dir", tmp_path, "--json",
+               tmp_path / "goodput.json", timeout=600)
+    (result,) = json.loads((tmp_path / "goodput.json").read_text())
+    (failure,) = result["failures"]
+    assert (failure["failed_after"], failure["resumed_at"], failure["lost"], failure["stated_lost"],
+            failure["tier"]) == (3, 2, 1, 1, "memory"), failure
+    assert 0 < failure["restore_s"] < failure["restart_s"], failure
+    assert result["faults_fired"] == 1 and result["reached"] == 5 and result["redone_equal"], result
+    assert abs(result["goodput_steps_per_s"] - 5 / result["wall_s"]) < 1e-9
+    assert "steps lost per failure with snapshots: at most 1 (goal ≤ memory_interval=2: met)" in out, out
+    assert "steps trained twice gave the same values both times: yes" in out, out
