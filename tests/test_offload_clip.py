@@ -94,7 +94,8 @@ class _Optimizer:
     """The state interface SpeculativeHostSteps steps through: piece 0's job blocks until released."""
 
     def __init__(self):
-        self.host_grads = {i: HostGrad(torch.zeros(4), torch.bfloat16) for i in range(3)}
+        self.host_grads = {i: HostGrad(torch.zeros(4), torch.bfloat16, torch.empty(4, dtype=torch.bfloat16))
+                           for i in range(3)}
         self.scaler, self.adam_step, self.stepped = _Scaler(), 0, []
         self.release, self.running = threading.Event(), threading.Event()
 
