@@ -9,11 +9,11 @@ longer steps those N elements. With T the step time without offload, the step wi
     host = N·2·(e + 4) / (threads · B_mem) + N / (threads · R_adam),   saved = N · (device s per element)
 
 (B_pcie: PCIe bytes/s per direction; B_mem: host memory bytes/s one thread copies; R_adam: host AdamW elements/s
-per thread; threads: optim.offload_threads or the node's cores over its ranks minus one). Overlap hides part of
-it: a speculative host step (optim.offload_overlap, a step that does not clip) runs the gradient copy, the upcast
-and AdamW behind the last micro-batch's backward, and the write-back's copies run behind the next forward (each
-unit waits for its own), so what stays exposed is the excess over those windows, at least the last unit's share,
-and the host cast of the write-back, which the host does before it launches the next forward. X does not grow
+per thread; threads: optim.offload_threads or the node's cores over its ranks minus one). The write-back's copies
+run behind the next forward (each unit waits for its own), and with optim.offload_overlap a speculative host step
+(a step that does not clip) runs the gradient copy, the upcast and AdamW behind the last micro-batch's backward:
+what stays exposed is the excess over those windows, at least the last unit's share, and the host cast of the
+write-back, which the host does before it launches the next forward. X does not grow
 with the tokens per step while T does (compute scales with the micro-batches), so the ratio (T + X) / T falls
 below any bound from some tokens per step on: engine/plan/offload_pays.py finds it.
 """
