@@ -12,8 +12,8 @@ import torch
 from engine.config.schema import load_config
 from engine.plan.calibrate import measure_host
 from engine.plan.offload_cost import offload_time
-from engine.plan.offload_pays import (RATIO_GOAL, offload_warning, step_ratio, tokens_per_gpu, tokens_to_meet,
-                                      with_micro_batches)
+from engine.plan.offload_pays import (RATIO_GOAL, offload_warning, speculation_pays, step_ratio, tokens_per_gpu,
+                                      tokens_to_meet, with_micro_batches)
 from engine.plan.profile import load_profile
 
 CONFIG = "launch/configs/llama3_1b.yaml"
@@ -34,7 +34,7 @@ def test_extra_seconds_follow_the_formula():
     assert plain.exposed == pytest.approx(copies + casts + adamw - n * 1e-10)
     # overlap: the copy to the host, the upcast and AdamW behind the backward, the write-back behind the forward
     hidden = offload_time(n, 2, profile, threads, overlap=True, forward=10.0, backward=10.0, units=10)
-    before = n * 2 / 1e9 + n * 6 / (threads * 1e9) + adamw
+    before = n * 2 / 1e9 + n * 6 / (threads * 1e9) + adamw + n * 24 / (threads * 1e9)  # + the spares' copies
     assert hidden.exposed == pytest.approx(before / 10 + n * 6 / (threads * 1e9) + n * 2 / 1e9 / 10 - n * 1e-10)
 
 
@@ -74,3 +74,19 @@ def test_the_host_side_is_measured():
     assert host["host_measured"] and host["host_cores"] >= 1
     assert host["host_memory_bytes_per_s"] > 1e7 and host["host_adamw_elements_per_s"] > 1e5
     assert "pcie_bytes_per_s" not in host  # a CPU keeps the assumed rate
+
+
+def test_auto_speculates_only_where_the_model_says_it_pays(tmp_path, monkeypatch):
+    cfg = one_b("optim.offload_fraction=1", "optim.offload_overlap=auto")
+    assert speculation_pays(cfg, 8, PROFILE, 8)
+    slow_copies = dataclasses.replace(PROFILE, host_memory_bytes_per_s=1e8)  # the spares' copies outweigh it
+    assert not speculation_pays(cfg, 8, slow_copies, 8)
+
+    import engine.data_parallel
+    from engine.train import Trainer
+    from parallel.distributed import DistEnv
+    from tests.test_memory_estimate import TINY
+    tiny = load_config(TINY, [f"run.dir={tmp_path}", "parallel.zero_stage=1", "optim.offload_fraction=1"])
+    assert Trainer(tiny, DistEnv(0, 1)).optimizer.speculation is not None
+    monkeypatch.setattr(engine.data_parallel, "speculation_pays", lambda *args: False)
+    assert Trainer(tiny, DistEnv(0, 1)).optimizer.speculation is None

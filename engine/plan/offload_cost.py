@@ -13,7 +13,8 @@ per thread; threads: optim.offload_threads or the node's cores over its ranks mi
 run behind the next forward (each unit waits for its own), and with optim.offload_overlap a speculative host step
 (a step that does not clip) runs the gradient copy, the upcast and AdamW behind the last micro-batch's backward:
 what stays exposed is the excess over those windows, at least the last unit's share, and the host cast of the
-write-back, which the host does before it launches the next forward. X does not grow
+write-back, which the host does before it launches the next forward. Speculation costs copies of its own (master
+and moments into the spares: 24 bytes of host traffic per element), so with a short backward it can lose. X does not grow
 with the tokens per step while T does (compute scales with the micro-batches), so the ratio (T + X) / T falls
 below any bound from some tokens per step on: engine/plan/offload_pays.py finds it.
 """
@@ -48,7 +49,8 @@ def offload_time(elements: float, e: int, profile, threads: int, overlap: bool, 
     saved = elements * profile.optimizer_s_per_element
     before = d2h + upcast + adamw  # everything up to the new masters on the host
     last = 1 / max(units, 1)
-    if overlap:
+    if overlap:  # the speculative step first copies the master and both moments into its spares
+        before += elements * 3 * 2 * FP32 / (threads * profile.host_memory_bytes_per_s)
         before = max(before - backward, before * last)
     exposed_h2d = max(h2d - forward, h2d * last)  # the write-back never blocks: the next forward waits per unit
     return OffloadTime(d2h + h2d, upcast + cast + adamw, saved, before + cast + exposed_h2d - saved)

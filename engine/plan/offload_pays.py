@@ -33,6 +33,15 @@ def step_ratio(cfg: Config, world_size: int, profile, gpus_per_node: int) -> flo
     return predict(cfg, world_size, profile, gpus_per_node).total / predict(off, world_size, profile, gpus_per_node).total
 
 
+def speculation_pays(cfg: Config, world_size: int, profile, gpus_per_node: int) -> bool:
+    """Whether optim.offload_overlap's speculative host steps are predicted to shorten the step (what "auto"
+    decides from, engine/data_parallel.py)."""
+    def total(overlap: str) -> float:
+        changed = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, offload_overlap=overlap))
+        return predict(changed, world_size, profile, gpus_per_node).total
+    return total("true") < total("false")
+
+
 def tokens_to_meet(cfg: Config, world_size: int, profile, gpus_per_node: int, goal: float = RATIO_GOAL) -> int | None:
     """The fewest tokens per step per GPU (whole micro-batches) at which the predicted ratio is at most `goal`;
     None if not even MOST_MICRO_BATCHES micro-batches meet it."""
