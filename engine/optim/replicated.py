@@ -246,8 +246,7 @@ class MixedPrecisionAdamW:
             return
         index = {id(self.params[i]): i for i in self.write_backs}
         for chunk in chunks:
-            layers = list(getattr(getattr(chunk, "model", None), "layers", {}).values()) if hasattr(chunk, "model") \
-                else []
+            layers = list(chunk.model.layers.values()) if hasattr(chunk, "model") else []
             under = {id(p) for layer in layers for p in layer.parameters()}
             rest = [index[id(p)] for p in chunk.parameters() if id(p) in index and id(p) not in under]
             for module, ids in [(layer, [index[id(p)] for p in layer.parameters() if id(p) in index])
