@@ -47,6 +47,10 @@ class Optimizer(Protocol):
     def offload_readings(self) -> dict:
         """metrics.jsonl fields of optimizer offload overlap (host seconds, seconds hidden, redos); {} if none."""
 
+    def wait_writes(self) -> None:
+        """Offloaded state's new parameters, copied back without blocking, are complete on the device before
+        something other than a forward reads the parameters (engine/optim/offload.WriteBack)."""
+
     def zero_grad(self) -> None:
         """Release the step's gradients (zero them where they are views into persistent buckets: stage 0)."""
 

@@ -11,10 +11,13 @@ blocks' matrices instead); stage ≥ 1 keeps a fp32 master and moments (or Muon'
 bf16/fp16); stage 3 keeps only the parameter shard. `optim.offload_fraction` moves the state of some tensors
 (engine/optim/offload.py: whole parameters at stage 0, whole unit shards at stage ≥ 1, chosen as the engine chooses)
 to the host: 16 bytes per element there (fp32 master, two moments, the fp32 gradient buffer) and, under
-bf16/fp16, the 2-byte staging buffer the gradient crosses in (engine/optim/offload.HostGrad), none left on
-the device, and 12 more per element of a ZeRO unit stepped during backward (optim.offload_overlap: spare master
-and moments; under DDP, of a parameter stepped as its bucket is reduced: see ddp_overlaps). The host total of a
-node is its ranks × the fullest rank's, judged against HOST_SHARE of its memory.
+bf16/fp16, the 2-byte staging buffer the gradient crosses in (engine/optim/offload.HostGrad), plus the write-back's
+staging buffer in the parameter's dtype (offload.WriteBack; each crossing buffer rounded up to 4 bytes: they are
+views into one exact arena, offload.PinnedArena, so no allocator rounding applies), none left on the device, and 12
+more per element of a ZeRO unit stepped during backward (optim.offload_overlap: spare master and moments; under
+DDP, of a parameter stepped as its bucket is reduced: see ddp_overlaps). checkpoint.async_save adds a host copy
+of the rank's saved state (fp32 master and moments) while a save is written. The host total of a node is its
+ranks × the fullest rank's, judged against HOST_SHARE of its memory.
 
 Activations are the bytes autograd saves for backward, per micro-batch, summed from the tensors each kernel
 saves (T = micro batch × sequence tokens, Ts = T / TP under sequence parallelism, e = compute-dtype bytes):
@@ -179,6 +182,7 @@ def state_bytes(cfg: Config, units: list, shard_size: int, shard_rank: int | Non
             host = sum(k for k, off in zip(params, on_host) if off)
             spares = sum(k for (name, k), off in zip(named, on_host) if off and ddp_overlaps(cfg, name, shard_size))
             staging = sum(staging_bytes(e, k) for k, off in zip(params, on_host) if off) if e != FP32 else 0
+            staging += sum(write_back_bytes(e, k) for k, off in zip(params, on_host) if off)
         state = (n - host) * (8 if e == FP32 else 12) - muon * FP32
         return n * e, n * e, state, 0, host * HOST_STATE + spares * HOST_SPARE + staging
     shards = [-(-max(sum(n for _, n in unit), 1) // shard_size) for unit in units]
@@ -204,6 +208,8 @@ def state_bytes(cfg: Config, units: list, shard_size: int, shard_rank: int | Non
         fp32_held = [a + times * b for a, b in zip(fp32_held, held32)]
         if host and split:
             staging = [a + times * staging_bytes(e, shard, k) for a, k in zip(staging, held32)]
+        if host:
+            staging = [a + times * write_back_bytes(e, shard) for a in staging]
         weights += times * shard * (e if stage == 3 else e * shard_size)
         grads += times * (shard * shard_size * e + fp32_numel * FP32 if stage == 1 else shard * e)
         if not host:  # fp32 stage 3: the shard is the master
@@ -220,6 +226,12 @@ def staging_bytes(e: int, numel: int, fp32_numel: int = 0) -> int:
     """engine/optim/offload.HostGrad's 16-bit staging buffer: `numel` elements rounded up to even, then the
     `fp32_numel` fp32-reduced ones in fp32."""
     return e * (numel + numel % 2) + FP32 * fp32_numel
+
+
+def write_back_bytes(e: int, numel: int) -> int:
+    """engine/optim/offload.WriteBack's staging buffer in the parameter's dtype, rounded up to 4 bytes (its
+    place in the PinnedArena)."""
+    return -(-e * numel // 4) * 4
 
 
 def muon_stepped(cfg: Config, name: str) -> bool:
@@ -585,8 +597,11 @@ def snapshot_shard_bytes(cfg: Config, world_size: int) -> int:
 
 
 def snapshot_host_bytes(cfg: Config, world_size: int) -> int:
-    """Host memory one rank's memory snapshots take: two generations of its own shard and of its partner's."""
-    return 4 * snapshot_shard_bytes(cfg, world_size) if cfg.checkpoint.memory_interval > 0 else 0
+    """Host memory one rank's snapshots take: memory snapshots, two generations of its own shard and of its
+    partner's; checkpoint.async_save, one copy of its saved state (engine/checkpoint/checkpointer.save, the RNG
+    states' few bytes aside) while the background write runs."""
+    copies = (4 if cfg.checkpoint.memory_interval > 0 else 0) + (1 if cfg.checkpoint.async_save else 0)
+    return copies * snapshot_shard_bytes(cfg, world_size) if copies else 0
 
 
 def node_host_bytes(cfg: Config, world_size: int, ranks_per_node: int) -> int:
@@ -619,7 +634,9 @@ def host_problem(cfg: Config, world_size: int, ranks_per_node: int, memory: int)
                 f"over more ranks (parallel.zero_stage ≥ 1, more data-parallel ranks)")
     fits = fitting_fraction(cfg, world_size, ranks_per_node, budget)
     fix = f"set optim.offload_fraction={fits:g} or less" if fits else "turn it off (optim.offload_fraction=0)"
-    with_snapshots = " and memory snapshots (checkpoint.memory_interval)" if snapshots else ""
+    with_snapshots = "".join(text for on, text in ((snapshots, " and memory snapshots (checkpoint.memory_interval)"),
+                                                    (cfg.checkpoint.async_save, " and the async save's copy "
+                                                     "(checkpoint.async_save)")) if on)
     return (f"optim.offload_fraction={cfg.optim.offload_fraction:g} puts {gib(need)} of optimizer state"
             f"{with_snapshots} in each node's host memory ({ranks_per_node} ranks), more than {HOST_SHARE:.0%} of its "
             f"{gib(memory)}; {fix}, or shard the state over more ranks (parallel.zero_stage ≥ 1, more data-parallel "
@@ -734,9 +751,11 @@ def host_report(cfg: Config, world_size: int, stages: list, memory: int, ranks_p
     snapshots = snapshot_host_bytes(cfg, world_size)
     per_rank = max(s.host for s in stages) + snapshots
     what = [f"optim.offload_fraction={cfg.optim.offload_fraction:g}"] if cfg.optim.offload_fraction > 0 else []
-    if snapshots:
-        what.append(f"memory snapshots {gib(snapshots)}: 2 generations × own + partner's shard of "
-                    f"{gib(snapshot_shard_bytes(cfg, world_size))}")
+    if cfg.checkpoint.memory_interval > 0:
+        what.append(f"memory snapshots {gib(4 * snapshot_shard_bytes(cfg, world_size))}: 2 generations × own + "
+                    f"partner's shard of {gib(snapshot_shard_bytes(cfg, world_size))}")
+    if cfg.checkpoint.async_save:
+        what.append(f"async save's copy {gib(snapshot_shard_bytes(cfg, world_size))}")
     line = (f"  host memory ({'; '.join(what)}): {gib(per_rank)} on the fullest "
             f"rank, {gib(per_rank * ranks_per_node)} per node of {ranks_per_node} ranks")
     if memory:

@@ -36,6 +36,7 @@ from engine.checkpoint.load_check import check_load
 from engine.config.schema import Config, ConfigError, data_parallel_size, load_config, validate
 from engine.memory_estimate import ddp_offload_warning, device_memory, host_problem, node_memory, report
 from engine.observe.rank_sniff import sniff
+from engine.plan.offload_pays import offload_warning
 from engine.plan.planner import warning as layout_warning
 from engine.plan.profile import default_profile, load_profile
 from engine.stop import final_failure
@@ -148,8 +149,12 @@ def load_verdict(cfg: Config, env: DistEnv) -> list[tuple[bool, str]]:
 def layout_advice(cfg: Config, world_size: int, device: torch.device, gpus_per_node: int) -> str | None:
     """The planner's warning (engine/plan/planner.py) when the run's layout is predicted more than 1.3× slower
     than the fastest one that fits the device, from the shipped profile of this device type."""
-    profile = load_profile(default_profile(device.type, cfg.train.precision))
-    return layout_warning(cfg, world_size, profile, device_memory(device), gpus_per_node)
+    return layout_warning(cfg, world_size, layout_profile(cfg, device), device_memory(device), gpus_per_node)
+
+
+def layout_profile(cfg: Config, device: torch.device):
+    """The shipped device profile of this device type and the run's precision."""
+    return load_profile(default_profile(device.type, cfg.train.precision))
 
 
 def memory_mb(device: torch.device) -> float:
@@ -215,9 +220,10 @@ def preflight(cfg: Config, env: DistEnv, steps: int = STEPS) -> bool:
         advice = layout_advice(real, env.world_size, env.device, ranks_per_node)
         if advice:
             log.warning(f"pre-flight: WARNING {advice}")
-        offload_advice = ddp_offload_warning(real, env.world_size)
-        if offload_advice:
-            log.warning(f"pre-flight: WARNING {offload_advice}")
+        for offload_advice in (ddp_offload_warning(real, env.world_size),
+                               offload_warning(real, env.world_size, layout_profile(real, env.device), ranks_per_node)):
+            if offload_advice:
+                log.warning(f"pre-flight: WARNING {offload_advice}")
     m = small.model
     cp = f" × CP {small.parallel.context}" if small.parallel.context > 1 else ""
     log.info(f"pre-flight: {env.world_size} ranks, TP {small.parallel.tensor}{cp} × PP {small.parallel.pipeline}, "

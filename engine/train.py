@@ -283,6 +283,7 @@ class Trainer:
     def check_replicas(self) -> None:
         """Stop every rank if a replicated parameter's bits differ between the ranks that hold it."""
         if self.env.world_size > 1:
+            self.optimizer.wait_writes()  # offloaded parameters' write-backs may still be in flight
             sets = replica_check.replica_sets(self.named_params, self.data_parallel, self.topo,
                                               self.cfg.parallel.zero_stage)
             replica_check.check_replicas(sets, self.step, self.env.rank, self.env.device)

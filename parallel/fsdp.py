@@ -76,6 +76,7 @@ class ShardedDataParallel:
         # called with each unit whose reduced gradient shard is complete for the step (the TP sum of
         # TP-replicated gradients aside): engine/optim/offload_overlap.py starts its host step
         self.on_reduced = None
+        self.unwritten: dict = {}  # unit index → its write-back in flight (write_shards)
         for chunk in chunks:
             names = {p: n for n, p in chunk.named_parameters()}
             mine, seen = [], set()
@@ -143,6 +144,7 @@ class ShardedDataParallel:
                                          last=module is final_exit: self._post_forward(u, units, i, out, last))
 
     def _gather(self, unit: Unit, async_op: bool = False) -> None:
+        self.wait_written(unit)
         unit.gather(async_op)
         held = sum(u.full_bytes for u in self.units if u.gathered or u.gather_handle is not None)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, held)
@@ -166,6 +168,7 @@ class ShardedDataParallel:
         prefetch = first and i + 1 < len(units) and not self._recomputing(unit)
         following = units[i + 1] if prefetch else None
         if unit.row_lookup is not None and unit.row_lookup.applies(module):  # nothing to gather
+            self.wait_written(unit)  # the lookup reads the shard
             if following is not None:
                 self._gather(following, async_op=True)
             return
@@ -331,18 +334,38 @@ class ShardedDataParallel:
 
     # -- parameters after an optimizer step ------------------------------------------------------
     @torch.no_grad()
-    def write_shards(self, masters: list) -> None:
-        """New fp32 master shards → this rank's parameter shards; stages 1/2 all-gather the full buffers."""
-        handles = []
+    def write_shards(self, masters: list, write_backs: dict | None = None) -> None:
+        """New fp32 master shards → this rank's parameter shards; stages 1/2 all-gather the full buffers.
+        `write_backs` (unit index → the optimizer's host-to-device copy, engine/optim/offload.WriteBack) carry the
+        host-held masters' shards, all issued first; each is waited for (a stream wait) just before its shard is
+        read: its all-gather here at stages 1/2, its unit's next gather (or row lookup) at stage 3."""
+        write_backs = write_backs or {}
         for unit, master in zip(self.units, masters):
             unit.free()  # stage 3: a gathered copy would hold the old values
-            if master is not unit.param_shard:
+            if unit.index in write_backs:
+                write_backs[unit.index].send(unit.param_shard, master)
+                self.unwritten[unit.index] = write_backs[unit.index]
+            elif master is not unit.param_shard:
                 unit.param_shard.copy_(master)
-            if self.stage != 3:
-                handles.append(comm.all_gather_into(unit.flat, unit.param_shard.clone(), unit.group, async_op=True))
+        if self.stage == 3:
+            return
+        handles = []
+        for unit in self.units:
+            self.wait_written(unit)
+            handles.append(comm.all_gather_into(unit.flat, unit.param_shard.clone(), unit.group, async_op=True))
         for h in handles:
             if h is not None:
                 h.wait()
+
+    def wait_written(self, unit: Unit) -> None:
+        """Before `unit`'s parameter shard is read: its write-back, if one is in flight, is waited for."""
+        write_back = self.unwritten.pop(unit.index, None)
+        if write_back is not None:
+            write_back.wait()
+
+    def wait_writes(self) -> None:
+        for unit in self.units:
+            self.wait_written(unit)
 
     def held_tensors(self) -> list:
         return [t for u in self.units for t in u.held_tensors()]

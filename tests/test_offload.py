@@ -16,7 +16,7 @@ import torch
 
 from engine import preflight
 from engine.config.schema import load_config, validate
-from engine.memory_estimate import estimate, host_problem
+from engine.memory_estimate import estimate, host_problem, node_host_bytes, snapshot_shard_bytes
 from engine.optim.offload import offloaded
 from engine.train import Trainer
 from parallel import comm
@@ -221,3 +221,61 @@ def test_the_estimator_prints_host_bytes_per_node():
                            "--ranks-per-node", "4", "optim.offload_fraction=1"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "in host memory)" in done.stdout and "per node of 1 ranks: fits 80% of 1.00 GiB" in done.stdout
+
+
+def save_with_offload(rank, world, run_dir, steps):
+    """`steps` steps at DP2 ZeRO-1, bf16, everything offloaded with overlap; saved; the owned state."""
+    trainer = trainer_for(rank, world, "bf16", 1.0, dict(zero_stage=1), run_dir)
+    for _ in range(steps):
+        trainer.train_step()
+    trainer.save_checkpoint()
+    trainer.checkpointer.wait()
+    return owned(trainer)
+
+
+def resume_elsewhere(rank, world, run_dir, fraction):
+    """The checkpoint resumed at DP4 ZeRO-3 with offload `fraction`: the state as loaded, then 2 more steps."""
+    trainer = trainer_for(rank, world, "bf16", fraction, dict(zero_stage=3), run_dir)
+    loaded = owned(trainer)
+    losses = [trainer.train_step()["loss"] for _ in range(2)]
+    return loaded, losses, owned(trainer), len(trainer.optimizer.host_grads)
+
+
+def test_a_checkpoint_saved_with_offload_resumes_at_another_dp_size_and_zero_stage(pools):
+    with tempfile.TemporaryDirectory() as run_dir:
+        saved = pools[2].run(save_with_offload, run_dir, 2)
+        on = pools[4].run(resume_elsewhere, run_dir, 0.5)
+        off = pools[4].run(resume_elsewhere, run_dir, 0.0)
+    full = {}  # name -> [master, exp_avg, exp_avg_sq] over the whole parameter, from the two saving ranks
+    for state in saved:
+        for name, ((start, end), *tensors) in state.items():
+            pieces = full.setdefault(name, [torch.full((end,), math.nan) for _ in tensors])
+            for piece, t in zip(pieces, tensors):
+                if piece.numel() < end:
+                    piece.resize_(end)
+                piece[start:end] = t
+    for (loaded_on, losses_on, state_on, host_on), (loaded_off, losses_off, state_off, host_off) in zip(on, off):
+        assert host_on > 0 and host_off == 0
+        for name, ((start, end), *tensors) in loaded_on.items():  # each rank's shard is the saved one's slice
+            for t, want in zip(tensors, full[name]):
+                assert torch.equal(t, want[start:end]), name
+        assert_same(loaded_off, loaded_on)
+        assert losses_on == losses_off
+        assert_same(state_off, state_on)
+
+
+@pytest.mark.parametrize("overrides", [["parallel.zero_stage=0"], ["parallel.zero_stage=3"]], ids=["ddp", "zero3"])
+def test_the_async_save_copy_is_counted_in_host_memory(tmp_path, overrides):
+    """checkpoint.async_save's host snapshot, as the estimate counts it, against the tensors a save copies."""
+    cfg = load_config(TINY, [f"run.dir={tmp_path}", "checkpoint.async_save=true", "optim.offload_fraction=1",
+                             *overrides])
+    validate(cfg, 1)
+    trainer = Trainer(cfg, DistEnv(0, 1))
+    trainer.train_step()
+    copied = {}
+    trainer.checkpointer.background.start = lambda write, step, file, tensors, *rest: copied.update(tensors)
+    trainer.save_checkpoint()
+    state = sum(t.nbytes for key, t in copied.items() if not key.startswith("rng"))
+    assert state == snapshot_shard_bytes(cfg, 1) > 0
+    without = load_config(TINY, [f"run.dir={tmp_path}", "optim.offload_fraction=1", *overrides])
+    assert node_host_bytes(cfg, 1, 8) - node_host_bytes(without, 1, 8) == 8 * state

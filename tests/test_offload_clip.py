@@ -94,7 +94,8 @@ class _Optimizer:
     """The state interface SpeculativeHostSteps steps through: piece 0's job blocks until released."""
 
     def __init__(self):
-        self.host_grads = {i: HostGrad(torch.zeros(4), torch.bfloat16) for i in range(3)}
+        self.host_grads = {i: HostGrad(torch.zeros(4), torch.bfloat16, torch.empty(4, dtype=torch.bfloat16))
+                           for i in range(3)}
         self.scaler, self.adam_step, self.stepped = _Scaler(), 0, []
         self.release, self.running = threading.Event(), threading.Event()
 
@@ -149,3 +150,35 @@ def test_ddp_with_offload_is_warned_towards_zero1():
                            "optim.offload_fraction=1"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "WARNING optim.offload_fraction=1 under DDP" in done.stdout
+
+
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_every_write_back_is_waited_for_before_its_parameter_is_read(tmp_path, zero_stage):
+    """The write-back's event wait (a no-op on CPU, recorded here) comes before the parameter's first read in the
+    next step: DDP, a module's forward that holds it; ZeRO-3, its unit's gather."""
+    cfg = make_config({**BASE, "optim": dict(BASE["optim"], offload_fraction=1.0)}, zero_stage=zero_stage)
+    cfg.run.dir = str(tmp_path)
+    validate(cfg, 1)
+    trainer = Trainer(cfg, DistEnv(0, 1, 0, torch.device("cpu"), "gloo"))
+    trainer.train_step()
+    opt, log = trainer.optimizer, []
+    for i, write_back in opt.write_backs.items():
+        write_back.wait = lambda i=i: log.append(("wait", i))
+    if zero_stage == 0:
+        index = {id(opt.params[i]): i for i in opt.write_backs}
+        for chunk in trainer.chunks:
+            for module in chunk.modules():
+                held = [index[id(p)] for p in module.parameters(recurse=False) if id(p) in index]
+                if held:
+                    module.register_forward_pre_hook(lambda m, args, held=held: log.extend(("use", i) for i in held))
+    else:
+        for unit in trainer.data_parallel.units:
+            gather = unit.gather
+            unit.gather = lambda async_op=False, i=unit.index, gather=gather: (log.append(("use", i)),
+                                                                               gather(async_op))[1]
+    trainer.train_step()
+    trainer.loader.close()
+    used = {i for kind, i in log if kind == "use"}
+    assert used and used <= set(opt.write_backs)
+    for i in used:
+        assert ("wait", i) in log and log.index(("wait", i)) < log.index(("use", i)), i

@@ -8,7 +8,8 @@ Starts --nproc ranks on this machine (gloo on CPU, NCCL on CUDA, one GPU each) t
 (engine/plan/calibrate.py): one transformer layer and the output layer at the --config model's widths divided
 by each TP size in --tensor and each micro batch in --micro-batches; the same two as each TP × CP layout of
 --tensor × --context runs them on its own groups (sequence parallel under TP, as the planner lays out), with
-their collectives; one AdamW step, and all-reduce /
+their collectives; one AdamW step; the host side of optimizer offload (casts, AdamW per thread, on a GPU the
+pinned PCIe copies: engine/plan/calibrate.measure_host); and all-reduce /
 all-gather / reduce-scatter over groups of 2 ... --nproc ranks, fit as latency + seconds per byte (the
 "intra" link). Across nodes ("inter") nothing is measured: the profile keeps --inter-from's link, and says so.
 Compute rows are the median over ranks. On a GPU node run it once per device type and precision; the planner
@@ -125,6 +126,9 @@ def main(argv=None) -> int:
         ap.error("--nproc must be ≥ 2 and --tensor must hold a size dividing the head count")
     import torch.multiprocessing as mp
 
+    import torch
+
+    from engine.plan import calibrate
     from engine.plan.calibrate import engine_overhead, fit_link
     from engine.plan.profile import DeviceProfile, load_profile
     cores = os.cpu_count() or 1
@@ -155,6 +159,9 @@ def main(argv=None) -> int:
         engine_memory_bytes=int(statistics.median(g[6][1] for g in gathered)),
         parallel={key: {kind: median_rows([g[7][key][kind] for g in gathered if key in g[7]]) for kind in tables}
                   for key, tables in gathered[0][7].items()})
+    # the host side of optimizer offload, measured here once the ranks are done (the machine otherwise idle)
+    for key, value in calibrate.measure_host(torch.device(args.device)).items():
+        setattr(profile, key, value)
     times = [statistics.median(step) for step in zip(*(g[6][0] for g in gathered))]
     profile.step_overhead_s, profile.micro_batch_overhead_s = engine_overhead(profile, times, args.nproc, args.device)
     profile.save(args.out)
@@ -162,7 +169,10 @@ def main(argv=None) -> int:
           f"their groups ({', '.join(profile.parallel)}), link intra {profile.links['intra']}, "
           f"AdamW {profile.optimizer_s_per_element * 1e9:.2f} ns/element, engine overhead "
           f"{profile.step_overhead_s * 1e3:.1f} ms per step + {profile.micro_batch_overhead_s * 1e3:.1f} ms per "
-          f"micro-batch, engine memory {profile.engine_memory_bytes / 2**20:.0f} MiB")
+          f"micro-batch, engine memory {profile.engine_memory_bytes / 2**20:.0f} MiB; offload's host side: casts "
+          f"{profile.host_memory_bytes_per_s / 1e9:.2f} GB/s and AdamW {profile.host_adamw_elements_per_s:.3g} "
+          f"elements/s per thread, PCIe {profile.pcie_bytes_per_s / 1e9:.1f} GB/s"
+          f"{'' if args.device == 'cuda' else ' (assumed)'}")
     return 0
 
 

@@ -178,8 +178,9 @@ class OptimConfig:
         # memory, in whole tensors (engine/optim/offload.py, docs/offload.md); 0 = none, 1 = all
     offload_overlap: str = "auto"  # step each offloaded piece on a host thread as soon as its gradients are
         # reduced during backward, speculatively, redone from its host gradient when the step clips
-        # (engine/optim/offload_overlap.py); true/false = always/never; auto = on a step only when the previous
-        # finite step did not clip (a clipped step discards the speculation: early training clips almost always)
+        # (engine/optim/offload_overlap.py); true/false = always/never; auto = where the time model predicts it
+        # pays (engine/plan/offload_pays.py), on a step only when the previous finite step did not clip (a clipped
+        # step discards the speculation: early training clips almost always)
     offload_threads: int = 0  # intra-op threads of the host step's worker thread; 0 = the node's cores over its
         # local ranks (LOCAL_WORLD_SIZE), minus one for the rank's autograd and loader threads, at least one
     # Muon (engine/optim/muon.py), torch.optim.Muon's options and defaults; its learning rate follows the schedule

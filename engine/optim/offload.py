@@ -3,9 +3,10 @@ optimizer state (master weights and both Adam moments) that lives, and is steppe
 
 The share is taken in whole state tensors (a parameter's under DDP, a unit's shard under ZeRO), in the order
 backward produces their gradients, each tensor going to the host when that keeps the offloaded elements nearest
-the fraction: 0 keeps everything on the device, 1 moves everything. On a GPU what crosses PCIe is pinned (the
-masters, the gradients' staging buffers); the moments and the fp32 gradients a 16-bit one is upcast into never
-move, so they are ordinary host memory.
+the fraction: 0 keeps everything on the device, 1 moves everything. Only what crosses PCIe is pinned: the gradients'
+staging buffers (HostGrad) and the write-back's (WriteBack), views into one exact block per rank (PinnedArena);
+the masters, the moments and the fp32 gradients a 16-bit one is upcast into never cross, so they are ordinary
+host memory.
 
 Exactness: the gradient norm, unscaling and clipping still run on the device over the same tensors, and the
 AdamW kernel is elementwise and per tensor, so a tensor stepped on the host gets the update it would get on the
@@ -45,13 +46,79 @@ def pinned() -> bool:
 
 
 def host_empty(like: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """A host buffer shaped like `like`, pinned when a GPU will copy to or from it."""
-    return torch.empty(like.shape, dtype=dtype, device=HOST, pin_memory=pinned())
+    """An ordinary (pageable) host buffer shaped like `like`."""
+    return torch.empty(like.shape, dtype=dtype, device=HOST)
 
 
 def host_copy(t: torch.Tensor) -> torch.Tensor:
-    """An fp32 host copy of `t` (pinned when a GPU is present)."""
+    """An fp32 host copy of `t`."""
     return host_empty(t).copy_(t.detach())
+
+
+def even(numel: int) -> int:
+    """A 16-bit buffer's elements rounded up to even, so that what follows it in the arena is 4-byte aligned."""
+    return numel + numel % 2
+
+
+class PinnedArena:
+    """Every host buffer of a rank that crosses PCIe, as views into one block of exactly their total size (each
+    request's bytes rounded up to a multiple of 4, for the alignment of the fp32 views). torch's caching host
+    allocator rounds each pinned tensor up to a power of two (a 180 MiB shard takes 256 MiB); this block comes
+    from the ordinary CPU allocator, exact, and on a GPU is page-locked in place (cudaHostRegister), so
+    non_blocking copies from and to it are asynchronous DMA. On CPU it is ordinary memory."""
+
+    def __init__(self, requests: list[tuple[int, torch.dtype]]):
+        sizes = [-(-numel * dtype.itemsize // 4) * 4 for numel, dtype in requests]
+        self.block = torch.empty(sum(sizes), dtype=torch.uint8, device=HOST)
+        self.views, at = [], 0
+        for (numel, dtype), size in zip(requests, sizes):
+            self.views.append(self.block[at:at + numel * dtype.itemsize].view(dtype))
+            at += size
+        self.registered = False
+        if pinned() and self.block.numel():
+            code = torch.cuda.cudart().cudaHostRegister(self.block.data_ptr(), self.block.numel(), 0)
+            if int(code) != 0:
+                raise RuntimeError(f"cudaHostRegister of the offload's {self.block.numel()} staging bytes failed "
+                                   f"(error {int(code)}): lower optim.offload_fraction or raise the locked-memory limit")
+            self.registered = True
+
+    def __del__(self):
+        if self.registered:
+            torch.cuda.cudart().cudaHostUnregister(self.block.data_ptr())
+
+    def tensors(self) -> list:
+        return [self.block]
+
+
+class WriteBack:
+    """An offloaded master's way back into its device parameter: the host rounds the fp32 master into a pinned
+    `staging` buffer in the parameter's dtype (round-to-nearest-even, the bits the device's cast gives), then a
+    side stream copies it to the device without blocking the host, and records one event that the parameter's
+    first use waits on (a stream wait, not a host synchronisation). On CPU the same code runs with the copies
+    synchronous. The next write-back into `staging` first waits for this copy (issued a whole step earlier)."""
+
+    def __init__(self, staging: torch.Tensor, stream):
+        self.staging, self.stream, self.event, self.waiting = staging, stream, None, False
+
+    def send(self, device: torch.Tensor, master: torch.Tensor) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+        self.staging.copy_(master.detach().reshape(-1))
+        if self.stream is None:
+            device.view(-1).copy_(self.staging)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream())  # the device tensor's earlier readers are done
+        with torch.cuda.stream(self.stream):
+            device.view(-1).copy_(self.staging, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record(self.stream)
+        self.waiting = True
+
+    def wait(self) -> None:
+        """Before the device tensor's first use: the compute stream waits for the copy (no-op on CPU)."""
+        if self.waiting:
+            torch.cuda.current_stream().wait_event(self.event)
+            self.waiting = False
 
 
 class HostGrad:
@@ -62,15 +129,22 @@ class HostGrad:
     (`tail`, positions in its shard, parallel/fsdp_units.Unit.grad32) cross in fp32, in the staging buffer's last
     bytes, and overwrite their positions after the upcast, as Unit.master_grad does on the device."""
 
-    def __init__(self, like: torch.Tensor, dtype: torch.dtype, tail: slice = slice(0, 0)):
-        n, count = like.numel(), tail.stop - tail.start
-        self.fp32 = torch.empty(like.shape, dtype=torch.float32, device=HOST,
-                                pin_memory=pinned() and dtype == torch.float32)
+    def __init__(self, like: torch.Tensor, dtype: torch.dtype, crossing: torch.Tensor, tail: slice = slice(0, 0)):
+        """`crossing`: its pinned buffer, of `request(like.numel(), dtype, tail)` (a PinnedArena view)."""
+        n = like.numel()
         self.tail, self.staging, self.has_tail = tail, None, False
-        if dtype != torch.float32:
-            main = n + n % 2  # the fp32 tail starts 4-byte aligned
-            self.staging = torch.empty(main + 2 * count, dtype=dtype, device=HOST, pin_memory=pinned())
-            self.main, self.tail32 = self.staging[:n], self.staging[main:].view(torch.float32)
+        if dtype == torch.float32:
+            self.fp32 = crossing.view(like.shape)
+        else:
+            self.fp32 = host_empty(like)
+            self.staging = crossing
+            self.main, self.tail32 = self.staging[:n], self.staging[even(n):].view(torch.float32)
+
+    @staticmethod
+    def request(numel: int, dtype: torch.dtype, tail: slice = slice(0, 0)) -> tuple[int, torch.dtype]:
+        """The pinned buffer a gradient crosses in: fp32 itself, or 16 bits with the fp32 tail after it (the
+        element count rounded up to even, so that the tail starts 4-byte aligned)."""
+        return (numel, dtype) if dtype == torch.float32 else (even(numel) + 2 * (tail.stop - tail.start), dtype)
 
     def send(self, grad: torch.Tensor, tail32: torch.Tensor | None = None) -> None:
         """Issue the copies from the device (asynchronous when pinned: wait for the stream before `land`)."""
@@ -92,7 +166,8 @@ class HostGrad:
         return self.fp32
 
     def tensors(self) -> list:
-        return [self.fp32] + ([self.staging] if self.staging is not None else [])
+        """Its ordinary host memory (the crossing buffer is the arena's)."""
+        return [self.fp32] if self.staging is not None else []
 
 
 def wait_for_device(tensors: list) -> None:
@@ -109,10 +184,6 @@ def by_device(tensors: list) -> list[list]:
     return list(groups.values())
 
 
-def copy_to_device(pairs: list) -> None:
-    """Copy each (device tensor, master) pair (the master possibly on the host), all issued before one wait:
-    the host must not step a master again while its copy is in flight."""
-    for device, master in pairs:
-        device.copy_(master, non_blocking=True)
-    if any(device.is_cuda for device, _ in pairs):
-        torch.cuda.current_stream().synchronize()
+def side_stream(device: torch.device):
+    """The stream write-backs are copied on (None on CPU: the copies are synchronous)."""
+    return torch.cuda.Stream(device) if device.type == "cuda" else None

@@ -68,9 +68,16 @@ class MixedPrecisionAdamW:
         self.master = [offload.host_copy(p).requires_grad_(True) if host else
                        p if p.dtype == torch.float32 else p.detach().float().clone().requires_grad_(True)
                        for p, host in zip(self.params, on_host)]
-        # where an offloaded master's gradient arrives, in the parameter's dtype, upcast on the host
-        self.host_grads = {i: offload.HostGrad(self.master[i], self.params[i].dtype)
-                           for i, host in enumerate(on_host) if host}
+        # where an offloaded master's gradient arrives, in the parameter's dtype, upcast on the host, and the pinned
+        # buffer its new value returns through (engine/optim/offload.WriteBack): views into one exact arena
+        ids = [i for i, host in enumerate(on_host) if host]
+        self.arena = offload.PinnedArena([offload.HostGrad.request(self.params[i].numel(), self.params[i].dtype)
+                                          for i in ids] + [(self.params[i].numel(), self.params[i].dtype) for i in ids])
+        self.host_grads = {i: offload.HostGrad(self.master[i], self.params[i].dtype, self.arena.views[k])
+                           for k, i in enumerate(ids)}
+        stream = offload.side_stream(self.params[0].device) if ids else None
+        self.write_backs = {i: offload.WriteBack(self.arena.views[len(ids) + k], stream) for k, i in enumerate(ids)}
+        self._wait_at_first_use(getattr(gradients, "chunks", None))
         self.muon_ids = [i for i, (n, p) in enumerate(named_params) if uses_muon(n, p, cfg.name)]
         self.muon = muon_part([(named_params[i], self.master[i]) for i in self.muon_ids], cfg, topo) \
             if cfg.name == "muon" else None
@@ -230,8 +237,42 @@ class MixedPrecisionAdamW:
         self._write_params()
         return norm, False
 
+    def _wait_at_first_use(self, chunks) -> None:
+        """Each offloaded parameter's write-back is waited for by the forward pre-hook of the transformer layer
+        holding it, the rest (tables, final norm: the chunk's own forward reads the output weight) by the chunk's;
+        without chunks (a bare optimizer), right after the copies are issued."""
+        self.first_use = chunks is not None
+        if not self.write_backs or chunks is None:
+            return
+        index = {id(self.params[i]): i for i in self.write_backs}
+        for chunk in chunks:
+            layers = list(chunk.model.layers.values()) if hasattr(chunk, "model") else []
+            under = {id(p) for layer in layers for p in layer.parameters()}
+            rest = [index[id(p)] for p in chunk.parameters() if id(p) in index and id(p) not in under]
+            for module, ids in [(layer, [index[id(p)] for p in layer.parameters() if id(p) in index])
+                                for layer in layers] + [(chunk, rest)]:
+                if ids:
+                    module.register_forward_pre_hook(lambda m, args, ids=ids: self._wait_writes(ids))
+
+    def _wait_writes(self, ids) -> None:
+        for i in ids:
+            self.write_backs[i].wait()
+
+    def wait_writes(self) -> None:
+        """Before something other than a forward reads the parameters (a replica check)."""
+        self._wait_writes(self.write_backs)
+
     def _write_params(self) -> None:
-        offload.copy_to_device([(p, m) for p, m in zip(self.params, self.master) if p is not m])
+        """The new masters into the parameters: the offloaded ones through their write-backs (the tables and the
+        final norm first: the next forward waits for them at its start), the others on the device."""
+        ordered = sorted(self.write_backs, key=lambda i: "layers." in self.names[i])
+        for i in ordered:
+            self.write_backs[i].send(self.params[i], self.master[i])
+        if not self.first_use:
+            self.wait_writes()
+        for i, (p, m) in enumerate(zip(self.params, self.master)):
+            if p is not m and i not in self.write_backs:
+                p.copy_(m)
 
     def host_tensors(self) -> list:
         """The state kept in host memory (optim.offload_fraction): masters, moments, gradient buffers, and the
@@ -239,7 +280,7 @@ class MixedPrecisionAdamW:
         masters = [self.master[i] for i in self.host_grads]
         moments = [t for m in masters for key, t in self.inner.state.get(m, {}).items() if key != "step"]
         grads = [t for g in self.host_grads.values() for t in g.tensors()]
-        return masters + moments + grads + [t for s in self.spares.values() for t in s]
+        return masters + moments + grads + [t for s in self.spares.values() for t in s] + self.arena.tensors()
 
     def state_dict(self) -> dict:
         return {"inner": self.inner.state_dict(), "scaler": self.scaler.state_dict(),

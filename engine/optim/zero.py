@@ -50,9 +50,17 @@ class ZeroAdamW:
         self.master = [offload.host_copy(u.param_shard) if host else
                        u.param_shard if sdp.stage == 3 and u.param_shard.dtype == torch.float32
                        else u.param_shard.detach().float().clone() for u, host in zip(sdp.units, on_host)]
-        # each offloaded unit's gradient crosses in its own dtype and is upcast on the host (offload.HostGrad)
-        self.host_grads = {i: offload.HostGrad(m, sdp.units[i].flat.dtype, sdp.units[i].fp32_local)
-                           for i, (m, host) in enumerate(zip(self.master, on_host)) if host}
+        # each offloaded unit's gradient crosses in its own dtype and is upcast on the host (offload.HostGrad), its
+        # new parameter shard returns through a write-back (offload.WriteBack): pinned views into one exact arena
+        ids = [i for i, host in enumerate(on_host) if host]
+        units = sdp.units
+        self.arena = offload.PinnedArena(
+            [offload.HostGrad.request(units[i].shard_numel, units[i].flat.dtype, units[i].fp32_local) for i in ids]
+            + [(units[i].shard_numel, units[i].param_shard.dtype) for i in ids])
+        self.host_grads = {i: offload.HostGrad(self.master[i], units[i].flat.dtype, self.arena.views[k],
+                                               units[i].fp32_local) for k, i in enumerate(ids)}
+        stream = offload.side_stream(units[0].param_shard.device) if ids else None
+        self.write_backs = {i: offload.WriteBack(self.arena.views[len(ids) + k], stream) for k, i in enumerate(ids)}
         self.adam_step = 0
         self.scaler = LossScaler(precision == "fp16")
         # Muon's ranges (optim.name=muon) hold a momentum buffer; Adam's moments cover the rest of each shard, the
@@ -147,7 +155,7 @@ class ZeroAdamW:
         if self.speculation is not None:  # what the host stepped after backward, in full view
             self.speculation.readings["offload_host_s"] += time.perf_counter() - start
         self.adam_step += 1
-        self.sdp.write_shards(self.master)
+        self.sdp.write_shards(self.master, self.write_backs)
         return norm, False
 
     def _settle(self, commit: bool, clip: bool, backward_end: float) -> tuple[set, set]:
@@ -237,12 +245,16 @@ class ZeroAdamW:
                 moments = self.moments_of(i, r)
                 for key, dest in (("exp_avg", m), ("exp_avg_sq", v)):
                     dest[moments].copy_(read(r.name, key, r.param_start, r.param_end))
-        self.sdp.write_shards(self.master)
+        self.sdp.write_shards(self.master, self.write_backs)
 
     def moments_of(self, i: int, r) -> slice:
         """Where the AdamW range `r` of unit i sits in the unit's moments (inside one run)."""
         a, _, o = next(run for run in self.adam_runs[i] if run[0] <= r.shard_start <= run[1])
         return slice(o + r.shard_start - a, o + r.shard_end - a)
+
+    def wait_writes(self) -> None:
+        """Before something other than a forward reads the parameter shards (a replica check)."""
+        self.sdp.wait_writes()
 
     def held_tensors(self) -> list:
         """The state this rank keeps on its device."""
@@ -254,7 +266,8 @@ class ZeroAdamW:
         spare masters and moments that overlapped steps write into."""
         spares = [t for spare in self.spares.values() for t in spare]
         return [t for i, grad in self.host_grads.items()
-                for t in (self.master[i], self.exp_avg[i], self.exp_avg_sq[i], *grad.tensors())] + spares
+                for t in (self.master[i], self.exp_avg[i], self.exp_avg_sq[i], *grad.tensors())] + spares + \
+            self.arena.tensors()
 
 
 def adam_runs(numel: int, muon: list[tuple[int, int]]) -> list[tuple[int, int, int]]:

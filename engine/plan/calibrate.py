@@ -139,6 +139,37 @@ def measure_optimizer(device: torch.device, elements: int = 1 << 22, repeats: in
     return timed(opt.step, repeats, device) / elements
 
 
+HOST = torch.device("cpu")
+
+
+def measure_host(device: torch.device, elements: int = 1 << 24, repeats: int = 3) -> dict:
+    """The host side of optimizer offload (engine/plan/offload_cost.py), on one thread, as the profile's fields:
+    bytes/s of the fp32 <-> 16-bit casts the host does (read + written bytes, the slower direction), fused AdamW
+    elements/s, and on a GPU the pinned host <-> device copy rate (the slower direction); a CPU keeps the assumed
+    PCIe rate."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        master, half = torch.randn(elements), torch.empty(elements, dtype=torch.bfloat16)
+        cast = min(elements * 6 / timed(lambda: half.copy_(master), repeats, HOST),
+                   elements * 6 / timed(lambda: master.copy_(half), repeats, HOST))
+        weight = master.clone().requires_grad_(True)
+        weight.grad = torch.randn(elements)
+        opt = torch.optim.AdamW([weight], lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+        out = {"host_memory_bytes_per_s": cast, "host_adamw_elements_per_s": elements / timed(opt.step, repeats, HOST),
+               "host_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
+               "host_measured": True}
+    finally:
+        torch.set_num_threads(threads)
+    if device.type == "cuda":
+        pinned, on_device = half.pin_memory(), half.to(device)
+        out["pcie_bytes_per_s"] = min(elements * 2 / timed(lambda: on_device.copy_(pinned, non_blocking=True),
+                                                           repeats, device),
+                                      elements * 2 / timed(lambda: pinned.copy_(on_device, non_blocking=True),
+                                                           repeats, device))
+    return out
+
+
 def measure_links(world_size: int, rank: int, device: torch.device, sizes: tuple, repeats: int = 3) -> list:
     """[(ring steps, wire bytes per rank, seconds)] of each collective, size and group size (2, 4, ... up to the
     world)."""

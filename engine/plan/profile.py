@@ -55,6 +55,13 @@ class DeviceProfile:
     micro_batch_overhead_s: float = 0.0  # ... and per micro-batch (per model chunk)
     parallel: dict = field(default_factory=dict)  # {parallel key: {"layer": rows, "head": rows}} measured on
     # the layout's own groups, collectives included
+    # optimizer offload (engine/plan/offload_cost.py): the host side, measured by tools/plan_calibrate.py on the
+    # machine it runs on; the PCIe rate measured on a GPU only (a CPU profile keeps the assumed one)
+    pcie_bytes_per_s: float = 50e9  # host <-> device, pinned, per direction (assumed: PCIe 5.0 x16, 63 GB/s raw)
+    host_memory_bytes_per_s: float = 8e9  # what one host thread copies or casts (read + written bytes)
+    host_adamw_elements_per_s: float = 1e8  # one host thread's fused AdamW (fp32 master and moments)
+    host_cores: int = 112  # a node's cores, shared by its ranks (assumed: two 56-core CPUs per 8-GPU node)
+    host_measured: bool = False  # the three host numbers above were measured (else assumed)
     notes: list = field(default_factory=list)
 
     def __post_init__(self):

@@ -20,17 +20,18 @@ are the step's scalar reductions (the gradient norm over the model-parallel and 
 data parallelism: one latency each). The optimizer step costs its fp32 master elements × the profile's time
 per element; under optim.name=muon also the Newton–Schulz work of the stage's busiest owner (its matrices'
 `muon.ns_flops` at the profile's layer-forward FLOP rate for calls of that size: the iteration is matmuls) and,
-exposed, the exchange's two all-to-alls (volumes.muon_exchange).
+exposed, the exchange's two all-to-alls (volumes.muon_exchange). Optimizer offload adds what
+engine/plan/offload_cost.py says: copies and host work not hidden, less the device AdamW the host took over.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from engine.config.schema import Config, data_parallel_size
-from engine.memory_estimate import muon_plan
+from engine.memory_estimate import DTYPE_BYTES, muon_plan
 from engine.model import layer_parameters
 from engine.optim import muon
-from engine.plan import volumes
+from engine.plan import offload_cost, volumes
 from engine.plan.bubble import bubble_time
 from engine.plan.profile import DeviceProfile, parallel_key
 from parallel.tensor import padded_vocab_size
@@ -47,6 +48,7 @@ class Prediction:
     bubble: float = 0.0
     optimizer: float = 0.0
     overhead: float = 0.0  # the engine's own per-step and per-micro-batch cost
+    offload: float = 0.0  # optim.offload_fraction: exposed copies and host work, less the device AdamW it saves
     shared_cores_factor: float = 1.0  # CPU: compute, per-micro-batch transfers and bubble scaled by this
 
     @property
@@ -57,7 +59,7 @@ class Prediction:
     @property
     def total(self) -> float:
         rest = sum(v for k, v in self.exposed.items() if k not in PER_MICRO_BATCH)
-        return self.pipeline_span + rest + self.optimizer + self.overhead
+        return self.pipeline_span + rest + self.optimizer + self.overhead + self.offload
 
     def summary(self) -> str:
         parts = [f"compute {self.compute:.3g}s"]
@@ -65,6 +67,7 @@ class Prediction:
         parts += [f"bubble {self.bubble:.3g}s"] if self.bubble else []
         parts.append(f"optimizer {self.optimizer:.3g}s")
         parts += [f"engine overhead {self.overhead:.3g}s"] if self.overhead else []
+        parts += [f"offload {self.offload:+.3g}s"] if self.offload else []
         parts += [f"× {self.shared_cores_factor:.2f} for shared cores on compute, tp/cp/pp and bubble"] \
             if self.shared_cores_factor != 1 else []
         hidden = [f"{group} {seconds:.3g}s" for group, seconds in self.overlapped.items() if seconds > 0]
@@ -160,6 +163,13 @@ def predict(cfg: Config, world_size: int, profile: DeviceProfile, gpus_per_node:
     slowdown = profile.contention(ranks)
     pred.optimizer = volumes.stage_parameters(cfg, stage) / shard * profile.optimizer_s_per_element * slowdown + \
         newton_schulz_time(cfg, world_size, stage, profile, ranks)
+    if cfg.optim.offload_fraction > 0:
+        elements = volumes.stage_parameters(cfg, stage) / shard * cfg.optim.offload_fraction
+        threads = offload_cost.host_threads(cfg.optim.offload_threads, profile.host_cores, ranks)
+        units = sum(n for n, _, _ in volumes.stage_chunks(cfg, stage)) + 1
+        pred.offload = offload_cost.offload_time(
+            elements, DTYPE_BYTES[cfg.train.precision], profile, threads, cfg.optim.offload_overlap != "false",
+            forward, backward, units).exposed
     muon = volumes.muon_exchange(cfg, stage, world_size, gpus_per_node)
     if muon:
         pred.exposed["muon"] = comm_time(muon, profile)["stage"]
