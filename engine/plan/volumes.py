@@ -8,7 +8,8 @@ Per micro-batch, with T = micro batch × sequence / CP tokens on a rank and e th
   backward), six and five under full recomputation; the embedding and the output layer one more each (one of
   each kind under SP), the vocabulary-parallel loss three of T·4 bytes;
 - context parallelism (allgather): each layer gathers its keys and values (CP·T·2·kv·e) in forward (again under
-  full recomputation) and reduce-scatters their gradients in backward;
+  either recomputation: the gather is inside the recomputed attention core) and reduce-scatters their gradients
+  in backward;
   (alltoall) each layer exchanges q, k, v and its output (T·q·e, T·kv·e each) in forward and their gradients in
   backward; (ring) each layer sends its keys and values (T·2·kv·e) CP − 1 times to the next rank in forward and
   their fp32 gradients (T·2·kv·4 below fp32) CP − 1 times back;
@@ -132,7 +133,7 @@ def per_micro_batch(cfg: Config, stage: int, world_size: int, gpus_per_node: int
                     Collective("cp", "p2p", block * max(e, 4), (c - 1) * layers, 2, cp_link)]
         else:
             gathered = c * tokens(cfg) * 2 * kv * e
-            out += [Collective("cp", "all_gather", gathered, layers * (2 if full else 1), c, cp_link),
+            out += [Collective("cp", "all_gather", gathered, layers * (2 if again else 1), c, cp_link),
                     Collective("cp", "reduce_scatter", gathered, layers, c, cp_link)]
     if p.pipeline > 1:
         sent = activation // (t if p.sequence_parallel else 1)
