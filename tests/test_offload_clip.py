@@ -40,13 +40,13 @@ def run(rank, world, precision, fraction, clip, overlap, parallel):
     trainer = Trainer(cfg, DistEnv(rank, world, 0, torch.device("cpu"), "gloo"))
     opt, sends = trainer.optimizer, []
     if fraction:
-        send = opt.send_grad
+        send = opt.host.send_grad
 
         def counted(i):
             sent = send(i)
             sends.append(sum(t.element_size() for t in sent[:1]))  # the bytes per element the gradient crosses in
             return sent
-        opt.send_grad = counted
+        opt.host.send_grad = counted
     records, per_step = [], []
     for _ in range(STEPS):
         before = len(sends)
@@ -54,7 +54,7 @@ def run(rank, world, precision, fraction, clip, overlap, parallel):
         per_step.append(len(sends) - before)
     trainer.loader.close()
     return ([(r["loss"], r["grad_norm"], r["skipped"]) for r in records], owned(trainer),
-            len(opt.host_grads) if fraction else 0, per_step, set(sends),
+            len(opt.host.host_grads) if fraction else 0, per_step, set(sends),
             [r.get("offload_redos") for r in records])
 
 
@@ -162,10 +162,10 @@ def test_every_write_back_is_waited_for_before_its_parameter_is_read(tmp_path, z
     trainer = Trainer(cfg, DistEnv(0, 1, 0, torch.device("cpu"), "gloo"))
     trainer.train_step()
     opt, log = trainer.optimizer, []
-    for i, write_back in opt.write_backs.items():
+    for i, write_back in opt.host.write_backs.items():
         write_back.wait = lambda i=i: log.append(("wait", i))
     if zero_stage == 0:
-        index = {id(opt.params[i]): i for i in opt.write_backs}
+        index = {id(opt.params[i]): i for i in opt.host.write_backs}
         for chunk in trainer.chunks:
             for module in chunk.modules():
                 held = [index[id(p)] for p in module.parameters(recurse=False) if id(p) in index]
@@ -179,6 +179,6 @@ def test_every_write_back_is_waited_for_before_its_parameter_is_read(tmp_path, z
     trainer.train_step()
     trainer.loader.close()
     used = {i for kind, i in log if kind == "use"}
-    assert used and used <= set(opt.write_backs)
+    assert used and used <= set(opt.host.write_backs)
     for i in used:
         assert ("wait", i) in log and log.index(("wait", i)) < log.index(("use", i)), i
