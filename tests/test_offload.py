@@ -92,7 +92,7 @@ def run_layout(rank, world, precision, fraction, parallel):
     records = [trainer.train_step() for _ in range(STEPS)]
     overlap = [(r["offload_hidden_s"], r["offload_redos"]) for r in records if "offload_redos" in r]
     return [(r["loss"], r["grad_norm"], r["skipped"]) for r in records], owned(trainer), \
-        len(trainer.optimizer.host_grads), overlap
+        len(trainer.optimizer.host.host_grads), overlap
 
 
 def assert_same(off: dict, on: dict) -> None:
@@ -172,7 +172,7 @@ def held(rank, world, *overrides) -> tuple:
     trainer.train_step()  # the moments exist from the first step on
     opt, dp = trainer.optimizer, trainer.data_parallel
     if cfg.parallel.zero_stage == 0:
-        device = [(m, p) for i, (m, p) in enumerate(zip(opt.master, opt.params)) if i not in opt.host_grads]
+        device = [(m, p) for i, (m, p) in enumerate(zip(opt.master, opt.params)) if i not in opt.host]
         state = [t for m, _ in device for key, t in opt.inner.state[m].items() if key != "step"]
         on_device = storages(state + [m for m, p in device if m is not p])
         shard_rank = 0
@@ -238,7 +238,7 @@ def resume_elsewhere(rank, world, run_dir, fraction):
     trainer = trainer_for(rank, world, "bf16", fraction, dict(zero_stage=3), run_dir)
     loaded = owned(trainer)
     losses = [trainer.train_step()["loss"] for _ in range(2)]
-    return loaded, losses, owned(trainer), len(trainer.optimizer.host_grads)
+    return loaded, losses, owned(trainer), len(trainer.optimizer.host.host_grads)
 
 
 def test_a_checkpoint_saved_with_offload_resumes_at_another_dp_size_and_zero_stage(pools):

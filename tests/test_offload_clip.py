@@ -1,17 +1,22 @@
 """Offload's clipped steps and 16-bit transfers (issue 49, items 2, 3 and 6's fp16 case): with clipping on every
 step or on none, bf16 and fp16, DDP and ZeRO, offload with overlap changes no bit against no offload; every
 offloaded gradient crosses to the host exactly once per step (a clipped step scales the host copy it has); a
-16-bit gradient crosses in 16 bits; a speculative job still queued when the step clips is cancelled, not run.
+16-bit gradient crosses in 16 bits; a speculative job still queued when the step clips is cancelled, not run;
+the offload wrapper (engine/optim/host_offload.py) treats a host gradient as the device does, and does nothing
+without offloaded pieces.
 """
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from engine.config.schema import validate
+from engine.optim.host_offload import HostOffload
 from engine.optim.offload import HostGrad
 from engine.optim.offload_overlap import SpeculativeHostSteps
+from engine.optim.replicated import LossScaler
 from engine.train import Trainer
 from parallel.distributed import DistEnv
 from tests.distributed import worker_pools
@@ -40,13 +45,13 @@ def run(rank, world, precision, fraction, clip, overlap, parallel):
     trainer = Trainer(cfg, DistEnv(rank, world, 0, torch.device("cpu"), "gloo"))
     opt, sends = trainer.optimizer, []
     if fraction:
-        send = opt.send_grad
+        send = opt.host.send_grad
 
         def counted(i):
             sent = send(i)
             sends.append(sum(t.element_size() for t in sent[:1]))  # the bytes per element the gradient crosses in
             return sent
-        opt.send_grad = counted
+        opt.host.send_grad = counted
     records, per_step = [], []
     for _ in range(STEPS):
         before = len(sends)
@@ -54,7 +59,7 @@ def run(rank, world, precision, fraction, clip, overlap, parallel):
         per_step.append(len(sends) - before)
     trainer.loader.close()
     return ([(r["loss"], r["grad_norm"], r["skipped"]) for r in records], owned(trainer),
-            len(opt.host_grads) if fraction else 0, per_step, set(sends),
+            len(opt.host.host_grads) if fraction else 0, per_step, set(sends),
             [r.get("offload_redos") for r in records])
 
 
@@ -162,10 +167,10 @@ def test_every_write_back_is_waited_for_before_its_parameter_is_read(tmp_path, z
     trainer = Trainer(cfg, DistEnv(0, 1, 0, torch.device("cpu"), "gloo"))
     trainer.train_step()
     opt, log = trainer.optimizer, []
-    for i, write_back in opt.write_backs.items():
+    for i, write_back in opt.host.write_backs.items():
         write_back.wait = lambda i=i: log.append(("wait", i))
     if zero_stage == 0:
-        index = {id(opt.params[i]): i for i in opt.write_backs}
+        index = {id(opt.params[i]): i for i in opt.host.write_backs}
         for chunk in trainer.chunks:
             for module in chunk.modules():
                 held = [index[id(p)] for p in module.parameters(recurse=False) if id(p) in index]
@@ -179,6 +184,40 @@ def test_every_write_back_is_waited_for_before_its_parameter_is_read(tmp_path, z
     trainer.train_step()
     trainer.loader.close()
     used = {i for kind, i in log if kind == "use"}
-    assert used and used <= set(opt.write_backs)
+    assert used and used <= set(opt.host.write_backs)
     for i in used:
         assert ("wait", i) in log and log.index(("wait", i)) < log.index(("use", i)), i
+
+
+class _Update:
+    """What HostOffload asks of the optimizer it wraps, for a step without speculation."""
+
+    def __init__(self, grads):
+        self.grads, self.scaler, self.adam_step = grads, LossScaler(True), 0
+
+    def device_grad(self, i):
+        return self.grads[i], None
+
+
+def test_the_offload_wrapper_lands_a_gradient_as_the_device_treats_it_and_is_inert_without_pieces():
+    torch.manual_seed(0)
+    grads = [(torch.randn(5) * 1000).bfloat16() for _ in range(2)]
+    masters = [torch.randn(5) for _ in grads]
+    opt, cfg, cpu = _Update(grads), SimpleNamespace(offload_overlap="false", offload_threads=1), torch.device("cpu")
+    host = HostOffload(opt, cfg, masters, {1: (5, torch.bfloat16, torch.bfloat16, slice(0, 0))}, cpu)
+    assert 1 in host and 0 not in host
+    host.send()
+    assert host.settle(overflow=False, clip=True, backward_end=0.0) == set()
+    landed = host.land(0.37)
+    device = grads[1].float()  # the device's upcast, unscaling and clip, as the optimizers run them
+    torch._foreach_div_([device], opt.scaler.scale)
+    torch._foreach_mul_([device], 0.37)
+    assert set(landed) == {1} and torch.equal(landed[1], device)
+    params = [torch.zeros(5, dtype=torch.bfloat16) for _ in grads]
+    host.write_back(params, masters, ["model.layers.0.w", "lm_head.weight"])
+    assert torch.equal(params[1], masters[1].bfloat16()) and not params[0].any()  # only the offloaded one
+    none = HostOffload(opt, cfg, masters, {}, cpu)
+    none.send()
+    none.write_back(params, masters, ["a", "b"])
+    assert 0 not in none and none.settle(False, True, 0.0) == set() and none.land(0.37) == {}
+    assert none.readings() == {} and none.speculation is None

@@ -87,6 +87,6 @@ def test_auto_speculates_only_where_the_model_says_it_pays(tmp_path, monkeypatch
     from parallel.distributed import DistEnv
     from tests.test_memory_estimate import TINY
     tiny = load_config(TINY, [f"run.dir={tmp_path}", "parallel.zero_stage=1", "optim.offload_fraction=1"])
-    assert Trainer(tiny, DistEnv(0, 1)).optimizer.speculation is not None
+    assert Trainer(tiny, DistEnv(0, 1)).optimizer.host.speculation is not None
     monkeypatch.setattr(engine.data_parallel, "speculation_pays", lambda *args: False)
-    assert Trainer(tiny, DistEnv(0, 1)).optimizer.speculation is None
+    assert Trainer(tiny, DistEnv(0, 1)).optimizer.host.speculation is None

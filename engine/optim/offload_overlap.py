@@ -18,9 +18,9 @@ The speculative step is the same kernel on the same inputs as the step it replac
 of two, and the host upcasts, unscales and clips with the same elementwise operations as the device), hence
 exact. A piece whose gradient still changes after its reduction is not speculated (the optimizers choose:
 TP-replicated gradients, summed over TP in finish_gradients; under DDP also the embedding and output tables).
-The optimizer provides the state: `host_grads[i]` (a HostGrad), `send_grad(i)` issues piece i's copies and
-returns the device tensors read, `speculate(i, grad, lr, adam_step)` steps piece i's spares, `commit(i)` makes
-them its state.
+`opt` (engine/optim/host_offload.HostOffload, which wraps the optimizer) provides the state: `host_grads[i]` (a
+HostGrad), `send_grad(i)` issues piece i's copies and returns the device tensors read, `speculate(i, grad, lr,
+adam_step)` steps piece i's spares, `commit(i)` makes them its state, `scaler` and `adam_step`.
 
 The worker runs with grad mode off (spares get no grad_fn) and `threads` intra-op threads (optim.offload_threads):
 torch.set_num_threads is per thread for the OpenMP team, so the worker's team leaves cores to the autograd thread

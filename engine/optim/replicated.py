@@ -12,8 +12,8 @@ from torch.optim.adamw import adamw as adamw_kernel
 
 from engine.optim import offload
 from engine.config.schema import OptimConfig
+from engine.optim.host_offload import HostOffload
 from engine.optim.muon_owners import MuonPart, Piece
-from engine.optim.offload_overlap import SpeculativeHostSteps
 from engine.optim.param_groups import counts_in_norm, no_weight_decay, uses_muon
 from kernels.adamw import adamw
 from parallel import comm
@@ -57,7 +57,8 @@ class MixedPrecisionAdamW:
     """Holds fp32 master copies of low-precision model parameters (or uses fp32 parameters directly).
     `gradients`, when given, owns the parameters' `.grad` storage (parallel/ddp.BucketedDDP: views into
     persistent buckets) and zeroes it in `zero_grad`. The masters (and so the moments) of the parameters
-    chosen by `optim.offload_fraction` live on the host (engine/optim/offload.py), whatever their dtype."""
+    chosen by `optim.offload_fraction` live on the host, whatever their dtype; `host` (engine/optim/host_offload.py)
+    carries their gradients there, steps them speculatively during backward, and writes them back."""
 
     def __init__(self, named_params: list, cfg: OptimConfig, topo, precision: str, gradients=None):
         self.cfg, self.topo, self.gradients = cfg, topo, gradients
@@ -68,16 +69,11 @@ class MixedPrecisionAdamW:
         self.master = [offload.host_copy(p).requires_grad_(True) if host else
                        p if p.dtype == torch.float32 else p.detach().float().clone().requires_grad_(True)
                        for p, host in zip(self.params, on_host)]
-        # where an offloaded master's gradient arrives, in the parameter's dtype, upcast on the host, and the pinned
-        # buffer its new value returns through (engine/optim/offload.WriteBack): views into one exact arena
-        ids = [i for i, host in enumerate(on_host) if host]
-        self.arena = offload.PinnedArena([offload.HostGrad.request(self.params[i].numel(), self.params[i].dtype)
-                                          for i in ids] + [(self.params[i].numel(), self.params[i].dtype) for i in ids])
-        self.host_grads = {i: offload.HostGrad(self.master[i], self.params[i].dtype, self.arena.views[k])
-                           for k, i in enumerate(ids)}
-        stream = offload.side_stream(self.params[0].device) if ids else None
-        self.write_backs = {i: offload.WriteBack(self.arena.views[len(ids) + k], stream) for k, i in enumerate(ids)}
-        self._wait_at_first_use(getattr(gradients, "chunks", None))
+        # an offloaded master's gradient crosses in the parameter's dtype, its new value returns in it
+        pieces = {i: (p.numel(), p.dtype, p.dtype, slice(0, 0)) for i, (p, host) in enumerate(zip(self.params, on_host))
+                  if host}
+        self.host = HostOffload(self, cfg, self.master, pieces, self.params[0].device)
+        self.host.wait_at_first_use(getattr(gradients, "chunks", None), self.params)
         self.muon_ids = [i for i, (n, p) in enumerate(named_params) if uses_muon(n, p, cfg.name)]
         self.muon = muon_part([(named_params[i], self.master[i]) for i in self.muon_ids], cfg, topo) \
             if cfg.name == "muon" else None
@@ -91,28 +87,22 @@ class MixedPrecisionAdamW:
         self._adam_step = 0
         # Checkpoint interface: every DP rank holds the same state, so only DP rank 0 writes it.
         self.writes_state = topo.reduce_rank == 0  # DP and CP ranks hold replicas
-        self.redos, self.speculation, self.spares = 0, None, {}
-        eligible = [i for i in self.host_grads if gradients is not None and
+        self.spare_steps: dict = {}
+        self.group_of = {id(m): g for g in self.inner.param_groups for m in g["params"]}
+        eligible = [i for i in self.host.host_grads if gradients is not None and
                     overlaps(self.names[i], self.params[i], gradients, topo.tp_size)]
-        if cfg.offload_overlap != "false" and eligible:
-            self.speculation = SpeculativeHostSteps(self, eligible, self.params[0].is_cuda, offload.host_threads(cfg),
-                                                    cfg.offload_overlap == "auto")
-            self.spares = {i: [offload.host_empty(self.master[i]) for _ in range(3)] for i in eligible}
-            self.spare_steps: dict = {}
-            self.group_of = {id(m): g for g in self.inner.param_groups for m in g["params"]}
-            index = {id(self.params[i]): i for i in eligible}
-            gradients.on_reduced = lambda params: [self.speculation.reduced(index[id(p)])
-                                                   for p in params if id(p) in index]
+        index = {id(self.params[i]): i for i in eligible}
+        self.host.overlap(eligible, gradients, lambda params: [self.host.reduced(index[id(p)])
+                                                               for p in params if id(p) in index])
 
     def begin_step(self, lr: float) -> None:
         """Before the step's backward: offloaded parameters start their host step once their bucket is reduced."""
-        if self.speculation is not None:
-            self.speculation.begin(lr)
+        self.host.begin(lr)
 
-    def speculate(self, i: int, grad: torch.Tensor, lr: float, adam_step: int) -> None:
-        """Parameter i's AdamW into its spare master and moments (engine/optim/offload_overlap.py, worker thread):
+    def speculate(self, i: int, grad: torch.Tensor, lr: float, adam_step: int, spare: list) -> None:
+        """Parameter i's AdamW into its spare master and moments (engine/optim/host_offload.py, worker thread):
         torch's AdamW kernel with the flags and hyper-parameters of its group, as inner.step() would run it."""
-        m, spare = self.master[i], self.spares[i]
+        m = self.master[i]
         state, group = self.inner.state.get(m), self.group_of[id(m)]
         spare[0].copy_(m)
         if state:
@@ -129,9 +119,9 @@ class MixedPrecisionAdamW:
                      lr=lr, weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
         self.spare_steps[i] = step
 
-    def commit(self, i: int) -> None:
+    def commit(self, i: int, spare: list) -> None:
         """Parameter i's spares become its state (its old moments, the next step's spares)."""
-        m, spare = self.master[i], self.spares[i]
+        m = self.master[i]
         m.copy_(spare[0])
         state = self.inner.state[m]
         old = state.get("exp_avg"), state.get("exp_avg_sq")
@@ -140,9 +130,7 @@ class MixedPrecisionAdamW:
 
     def offload_readings(self) -> dict:
         """For metrics.jsonl: the step's host AdamW seconds, the part before backward ended, redos so far."""
-        if self.speculation is None:
-            return {}
-        return {**self.speculation.readings, "offload_redos": self.redos}
+        return self.host.readings()
 
     def zero_grad(self) -> None:
         if self.gradients is not None:
@@ -162,31 +150,15 @@ class MixedPrecisionAdamW:
             if p.grad is None and p is m:
                 p.grad = torch.zeros_like(p)
             g = p.grad.float() if p.grad is not None else torch.zeros(p.shape, device=p.device)
-            if p is not m and i not in self.host_grads:
+            if p is not m and i not in self.host:
                 m.grad = g
             grads.append(g)
         return grads
 
-    def send_grad(self, i: int) -> list:
-        """Issue the copy of parameter i's gradient (its own dtype) to its host buffer; returns the tensor read."""
+    def device_grad(self, i: int) -> tuple:
+        """Parameter i's gradient as it crosses to the host (its own dtype; no fp32 tail)."""
         p = self.params[i]
-        grad = p.grad if p.grad is not None else torch.zeros_like(p)
-        self.host_grads[i].send(grad)
-        return [grad]
-
-    def _grads_on_host(self, late: list, done: set, landed: set, coef: float | None) -> None:
-        """The offloaded masters' gradients, as the device has them (upcast, unscaled, clipped by `coef`), as
-        their `.grad`, but for those `done` (stepped during backward and committed: no gradient, so inner.step()
-        passes them by); those `landed` are upcast and unscaled already."""
-        offload.wait_for_device(late)
-        fresh = [self.host_grads[i].land() for i in self.host_grads if i not in done and i not in landed]
-        if self.scaler.enabled and fresh:
-            torch._foreach_div_(fresh, self.scaler.scale)
-        on_host = [self.host_grads[i].fp32 for i in self.host_grads if i not in done]
-        if coef is not None and on_host:
-            torch._foreach_mul_(on_host, coef)
-        for i, buffer in self.host_grads.items():
-            self.master[i].grad = None if i in done else buffer.fp32
+        return (p.grad if p.grad is not None else torch.zeros_like(p)), None
 
     def global_grad_norm(self, grads: list) -> float:
         counted = [g for p, g in zip(self.params, grads) if counts_in_norm(p, self.topo.tp_rank)]
@@ -201,12 +173,7 @@ class MixedPrecisionAdamW:
     def step(self, lr: float) -> tuple[float, bool]:
         """Unscale, clip, update; returns (gradient norm before clipping, whether the step was skipped)."""
         backward_end = time.perf_counter()
-        sent = set()
-        if self.speculation is not None:
-            self.speculation.fence()
-            sent = self.speculation.sent()
-        # the other offloaded gradients cross now, before unscaling changes an fp32 gradient in place
-        late = [t for i in self.host_grads if i not in sent for t in self.send_grad(i)]
+        self.host.send()
         grads = self._device_grads()
         if self.scaler.enabled:
             torch._foreach_div_(grads, self.scaler.scale)
@@ -214,73 +181,45 @@ class MixedPrecisionAdamW:
         overflow = not math.isfinite(norm)
         self.scaler.update(overflow)
         clip = not overflow and self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad
-        done = landed = set()
-        if self.speculation is not None:
-            self.redos += int(clip and bool(self.speculation.jobs))
-            done, landed = self.speculation.settle(not overflow and not clip, backward_end, clip, overflow)
+        self.host.settle(overflow, clip, backward_end)
         if overflow:
             return norm, True
         coef = self.cfg.clip_grad / (norm + 1e-6) if clip else None
-        on_device = [g for i, g in enumerate(grads) if i not in self.host_grads]
+        on_device = [g for i, g in enumerate(grads) if i not in self.host]
         if clip and on_device:  # the offloaded ones are clipped on the host, by the same coefficient
             torch._foreach_mul_(on_device, coef)
         start = time.perf_counter()
-        self._grads_on_host(late, done, landed, coef)
+        on_host = self.host.land(coef)
+        for i in self.host.host_grads:  # one committed during backward has none: inner.step() passes it by
+            self.master[i].grad = on_host.get(i)
         if self.muon is not None:
             self.muon.step([grads[i].view(-1) for i in self.muon_ids], lr)
         for group in self.inner.param_groups:
             group["lr"] = lr
         self.inner.step()
-        if self.speculation is not None:  # host steps after backward (on a GPU, the whole call: it is host-bound)
-            self.speculation.readings["offload_host_s"] += time.perf_counter() - start
+        self.host.stepped(time.perf_counter() - start)
         self._adam_step += 1
         self._write_params()
         return norm, False
 
-    def _wait_at_first_use(self, chunks) -> None:
-        """Each offloaded parameter's write-back is waited for by the forward pre-hook of the transformer layer
-        holding it, the rest (tables, final norm: the chunk's own forward reads the output weight) by the chunk's;
-        without chunks (a bare optimizer), right after the copies are issued."""
-        self.first_use = chunks is not None
-        if not self.write_backs or chunks is None:
-            return
-        index = {id(self.params[i]): i for i in self.write_backs}
-        for chunk in chunks:
-            layers = list(chunk.model.layers.values()) if hasattr(chunk, "model") else []
-            under = {id(p) for layer in layers for p in layer.parameters()}
-            rest = [index[id(p)] for p in chunk.parameters() if id(p) in index and id(p) not in under]
-            for module, ids in [(layer, [index[id(p)] for p in layer.parameters() if id(p) in index])
-                                for layer in layers] + [(chunk, rest)]:
-                if ids:
-                    module.register_forward_pre_hook(lambda m, args, ids=ids: self._wait_writes(ids))
-
-    def _wait_writes(self, ids) -> None:
-        for i in ids:
-            self.write_backs[i].wait()
-
     def wait_writes(self) -> None:
         """Before something other than a forward reads the parameters (a replica check)."""
-        self._wait_writes(self.write_backs)
+        self.host.wait_writes()
 
     def _write_params(self) -> None:
         """The new masters into the parameters: the offloaded ones through their write-backs (the tables and the
         final norm first: the next forward waits for them at its start), the others on the device."""
-        ordered = sorted(self.write_backs, key=lambda i: "layers." in self.names[i])
-        for i in ordered:
-            self.write_backs[i].send(self.params[i], self.master[i])
-        if not self.first_use:
-            self.wait_writes()
+        self.host.write_back(self.params, self.master, self.names)
         for i, (p, m) in enumerate(zip(self.params, self.master)):
-            if p is not m and i not in self.write_backs:
+            if p is not m and i not in self.host:
                 p.copy_(m)
 
     def host_tensors(self) -> list:
         """The state kept in host memory (optim.offload_fraction): masters, moments, gradient buffers, and the
         spare masters and moments that overlapped steps write into."""
-        masters = [self.master[i] for i in self.host_grads]
+        masters = [self.master[i] for i in self.host.host_grads]
         moments = [t for m in masters for key, t in self.inner.state.get(m, {}).items() if key != "step"]
-        grads = [t for g in self.host_grads.values() for t in g.tensors()]
-        return masters + moments + grads + [t for s in self.spares.values() for t in s] + self.arena.tensors()
+        return masters + moments + self.host.tensors()
 
     def state_dict(self) -> dict:
         return {"inner": self.inner.state_dict(), "scaler": self.scaler.state_dict(),

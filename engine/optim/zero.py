@@ -18,7 +18,8 @@ and AdamW keeps moments for (and steps) only the stretches of each shard between
 `optim.offload_fraction` puts the masters and moments of some units' shards on the host (engine/optim/offload.py):
 their gradients cross to the host in their own dtype before the device unscales them (engine/optim/offload.HostGrad),
 are measured and the step decided on the device as the others', then upcast, unscaled and clipped on the host
-with the same operations; the same kernel steps them there, and write_shards copies the new masters back.
+with the same operations; the same kernel steps them there, and write_shards copies the new masters back. What
+crosses PCIe and the speculative host steps are `host`'s (engine/optim/host_offload.HostOffload).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import torch
 from torch.optim.adamw import adamw
 
 from engine.optim import offload
-from engine.optim.offload_overlap import SpeculativeHostSteps
+from engine.optim.host_offload import HostOffload
 from engine.optim.muon_owners import MuonPart, Piece
 from engine.optim.param_groups import counts_in_norm, no_weight_decay, uses_muon
 from engine.optim.replicated import LossScaler
@@ -50,17 +51,11 @@ class ZeroAdamW:
         self.master = [offload.host_copy(u.param_shard) if host else
                        u.param_shard if sdp.stage == 3 and u.param_shard.dtype == torch.float32
                        else u.param_shard.detach().float().clone() for u, host in zip(sdp.units, on_host)]
-        # each offloaded unit's gradient crosses in its own dtype and is upcast on the host (offload.HostGrad), its
-        # new parameter shard returns through a write-back (offload.WriteBack): pinned views into one exact arena
-        ids = [i for i, host in enumerate(on_host) if host]
-        units = sdp.units
-        self.arena = offload.PinnedArena(
-            [offload.HostGrad.request(units[i].shard_numel, units[i].flat.dtype, units[i].fp32_local) for i in ids]
-            + [(units[i].shard_numel, units[i].param_shard.dtype) for i in ids])
-        self.host_grads = {i: offload.HostGrad(self.master[i], units[i].flat.dtype, self.arena.views[k],
-                                               units[i].fp32_local) for k, i in enumerate(ids)}
-        stream = offload.side_stream(units[0].param_shard.device) if ids else None
-        self.write_backs = {i: offload.WriteBack(self.arena.views[len(ids) + k], stream) for k, i in enumerate(ids)}
+        # each offloaded unit's gradient crosses in its own dtype (its fp32-reduced elements in fp32), its new
+        # parameter shard returns in the shard's
+        pieces = {i: (u.shard_numel, u.flat.dtype, u.param_shard.dtype, u.fp32_local)
+                  for i, (u, host) in enumerate(zip(sdp.units, on_host)) if host}
+        self.host = HostOffload(self, cfg, self.master, pieces, sdp.units[0].param_shard.device)
         self.adam_step = 0
         self.scaler = LossScaler(precision == "fp16")
         # Muon's ranges (optim.name=muon) hold a momentum buffer; Adam's moments cover the rest of each shard, the
@@ -80,17 +75,10 @@ class ZeroAdamW:
         self.implementation = select_implementation(cfg.implementation, sdp.units[0].param_shard.is_cuda,
                                                     sdp.units[0].param_shard.is_meta)
         # offloaded units whose gradients are final once reduced (TP-replicated ones are summed over TP later)
-        eligible = [i for i in self.host_grads if topo.tp_size == 1 or not any(
+        eligible = [i for i in self.host.host_grads if topo.tp_size == 1 or not any(
             getattr(r.param, "tp_replicated_grad", False) for r in sdp.units[i].shard_ranges)]
-        self.speculation = SpeculativeHostSteps(self, eligible, sdp.units[0].param_shard.is_cuda,
-                                                offload.host_threads(cfg), cfg.offload_overlap == "auto") \
-            if cfg.offload_overlap != "false" and eligible else None
-        self.spares = {i: [offload.host_empty(self.master[i]) for _ in range(3)] for i in eligible} \
-            if self.speculation is not None else {}
-        if self.speculation is not None:
-            index = {id(sdp.units[i]): i for i in eligible}
-            sdp.on_reduced = lambda unit: self.speculation.reduced(index[id(unit)]) if id(unit) in index else None
-        self.redos = 0
+        index = {id(sdp.units[i]): i for i in eligible}
+        self.host.overlap(eligible, sdp, lambda unit: self.host.reduced(index[id(unit)]) if id(unit) in index else None)
 
     def _muon_part(self, cfg, topo) -> MuonPart:
         """Muon over this rank's pieces of the blocks' matrices (every rank of the stage builds one)."""
@@ -102,8 +90,7 @@ class ZeroAdamW:
 
     def begin_step(self, lr: float) -> None:
         """Before the step's backward: offloaded units start their host step as soon as their gradients are in."""
-        if self.speculation is not None:
-            self.speculation.begin(lr)
+        self.host.begin(lr)
 
     def zero_grad(self) -> None:
         self.sdp.zero_grad()
@@ -121,12 +108,7 @@ class ZeroAdamW:
     def step(self, lr: float) -> tuple[float, bool]:
         """Unscale, clip, update the owned shards, refresh the parameters; returns (norm, skipped)."""
         backward_end = time.perf_counter()
-        sent = set()
-        if self.speculation is not None:
-            self.speculation.fence()
-            sent = self.speculation.sent()
-        # the other offloaded units' gradients cross now, before unscaling changes an fp32 shard in place
-        late = [t for i in self.host_grads if i not in sent for t in self.send_grad(i)]
+        self.host.send()
         grads = [u.master_grad() for u in self.sdp.units]
         if self.scaler.enabled:
             torch._foreach_div_(grads, self.scaler.scale)
@@ -134,47 +116,30 @@ class ZeroAdamW:
         overflow = not math.isfinite(norm)
         self.scaler.update(overflow)
         clip = not overflow and self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad
-        done, landed = self._settle(not overflow and not clip, clip, backward_end)
+        done = self.host.settle(overflow, clip, backward_end)
         if overflow:
             return norm, True
         start = time.perf_counter()
-        offload.wait_for_device(late)
-        on_host = {i: self.host_grads[i].land() if i not in landed else self.host_grads[i].fp32
-                   for i in self.host_grads if i not in done}
-        if self.scaler.enabled and any(i not in landed for i in on_host):
-            torch._foreach_div_([g for i, g in on_host.items() if i not in landed], self.scaler.scale)
-        if clip:  # the same coefficient, on each gradient where it is stepped
-            on_device = [g for i, g in enumerate(grads) if i not in self.host_grads]
-            for group in (on_device, list(on_host.values())):
-                if group:
-                    torch._foreach_mul_(group, self.cfg.clip_grad / (norm + 1e-6))
+        coef = self.cfg.clip_grad / (norm + 1e-6) if clip else None
+        on_device = [g for i, g in enumerate(grads) if i not in self.host]
+        if clip and on_device:  # the offloaded ones are clipped on the host, by the same coefficient
+            torch._foreach_mul_(on_device, coef)
+        on_host = self.host.land(coef)
         if self.muon is not None:
             self.muon.step([grads[i][r.shard_start:r.shard_end] for i, r in self.muon_ranges], lr)
         rest = [i for i in range(len(grads)) if i not in done]
         self.update(rest, [on_host.get(i, grads[i]) for i in rest], lr, self.adam_step)
-        if self.speculation is not None:  # what the host stepped after backward, in full view
-            self.speculation.readings["offload_host_s"] += time.perf_counter() - start
+        self.host.stepped(time.perf_counter() - start)
         self.adam_step += 1
-        self.sdp.write_shards(self.master, self.write_backs)
+        self.sdp.write_shards(self.master, self.host.write_backs)
         return norm, False
 
-    def _settle(self, commit: bool, clip: bool, backward_end: float) -> tuple[set, set]:
-        """(units whose speculative host step is committed, units whose host gradient is landed and unscaled);
-        counts a redo when clipping discards some."""
-        if self.speculation is None:
-            return set(), set()
-        speculated = len(self.speculation.jobs)
-        done = self.speculation.settle(commit, backward_end, clip, not commit and not clip)
-        self.redos += int(clip and speculated > 0)
-        return done
-
-    def send_grad(self, i: int) -> list:
-        """Issue the copies of unit i's reduced gradient to its host buffers; returns the device tensors read."""
+    def device_grad(self, i: int) -> tuple:
+        """Unit i's reduced gradient shard as it crosses to the host, and its fp32-reduced elements (or None)."""
         unit = self.sdp.units[i]
-        grad = unit.grad_shard if unit.grad_shard is not None else \
-            torch.zeros(unit.shard_numel, dtype=unit.flat.dtype, device=unit.param_shard.device)
-        self.host_grads[i].send(grad, unit.grad32 if unit.grad_shard is not None else None)
-        return [t for t in (grad, unit.grad32) if t is not None]
+        if unit.grad_shard is None:
+            return torch.zeros(unit.shard_numel, dtype=unit.flat.dtype, device=unit.param_shard.device), None
+        return unit.grad_shard, unit.grad32
 
     def update(self, indices: list, grads: list, lr: float, adam_step: int, masters=None, exp_avgs=None,
                exp_avg_sqs=None) -> None:
@@ -200,23 +165,20 @@ class ZeroAdamW:
               foreach=self.implementation == "foreach", fused=self.implementation != "foreach", amsgrad=False,
               beta1=c.beta1, beta2=c.beta2, lr=lr, weight_decay=0.0, eps=c.eps, maximize=False)
 
-    def speculate(self, i: int, grad: torch.Tensor, lr: float, adam_step: int) -> None:
-        """Unit i's AdamW into its spare master and moments (engine/optim/offload_overlap.py, on its worker thread)."""
-        spare = self.spares[i]
+    def speculate(self, i: int, grad: torch.Tensor, lr: float, adam_step: int, spare: list) -> None:
+        """Unit i's AdamW into its spare master and moments (engine/optim/host_offload.py, on its worker thread)."""
         for dest, source in zip(spare, (self.master[i], self.exp_avg[i], self.exp_avg_sq[i])):
             dest.copy_(source)
         self.update([i], [grad], lr, adam_step, *([t] for t in spare))
 
-    def commit(self, i: int) -> None:
+    def commit(self, i: int, spare: list) -> None:
         """Unit i's spares become its state (the old state, the next step's spares)."""
         for k, tensors in enumerate((self.master, self.exp_avg, self.exp_avg_sq)):
-            tensors[i], self.spares[i][k] = self.spares[i][k], tensors[i]
+            tensors[i], spare[k] = spare[k], tensors[i]
 
     def offload_readings(self) -> dict:
         """For metrics.jsonl: the step's host AdamW seconds, the part before backward ended, redos so far."""
-        if self.speculation is None:
-            return {}
-        return {**self.speculation.readings, "offload_redos": self.redos}
+        return self.host.readings()
 
     # -- checkpoint interface (engine/interfaces.Optimizer) --------------------------------------------------
     def owned_state(self) -> dict:
@@ -245,7 +207,7 @@ class ZeroAdamW:
                 moments = self.moments_of(i, r)
                 for key, dest in (("exp_avg", m), ("exp_avg_sq", v)):
                     dest[moments].copy_(read(r.name, key, r.param_start, r.param_end))
-        self.sdp.write_shards(self.master, self.write_backs)
+        self.sdp.write_shards(self.master, self.host.write_backs)
 
     def moments_of(self, i: int, r) -> slice:
         """Where the AdamW range `r` of unit i sits in the unit's moments (inside one run)."""
@@ -259,15 +221,13 @@ class ZeroAdamW:
     def held_tensors(self) -> list:
         """The state this rank keeps on its device."""
         return [t for i, state in enumerate(zip(self.master, self.exp_avg, self.exp_avg_sq))
-                if i not in self.host_grads for t in state] + (self.muon.momentum if self.muon is not None else [])
+                if i not in self.host for t in state] + (self.muon.momentum if self.muon is not None else [])
 
     def host_tensors(self) -> list:
         """The state kept in host memory (optim.offload_fraction): masters, moments, gradient buffers, and the
         spare masters and moments that overlapped steps write into."""
-        spares = [t for spare in self.spares.values() for t in spare]
-        return [t for i, grad in self.host_grads.items()
-                for t in (self.master[i], self.exp_avg[i], self.exp_avg_sq[i], *grad.tensors())] + spares + \
-            self.arena.tensors()
+        return [t for i in self.host.host_grads for t in (self.master[i], self.exp_avg[i], self.exp_avg_sq[i])] + \
+            self.host.tensors()
 
 
 def adam_runs(numel: int, muon: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
