@@ -136,7 +136,10 @@ def test_the_wait_for_pending_copies_is_bounded_and_names_what_did_not_finish(tm
 
 def test_a_store_killed_mid_upload_never_names_the_partial_copy_and_training_goes_on(tmp_path, server, caplog):
     mirror = tmp_path / "mirror"
-    t = trainer(tmp_path / "run", f"checkpoint.mirrors=[s3://ckpt/killed, {mirror}]", "checkpoint.upload_retries=1")
+    # a vocabulary of 8,192 makes the checkpoint 14 MiB, 14 parts of 1 MiB: the upload lasts long enough for the
+    # watcher to see its first part on a quiet machine (at 2 MiB it could finish between two looks)
+    t = trainer(tmp_path / "run", f"checkpoint.mirrors=[s3://ckpt/killed, {mirror}]", "checkpoint.upload_retries=1",
+                "model.vocab_size=8192")
     killed = []
 
     def kill():  # the first part of the multipart upload has arrived (rclone's temporary file): the store dies
