@@ -11,7 +11,7 @@ MPI comes before SLURM because `mpirun` inside an allocation inherits the batch 
 The rendezvous (MASTER_ADDR/MASTER_PORT) is taken from the environment when set (launch/run_pretrain.sh's
 batch shell picks a free port on the first node); otherwise SLURM runs use the first host of
 SLURM_JOB_NODELIST and the step's reserved port (srun --resv-ports) or one derived from the job id, MPI runs
-let rank 0 pick its address and a free port and broadcast them with mpi4py.
+let rank 0 pick its address and a free port and broadcast them with mpi4py, in a child process of each rank.
 
 A launched rank dies with the process that started it (`die_with_launcher`): torchrun starts each rank in a
 session of its own, so a kill -9 of the launch's process group would otherwise leave the ranks training.
@@ -25,6 +25,7 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import sys
 import traceback
 from dataclasses import dataclass
@@ -119,32 +120,49 @@ def expand_nodelist(nodelist: str) -> list[str]:
     return hosts
 
 
-def _free_port() -> int:
+# Run in a child process: see _mpi_rendezvous. Prints rank 0's host name and a free port on it.
+_MPI_EXCHANGE = """
+import socket, sys
+try:
+    from mpi4py import MPI
+except ImportError:
+    sys.exit(3)
+except RuntimeError as exc:  # mpi4py found no MPI library of the launcher's kind
+    sys.exit(str(exc).splitlines()[0])
+def free_port():
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+world = MPI.COMM_WORLD
+info = world.bcast((socket.gethostname(), str(free_port())) if world.Get_rank() == 0 else None, root=0)
+MPI.Finalize()
+print(*info)
+"""
 
 
 def _mpi_rendezvous(source: str) -> tuple[str, str]:
+    """Rank 0's host and a free port, shared by MPI. The exchange runs in a child process, so the rank itself
+    never loads the MPI library: a rank ends with os._exit (exit_now), which skips the library's exit handlers,
+    and MPICH's mpiexec then takes the first rank to end for a crash and SIGKILLs the others (seen as exit
+    code 9 after a finished run). The child ends normally; the PMI socket MPICH passes as PMI_FD goes with it
+    (Open MPI's PMIx finds its server from the environment)."""
+    env = dict(os.environ)
     if source == "openmpi":
         # mpi4py's PyPI wheel carries both the MPICH and the Open MPI ABI and, with the mpich wheel also
         # installed (the .[mpi] extra), would load MPICH's library, which aborts under Open MPI's PMIx.
-        os.environ.setdefault("MPI4PY_MPIABI", "openmpi")
-    try:
-        from mpi4py import MPI
-    except ImportError as exc:
+        env.setdefault("MPI4PY_MPIABI", "openmpi")
+    pmi_fd = env.get("PMI_FD", "")
+    done = subprocess.run([sys.executable, "-c", _MPI_EXCHANGE], env=env, capture_output=True, text=True,
+                          pass_fds=(int(pmi_fd),) if pmi_fd.isdigit() else ())
+    if done.returncode == 3:
         raise LaunchError("started by mpirun/mpiexec without MASTER_ADDR/MASTER_PORT, and mpi4py is not "
-                          "installed to share them: pip install -e '.[mpi]' (or set both variables)") from exc
-    except RuntimeError as exc:  # mpi4py found no MPI library of the launcher's kind
-        raise LaunchError(f"mpi4py could not load the {source} MPI library ({str(exc).splitlines()[0]}); set "
-                          f"MPI4PY_LIBMPI to the launcher's libmpi.so (or MASTER_ADDR and MASTER_PORT)") from exc
-    info = (socket.gethostname(), str(_free_port())) if MPI.COMM_WORLD.Get_rank() == 0 else None
-    info = MPI.COMM_WORLD.bcast(info, root=0)
-    # MPI's part ends here, while every rank is present: MPI_Finalize is collective over connected processes,
-    # so at exit it would wait on peers that may have failed or left (and mpirun fails a rank that exits
-    # without it). Training then runs with no MPI library active.
-    MPI.Finalize()
-    return info
+                          "installed to share them: pip install -e '.[mpi]' (or set both variables)")
+    if done.returncode:
+        reason = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        raise LaunchError(f"mpi4py could not share the rendezvous under {source} ({reason}); set MPI4PY_LIBMPI "
+                          f"to the launcher's libmpi.so (or MASTER_ADDR and MASTER_PORT)")
+    host, port = done.stdout.split()[-2:]
+    return host, port
 
 
 def rendezvous(launch: Launch, environ=None) -> tuple[str, str]:

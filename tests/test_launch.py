@@ -69,6 +69,22 @@ def test_mpiexec_four_ranks(reference, tmp_path):
     assert_same_curve(reference, tmp_path)
 
 
+def test_mpiexec_ranks_that_end_at_different_times_all_finish(tmp_path):
+    """Ranks share the rendezvous over MPI, then end one after another with os._exit (exit_now). MPICH's
+    mpiexec SIGKILLed the later ones (exit code 9) when the rank itself had loaded the MPI library, whose exit
+    handlers os._exit skips."""
+    program = ("import sys, time\n"
+               "from parallel.distributed import _mpi_rendezvous, discover, exit_now\n"
+               "launch = discover()\n"
+               "host, port = _mpi_rendezvous(launch.source)\n"
+               "time.sleep(0.4 * launch.rank)\n"
+               f"open(f'{tmp_path}/ended{{launch.rank}}', 'w').write(f'{{host}}:{{port}}')\n"
+               "exit_now(0)\n")
+    out = finish(popen([str(BIN / "mpiexec"), "-n", "3", sys.executable, "-c", program], PYTHONPATH=str(ROOT)))
+    shared = {p.read_text() for p in tmp_path.glob("ended*")}
+    assert len(list(tmp_path.glob("ended*"))) == 3 and len(shared) == 1, (shared, out[-2000:])
+
+
 def _children(pid: int) -> list[int]:
     kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     return [int(k) for k in kids] + [g for k in kids for g in _children(int(k))]

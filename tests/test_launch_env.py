@@ -50,6 +50,19 @@ def test_rendezvous_without_launcher_names_the_variables():
         rendezvous(discover({"RANK": "0", "WORLD_SIZE": "2"}), {})
 
 
+def test_mpi_rendezvous_names_a_missing_or_unloadable_mpi4py(tmp_path, monkeypatch):
+    mpich = {"PMI_RANK": "0", "PMI_SIZE": "2"}
+    monkeypatch.setenv("MPI4PY_LIBMPI", "/nonexistent/libmpi.so")
+    with pytest.raises(LaunchError, match=r"mpi4py could not share the rendezvous under mpich \(cannot load MPI "
+                                          r"library\); set MPI4PY_LIBMPI"):
+        rendezvous(discover(mpich), mpich)
+    (tmp_path / "mpi4py").mkdir()
+    (tmp_path / "mpi4py" / "__init__.py").write_text("raise ImportError('no mpi4py here')\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    with pytest.raises(LaunchError, match=r"mpi4py is not installed to share them: pip install -e '\.\[mpi\]'"):
+        rendezvous(discover(mpich), mpich)
+
+
 @pytest.mark.parametrize("nodelist, hosts", [
     ("vm", ["vm"]),
     ("gpu[01-03,07],login1", ["gpu01", "gpu02", "gpu03", "gpu07", "login1"]),

@@ -63,8 +63,8 @@ def wait_for_steps(cluster, job: str, run_dir: Path, out: Path, steps: int) -> P
 
 def test_sbatch_on_two_nodes_trains_and_names_a_split_tensor_group(cluster, tmp_path):
     """sbatch --nodes=2 --ntasks-per-node=2: four ranks, TP 2 × DP 2 over two nodes with SLURM's cyclic task
-    distribution: ranks 0 and 1 (a TP pair) land on different nodes. The run says where every rank is, warns about the split group, and still follows the
-    single-process loss curve."""
+    distribution: ranks 0 and 1 (a TP pair) land on different nodes. The run says where every rank is, warns
+    about the split group, and still follows the single-process loss curve."""
     out = tmp_path / "job.out"
     job = cluster.sbatch([*FOUR_RANKS, "--distribution=cyclic", f"--output={out}", "launch/run_pretrain.sh",
                           "--config", TINY, f"run.dir={tmp_path / 'run'}", "train.steps=6", "parallel.tensor=2"],
