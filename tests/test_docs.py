@@ -1,7 +1,7 @@
 """The documentation stays true: the configuration reference is the generated one, every relative link in
 README.md and docs/ points at a file that exists, every code path and `Class.member` they name exists,
-README stays an entry page, its test count is the suite's, and the memory estimate docs/memory.md shows is
-what the tool prints today."""
+README stays an entry page, its test count is the suite's, the memory estimate docs/memory.md shows is
+what the tool prints today, and every tool command the pages show parses under the tool's own options."""
 import ast
 import functools
 import json
@@ -318,3 +318,104 @@ def test_launch_world_sizes_are_read_as_the_launchers_read_them():
              "sbatch --nodes=8 --ntasks-per-node=8 launch/run_pretrain.sh --config c": 64,
              "mpirun -np 16 launch/run_pretrain.sh --config c": 16, "python -m engine.train --config c": 1}
     assert {c: launch_world_size(shlex.split(c)) for c in sizes} == sizes
+
+
+TOOL = re.compile(r"tools/(\w+)\.py")
+SHELL_OPERATORS = {"|", "||", "&&", ";", ">", ">>", "2>&1", "&"}
+
+
+def block_commands(page: Path) -> list[str]:
+    """The commands that run a tool in a page's code blocks (bash, sh, console or unmarked; output lines do not
+    start a tool; continuation lines joined, comments dropped) and in its inline code."""
+    commands, blocks, prose, fence = [], [], [], None
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            fence = line[3:].strip() if fence is None else None
+            if fence is not None:
+                blocks.append([])
+        elif fence is None:
+            prose.append(line)
+        elif fence in ("", "bash", "sh", "shell", "console"):
+            blocks[-1].append(line)
+    for block in blocks:
+        for line in "\n".join(block).replace("\\\n", " ").splitlines():
+            if TOOL.search(line) and "python" in line:
+                words = shlex.split(line.lstrip("$ "), comments=True)
+                if words:
+                    commands.append(shlex.join(words))
+    for span in re.findall(r"`((?:[A-Z_]+=\S+ |nice -n \d+ )*python3? tools/\w+\.py[^`]*)`", "\n".join(prose)):
+        commands.append(shlex.join(shlex.split(" ".join(span.split()))))
+    return commands
+
+
+def documented_tool_commands(pages=tuple(PAGES)) -> list[tuple[str, str, list[str]]]:
+    """(page, command, the tool's argv) for each `python tools/X.py ...` the pages show."""
+    found = []
+    for page in pages:
+        for command in block_commands(page):
+            words = shlex.split(command)
+            for i, word in enumerate(words[:-1]):
+                if re.fullmatch(r"python3?", Path(word).name) and TOOL.fullmatch(words[i + 1]):
+                    argv = words[i + 1:]
+                    cut = next((j for j, w in enumerate(argv) if w in SHELL_OPERATORS), len(argv))
+                    found.append((page.name, command, argv[:cut]))
+                    break
+    return found
+
+
+PARSE_EACH = """
+import argparse, contextlib, io, json, runpy, sys
+class Parsed(Exception):
+    pass
+parse_args = argparse.ArgumentParser.parse_args
+def parse_then_stop(self, args=None, namespace=None):
+    parse_args(self, args, namespace)
+    raise Parsed
+argparse.ArgumentParser.parse_args = parse_then_stop
+results = []
+for argv in json.load(sys.stdin):
+    sys.argv, err = argv, io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            runpy.run_path(argv[0], run_name="__main__")
+        results.append("the tool ended without parsing its arguments")
+    except Parsed:
+        results.append("")
+    except SystemExit as exc:
+        said = err.getvalue().strip().splitlines() or [f"exit status {exc.code}"]
+        results.append("" if exc.code in (0, None) else said[-1])
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def tool_parses():
+    """Each documented tool command's verdict from the tool's own argument parser, in one process: the tool is
+    run as __main__ and stopped as soon as its arguments parse (nothing is computed)."""
+    commands = documented_tool_commands()
+    return dict(zip([(p, c) for p, c, _ in commands], parse_verdicts([argv for *_, argv in commands])))
+
+
+@pytest.mark.parametrize("page,command", [(p, c) for p, c, _ in documented_tool_commands()])
+def test_every_documented_tool_command_parses_as_written(tool_parses, page, command):
+    assert tool_parses[(page, command)] == "", f"{page}: `{command}`: {tool_parses[(page, command)]}"
+
+
+def parse_verdicts(argvs: list[list[str]]) -> list[str]:
+    done = subprocess.run([sys.executable, "-c", PARSE_EACH], cwd=ROOT, input=json.dumps(argvs),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_the_tool_check_sees_an_option_the_tool_does_not_have(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("```bash\nnice -n 5 python tools/estimate_memory.py --config launch/configs/tiny.yaml \\\n"
+                    "  --no-such-option 3 | tail -1\nOMP_NUM_THREADS=1 python tools/estimate_memory.py "
+                    "--config launch/configs/tiny.yaml\n```\n")
+    commands = documented_tool_commands((page,))
+    assert [argv for *_, argv in commands] == [
+        ["tools/estimate_memory.py", "--config", "launch/configs/tiny.yaml", "--no-such-option", "3"],
+        ["tools/estimate_memory.py", "--config", "launch/configs/tiny.yaml"]]
+    refused, parsed = parse_verdicts([argv for *_, argv in commands])
+    assert "unrecognized arguments: --no-such-option" in refused and parsed == ""
