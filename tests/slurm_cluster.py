@@ -177,14 +177,19 @@ class SlurmCluster:
         return fields.get("JobState", "?"), fields.get("ExitCode", "?")
 
     def wait(self, job: str, timeout: float, until=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT",
-                                                     "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED")) -> tuple[str, str]:
+                                                     "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED"),
+             output: Path | None = None) -> tuple[str, str]:
+        """Poll until the job reaches a state in `until`; a timeout names the daemons' logs and the tail of the
+        job's own `output` file, where what the ranks were doing is."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             state, code = self.state(job)
             if state in until:
                 return state, code
             time.sleep(1)
-        raise TimeoutError(f"job {job} still {self.state(job)} after {timeout}s:\n" + self.logs())
+        tail = output.read_text()[-3000:] if output is not None and output.exists() else ""
+        raise TimeoutError(f"job {job} still {self.state(job)} after {timeout}s:\n" + self.logs()
+                           + (f"\n--- {output.name} ---\n{tail}" if tail else ""))
 
     def logs(self) -> str:
         parts = []

@@ -69,7 +69,7 @@ def test_sbatch_on_two_nodes_trains_and_names_a_split_tensor_group(cluster, tmp_
     job = cluster.sbatch([*FOUR_RANKS, "--distribution=cyclic", f"--output={out}", "launch/run_pretrain.sh",
                           "--config", TINY, f"run.dir={tmp_path / 'run'}", "train.steps=6", "parallel.tensor=2"],
                          cwd=ROOT, env=ENV)
-    state, code = cluster.wait(job, timeout=240)
+    state, code = cluster.wait(job, timeout=240, output=out)
     text = out.read_text()
     assert (state, code) == ("COMPLETED", "0:0"), text[-3000:] + cluster.logs()
     assert "4 ranks = TP 2 × PP 1 × DP 2" in text
@@ -89,7 +89,7 @@ def test_preemption_signal_checkpoints_requeues_and_resumes(cluster, tmp_path):
                           f"run.dir={run_dir}", f"train.steps={steps}"], cwd=ROOT, env=ENV)
     wait_for_steps(cluster, job, run_dir, out, 3)
     cluster.run(["scancel", "--signal=USR1", job])
-    state, code = cluster.wait(job, timeout=240)
+    state, code = cluster.wait(job, timeout=240, output=out)
     text = out.read_text()
     assert (state, code) == ("COMPLETED", "0:0"), text[-3000:] + cluster.logs()
     assert "received SIGUSR1" in text and f"requeueing job {job}" in text, text[-3000:]
@@ -129,7 +129,7 @@ def test_max_restarts_reruns_a_failed_step_in_the_same_allocation(cluster, tmp_p
                          cwd=ROOT, env=ENV)
     wait_for_steps(cluster, job, run_dir, out, 3)
     os.kill(_rank_process(job, 3), signal.SIGKILL)
-    state, code = cluster.wait(job, timeout=240)
+    state, code = cluster.wait(job, timeout=240, output=out)
     text = out.read_text()
     assert (state, code) == ("COMPLETED", "0:0"), text[-3000:] + cluster.logs()
     assert re.search(r"the run failed \(exit \d+\); restart 1 of 1, resuming from the latest checkpoint", text), \
@@ -152,7 +152,7 @@ def test_a_lost_node_resumes_from_the_partner_copies_of_its_shards(cluster, tmp_
                           "launch/run_pretrain.sh", "--max-restarts", "1", "--config", TINY, f"run.dir={run_dir}",
                           "train.steps=6", "checkpoint.memory_interval=2", f"checkpoint.memory_dir={shm}",
                           "run.inject_fault=lose_node@step=4,rank=1"], cwd=ROOT, env=ENV)
-    state, code = cluster.wait(job, timeout=300)
+    state, code = cluster.wait(job, timeout=300, output=out)
     text = out.read_text()
     assert (state, code) == ("COMPLETED", "0:0"), text[-3000:] + cluster.logs()
     assert "restart 1 of 1" in text and \
@@ -221,7 +221,8 @@ def test_gpu_health_stop_requeues_the_job_without_the_hot_node(cluster, tmp_path
                           "launch/run_pretrain.sh", "--config", TINY, f"run.dir={run_dir}", f"train.steps={steps}",
                           "run.health_interval=4", "run.max_gpu_temperature=90"],
                          cwd=ROOT, env={**ENV, "PYTHONPATH": str(fake)})
-    state, code = cluster.wait(job, timeout=240, until=("COMPLETED",))  # FAILED (exit 4) first, then requeued
+    # FAILED (exit 4) first, then requeued
+    state, code = cluster.wait(job, timeout=240, until=("COMPLETED",), output=out)
     text = out.read_text()
     assert (state, code) == ("COMPLETED", "0:0"), text[-3000:] + cluster.logs()
     hot = re.search(r"stopped at step 4: GPU health threshold crossed on (\S+) ", text)
@@ -249,7 +250,7 @@ def test_requeued_job_keeps_the_first_attempts_output(cluster, tmp_path):
                          cwd=ROOT, env=ENV)
     wait_for_steps(cluster, job, run_dir, out, 3)
     cluster.run(["scancel", "--signal=USR1", job])
-    state, code = cluster.wait(job, timeout=240, until=("COMPLETED", "FAILED", "CANCELLED"))
+    state, code = cluster.wait(job, timeout=240, until=("COMPLETED", "FAILED", "CANCELLED"), output=out)
     text = out.read_text()
     assert (state, code) == ("COMPLETED", "0:0"), text[-3000:] + cluster.logs()
     assert "received SIGUSR1" in text and f"requeueing job {job}" in text, text[-3000:]  # the first attempt's
@@ -282,7 +283,7 @@ def test_hostile_stop_file_runs_nothing_in_the_batch_shell(cluster, tmp_path, te
     job = cluster.sbatch(["-N", "1", "-n", "1", "-c", "1", "--overcommit", f"--output={out}", "launch/run_pretrain.sh",
                           "--config", TINY, f"run.dir={tmp_path / 'run'}"], cwd=ROOT,
                          env={**ENV, "PYTHONPATH": str(fake), "STOP_TEXT": text.format(pwned=pwned)})
-    state, got = cluster.wait(job, timeout=120)
+    state, got = cluster.wait(job, timeout=120, output=out)
     assert (state, got) == ("FAILED", code), out.read_text()[-3000:] + cluster.logs()
     assert not pwned.exists(), out.read_text()[-3000:]
     # No requeue helper job was submitted (ended jobs stay listed for MinJobAge, 300 s).
@@ -302,6 +303,6 @@ def test_a_port_derived_from_the_job_id_may_be_taken_by_a_job_20000_ids_earlier(
         earlier_job.bind(("", 20000 + int(job) % 20000))
         earlier_job.listen()
         cluster.run(["scontrol", "release", job])
-        state, code = cluster.wait(job, timeout=180)
+        state, code = cluster.wait(job, timeout=180, output=out)
     assert (state, code) == ("COMPLETED", "0:0"), out.read_text()[-3000:] + cluster.logs()
     assert len(steps_per_attempt(run_dir)[0]) == 3
