@@ -85,6 +85,9 @@ SlurmdPidFile={root}/slurmd-%n.pid
 SlurmctldLogFile={root}/slurmctld.log
 SlurmdLogFile={root}/slurmd-%n.log
 SlurmctldTimeout=30
+# srun on a 2-core host busy with the ranks' exit can miss the default 10 s for a task-exit message; slurmstepd
+# does not resend it, and the job would then run until its time limit.
+MessageTimeout=60
 SlurmdTimeout=30
 KillWait=20
 {node_lines}
