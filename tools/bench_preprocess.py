@@ -288,9 +288,10 @@ def bench(args, name, tokenizer_path, eod_token, tmp):
 
 
 def cut_shares(tokenizer_path, texts):
-    """{rule: (places between two CJK letters cut, such places, CPU seconds finding the cuts, pieces, distinct
-    pieces)} over the normalized documents, for the piece rules a tokenizer has: the context rule (--context-cuts)
-    and, for the Llama 2 layout, the pair rule (between characters no merge's result holds adjacent)."""
+    """{rule: (places between two CJK letters cut, such places, CPU seconds finding the cuts a document at a time,
+    pieces, distinct pieces)} over the normalized documents, for the piece rules a tokenizer has: the context rule
+    (--context-cuts) and, for the Llama 2 layout, the pair rule (between characters no merge's result holds
+    adjacent); and under "chunks" (the cache's chunks, their number, how many distinct)."""
     import collections
     import unicodedata
 
@@ -320,6 +321,8 @@ def cut_shares(tokenizer_path, texts):
             occurrences += len(at) - 1
             counts.update(text[a:b] for a, b in zip(at[:-1], at[1:]))
         found[rule] = (cut_places, places, seconds, occurrences, len(counts))
+        chunks = collections.Counter(c for text in texts for c in encoder.rule.split(normalize(text)))
+        found["chunks"] = (sum(chunks.values()), len(chunks))
     return found
 
 
@@ -337,10 +340,15 @@ def report(name, r, workers):
         cut, cut_cpu = r["cuts"]
         line += (f"\n  {name}: trilith with --context-cuts {cut:.2f} s ({cut_cpu:.2f} s CPU); vs without "
                  f"{ours / cut:.2f}x (CPU {ours_cpu / max(cut_cpu, 1e-9):.2f}x); {r['cuts_cache']}")
-        for rule, (cut_places, places, seconds, occurrences, distinct) in r["shares"].items():
+        shares = dict(r["shares"])
+        chunks, distinct = shares.pop("chunks", (0, 0))
+        line += (f"\n  {name}: the cache's chunks: {chunks:,}, {distinct:,} distinct (hit rate "
+                 f"{1 - distinct / max(chunks, 1):.1%})")
+        for rule, (cut_places, places, seconds, occurrences, distinct) in shares.items():
             line += (f"\n  {name}: {rule}: {cut_places:,} of {places:,} places between two CJK letters cut "
-                     f"({cut_places / max(places, 1):.1%}), found in {seconds:.2f} s CPU; {occurrences:,} pieces, "
-                     f"{distinct:,} distinct (hit rate {1 - distinct / max(occurrences, 1):.1%})")
+                     f"({cut_places / max(places, 1):.1%}), found in {seconds:.2f} s CPU a document at a time; "
+                     f"{occurrences:,} pieces, {distinct:,} distinct (hit rate "
+                     f"{1 - distinct / max(occurrences, 1):.1%})")
     if "megatron" in r:
         theirs, theirs_cpu = r["megatron"]
         line += (f"\n  {name}: megatron-lm preprocess ({workers} workers, whole process) {theirs:.2f} s ({theirs_cpu:.2f} s "
