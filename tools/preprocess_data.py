@@ -51,8 +51,9 @@ from data.offline.shards import (add_shard_arguments, all_markers, describe_inpu
 REPORT_FIRST = 5  # rejects printed with file:line; all of them go to the rejects file
 
 _worker = {}
-_loaded = {}  # (spec, use_cache, use_engine, use_context_cuts) -> the encoder main() loaded: forked workers start
-# from it, unparsed again
+# (spec, use_cache, use_engine, use_context_cuts) -> the encoder main() loaded: forked workers start from it,
+# unparsed again
+_loaded = {}
 
 
 def _init_worker(spec, keys, use_cache, eod_id, use_engine=True, use_context_cuts=False):
