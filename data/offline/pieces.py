@@ -35,6 +35,7 @@ Cut = collections.namedtuple("Cut", "lengths short keys long first")
 CJK_RANGES = ((0x3041, 0x30FF), (0x3400, 0x4DBF), (0x4E00, 0x9FFF), (0xAC00, 0xD7A3), (0xF900, 0xFAFF),
               (0x20000, 0x323AF))
 _HASH_BASE = np.uint64(0x9E3779B97F4A7C15)
+_MIX = np.uint64(0xBF58476D1CE4E5B9)  # splitmix64's multiplier
 _WHOLE, _LONGER = 1, 2  # SpanFinder's flags of a token's prefix: it is the token; the token goes on
 
 
@@ -121,13 +122,18 @@ class _HashTable:
     def __init__(self, keys, flags):
         bits = max(4, (2 * len(keys)).bit_length())
         self._shift = np.uint64(64 - bits)
-        bucket = (keys >> self._shift).astype(np.int64)
+        bucket = self._bucket(keys)
         order = np.argsort(bucket, kind="stable")
         self._keys, self._flags = keys[order], flags[order]
         self._start = np.searchsorted(bucket[order], np.arange((1 << bits) + 1))
 
+    def _bucket(self, values):
+        # Mixed first: a token prefix's hash keeps its last symbol in the low bits only, so the top bits alone
+        # would put all the prefixes that differ only there in one bucket.
+        return ((values ^ (values >> np.uint64(29))) * _MIX >> self._shift).astype(np.int64)
+
     def flags(self, values):
-        bucket = (values >> self._shift).astype(np.int64)
+        bucket = self._bucket(values)
         at, end = self._start[bucket], self._start[bucket + 1]
         out = np.zeros(len(values), np.uint8)
         live = np.flatnonzero(at < end)
