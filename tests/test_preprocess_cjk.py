@@ -159,6 +159,9 @@ def test_span_finder_looks_at_the_text_around_a_place():
     hashed = pieces.SpanFinder([[ord(c) for c in t] for t in ("中国", "中国人", "人民")], 1 << 21)  # hashes only
     assert hashed.spanned([ord(c) for c in "中国人民美国人"]).tolist() == [False, True, True, True, False, False,
                                                                         False]
+    # Prefixes that differ in their last symbol only spread over the buckets (one bucket held them all once).
+    shared = pieces.SpanFinder([[7, 8, k] for k in range(2000)], 1 << 21)
+    assert np.diff(shared._table._start).max() <= 8
 
 
 def _cjk_words(tokenizer):

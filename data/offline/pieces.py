@@ -116,8 +116,8 @@ def _hashes(rows, lengths):
 
 
 class _HashTable:
-    """{uint64 key: uint8 flags}, looked up many keys at a time: buckets by the keys' top bits (at least twice
-    as many buckets as keys, so a lookup compares about one key), each bucket's keys in a row."""
+    """{uint64 key: uint8 flags}, looked up many keys at a time: buckets by the top bits of the mixed keys (at
+    least twice as many buckets as keys, so a lookup compares about one key), each bucket's keys in a row."""
 
     def __init__(self, keys, flags):
         bits = max(4, (2 * len(keys)).bit_length())
