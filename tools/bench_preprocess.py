@@ -247,7 +247,7 @@ def bench(args, name, tokenizer_path, eod_token, tmp):
     tok = Tokenizer.from_file(tokenizer_path)
     eod = tok.token_to_id(eod_token) if eod_token else None
     ours_prefix, theirs_prefix = os.path.join(tmp, f"trilith_{name}"), os.path.join(tmp, f"megatron_{name}")
-    times = {"plain": [], "trilith": [], "megatron": [], "no_engine": []}
+    times = {"plain": [], "trilith": [], "megatron": [], "no_engine": [], "cuts": []}
     for _ in range(args.repeat):
         for path in os.listdir(tmp):  # the tools refuse to overwrite their outputs
             if path.startswith(("trilith_", "megatron_")):
@@ -259,12 +259,17 @@ def bench(args, name, tokenizer_path, eod_token, tmp):
             wall, cpu, _ = run_trilith(args.input, tokenizer_path, eod_token, args.workers, ours_prefix + "_ne",
                                        "--no-fast-engine")
             times["no_engine"].append((wall, cpu))
+        if args.context_cuts_too:
+            wall, cpu, times["cuts_cache"] = run_trilith(args.input, tokenizer_path, eod_token, args.workers,
+                                                         ours_prefix + "_cc", "--context-cuts")
+            times["cuts"].append((wall, cpu))
         start, cpu = time.time(), time.process_time()
         plain = [tok.encode(text).ids + ([eod] if eod is not None else []) for text in read_texts(args.input)]
         times["plain"].append((time.time() - start, time.process_time() - cpu))
         if args.megatron:
             times["megatron"].append(run_megatron(args, name, tokenizer_path, eod_token, theirs_prefix))
     ours = IndexedDataset(ours_prefix + "_text_document")
+    cuts_cache = times.pop("cuts_cache", None)
     result = {key: tuple(statistics.median(t[k] for t in runs) for k in (0, 1)) for key, runs in times.items() if runs}
     result.update(docs=len(plain), tokens=sum(map(len, plain)), cache=cache,
                   identical=len(plain) == len(ours) and all(np.array_equal(ours[i], ids) for i, ids in enumerate(plain)))
@@ -272,10 +277,53 @@ def bench(args, name, tokenizer_path, eod_token, tmp):
         without = IndexedDataset(ours_prefix + "_ne_text_document")
         result["identical"] &= len(without) == len(ours) and all(
             np.array_equal(ours[i], without[i]) for i in range(len(ours)))
+    if args.context_cuts_too:
+        cut = IndexedDataset(ours_prefix + "_cc_text_document")
+        result["identical"] &= len(cut) == len(ours) and all(np.array_equal(ours[i], cut[i]) for i in range(len(ours)))
+        result.update(cuts_cache=cuts_cache, shares=cut_shares(tokenizer_path, read_texts(args.input)))
     if args.megatron:
         result["megatron_identical"], result["megatron_blank"] = same_as_megatron(
             ours, IndexedDataset(theirs_prefix + "_text_document"), read_texts(args.input, blank=True), tok, eod)
     return result
+
+
+def cut_shares(tokenizer_path, texts):
+    """{rule: (places between two CJK letters cut, such places, CPU seconds finding the cuts a document at a time,
+    pieces, distinct pieces)} over the normalized documents, for the piece rules a tokenizer has: the context rule
+    (--context-cuts) and, for the Llama 2 layout, the pair rule (between characters no merge's result holds
+    adjacent); and under "chunks" (the cache's chunks, their number, how many distinct)."""
+    import collections
+    import unicodedata
+
+    from data.offline.encoder import load_encoder, tokenizer_spec
+    from data.offline.pieces import CJK_RANGES
+    cjk = np.zeros(0x110000, bool)
+    for lo, hi in CJK_RANGES:
+        cjk[lo:hi + 1] = [unicodedata.category(chr(c))[0] == "L" for c in range(lo, hi + 1)]
+    found = {}
+    for rule, context in (("context rule", True), ("pair rule", False)):
+        encoder = load_encoder(tokenizer_spec(None, tokenizer_path), use_context_cuts=context)
+        if encoder.cutter is None or encoder.cutter.context != context:
+            continue
+        normalize, joined = encoder._normalize or str, encoder.rule.joined_text or str
+        cut_places = places = occurrences = 0
+        seconds, counts = 0.0, collections.Counter()
+        for text in texts:
+            text = joined(normalize(text))
+            start = time.process_time()
+            cut = encoder.cutter.places(text)
+            seconds += time.process_time() - start
+            letter = cjk[np.frombuffer(text.encode("utf-32-le"), np.uint32)]
+            both = letter[:-1] & letter[1:]
+            places += int(both.sum())
+            cut_places += int((both & cut[1:]).sum())
+            at = np.flatnonzero(cut).tolist() + [len(text)]
+            occurrences += len(at) - 1
+            counts.update(text[a:b] for a, b in zip(at[:-1], at[1:]))
+        found[rule] = (cut_places, places, seconds, occurrences, len(counts))
+        chunks = collections.Counter(c for text in texts for c in encoder.rule.split(normalize(text)))
+        found["chunks"] = (sum(chunks.values()), len(chunks))
+    return found
 
 
 def report(name, r, workers):
@@ -288,6 +336,19 @@ def report(name, r, workers):
         slow, slow_cpu = r["no_engine"]
         line += (f"\n  {name}: trilith with --no-fast-engine {slow:.2f} s ({slow_cpu:.2f} s CPU); the engine's "
                  f"speed-up {slow / ours:.2f}x (CPU {slow_cpu / max(ours_cpu, 1e-9):.2f}x)")
+    if "cuts" in r:
+        cut, cut_cpu = r["cuts"]
+        line += (f"\n  {name}: trilith with --context-cuts {cut:.2f} s ({cut_cpu:.2f} s CPU); vs without "
+                 f"{ours / cut:.2f}x (CPU {ours_cpu / max(cut_cpu, 1e-9):.2f}x); {r['cuts_cache']}")
+        shares = dict(r["shares"])
+        chunks, distinct = shares.pop("chunks", (0, 0))
+        line += (f"\n  {name}: the cache's chunks: {chunks:,}, {distinct:,} distinct (hit rate "
+                 f"{1 - distinct / max(chunks, 1):.1%})")
+        for rule, (cut_places, places, seconds, occurrences, distinct) in shares.items():
+            line += (f"\n  {name}: {rule}: {cut_places:,} of {places:,} places between two CJK letters cut "
+                     f"({cut_places / max(places, 1):.1%}), found in {seconds:.2f} s CPU a document at a time; "
+                     f"{occurrences:,} pieces, {distinct:,} distinct (hit rate "
+                     f"{1 - distinct / max(occurrences, 1):.1%})")
     if "megatron" in r:
         theirs, theirs_cpu = r["megatron"]
         line += (f"\n  {name}: megatron-lm preprocess ({workers} workers, whole process) {theirs:.2f} s ({theirs_cpu:.2f} s "
@@ -311,6 +372,9 @@ def main(argv=None):
     p.add_argument("--repeat", type=int, default=1, help="alternating timings per tokenizer; medians are printed")
     p.add_argument("--no-engine-too", action="store_true",
                    help="also time Trilith with --no-fast-engine (what tiktoken contributes); outputs compared")
+    p.add_argument("--context-cuts-too", action="store_true",
+                   help="also time Trilith with --context-cuts (cuts inside CJK runs) and count the places it cuts; "
+                        "outputs compared")
     p.add_argument("--megatron", help="a Megatron-LM checkout: also time its tools/preprocess_data.py")
     p.add_argument("--megatron-python", default=sys.executable, help="--megatron: a Python that imports it")
     args = p.parse_args(argv)

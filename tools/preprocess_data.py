@@ -51,13 +51,15 @@ from data.offline.shards import (add_shard_arguments, all_markers, describe_inpu
 REPORT_FIRST = 5  # rejects printed with file:line; all of them go to the rejects file
 
 _worker = {}
-_loaded = {}  # (spec, use_cache, use_engine) -> the encoder main() loaded: forked workers start from it, unparsed again
+# (spec, use_cache, use_engine, use_context_cuts) -> the encoder main() loaded: forked workers start from it,
+# unparsed again
+_loaded = {}
 
 
-def _init_worker(spec, keys, use_cache, eod_id, use_engine=True):
-    encoder = _loaded.get((spec, use_cache, use_engine))
-    _worker.update(encoder=load_encoder(spec, use_cache, use_engine) if encoder is None else encoder, keys=keys,
-                   eod=eod_id)
+def _init_worker(spec, keys, use_cache, eod_id, use_engine=True, use_context_cuts=False):
+    options = (use_cache, use_engine, use_context_cuts)
+    encoder = _loaded.get((spec, *options))
+    _worker.update(encoder=load_encoder(spec, *options) if encoder is None else encoder, keys=keys, eod=eod_id)
 
 
 def _encode_task(records):
@@ -149,7 +151,7 @@ def preprocess(args, files, prefix, spec, vocab_size, eod, ranges=None, rejects_
     try:
         batches = batched(iter_records(files, args.json_keys, max_record_bytes=args.max_record_bytes,
                                        ranges=ranges), args.batch_size)
-        init_args = (spec, args.json_keys, not args.no_cache, eod, not args.no_fast_engine)
+        init_args = (spec, args.json_keys, not args.no_cache, eod, not args.no_fast_engine, args.context_cuts)
         for kept, rejects, per_key, nbytes, cache_off, engine_off in ordered_map(_encode_task, batches, args.workers,
                                                                                  _init_worker, init_args):
             # What the workers did, not what this process planned: a self-check may turn the cache off.
@@ -272,6 +274,9 @@ def build_parser():
     g.add_argument("--no-cache", action="store_true", help="disable the exact chunk cache")
     g.add_argument("--no-fast-engine", action="store_true",
                    help="encode the cache's misses with tokenizers, not tiktoken (byte-level BPE only)")
+    g.add_argument("--context-cuts", action="store_true",
+                   help="cut the cache's misses into pieces wherever no token occurs across (in runs of CJK letters "
+                        "for byte-level BPE), not only between characters no merge joins (Llama 2 layout)")
     g = p.add_argument_group("output")
     g.add_argument("--output-prefix", required=True, help="writes <prefix>_<key>_document.bin/.idx (.arrow/.idx)")
     g.add_argument("--rejects", help="rejects file (default: <prefix>_rejects.jsonl)")
@@ -309,7 +314,7 @@ def main(argv=None):
         spec = tokenizer_spec(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file)
     except (FileNotFoundError, ValueError) as e:
         p.error(str(e))
-    options = (not args.no_cache, not args.no_fast_engine)
+    options = (not args.no_cache, not args.no_fast_engine, args.context_cuts)
     encoder = _loaded[(spec, *options)] = load_encoder(spec, *options)
     if hasattr(encoder, "prepare"):
         encoder.prepare()  # once here: forked workers inherit what encoding a miss needs
@@ -427,11 +432,14 @@ def _run(args, files, spec, encoder, eod):
 
 
 def _cuts(encoder):
-    """The cut rule the workers used, and for the whitespace-run layout whether new chunks were cut into pieces."""
+    """The cut rule the workers used, and for the whitespace-run layout and byte-level BPE whether new chunks were
+    cut into pieces."""
     cuts = f"{encoder.rule.name if encoder.rule else 'chunk'} cuts"
-    if encoder.rule is None or not encoder.rule.runs:
+    if encoder.rule is None or encoder.piece_reason == "not a layout with pieces":
         return cuts
-    return cuts + (", new chunks in pieces" if encoder.cutter is not None else f"; no pieces: {encoder.piece_reason}")
+    if encoder.cutter is None:
+        return cuts + f"; no pieces: {encoder.piece_reason}"
+    return cuts + ", new chunks in pieces" + (" where no token spans" if encoder.cutter.context else "")
 
 
 def _cache_use(stats, encoder):

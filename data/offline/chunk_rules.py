@@ -64,7 +64,26 @@ first documents of every process are checked against the plain encoder.
   meet, each side makes the merges it would make alone (lowest rank, then leftmost, in the order that side
   alone would), and the text's ids are its pieces' ids in order. Chunk boundaries are such places (no merge
   makes a character other than "▁" followed by "▁"), so a chunk's ids are its pieces'. A vocabulary with a merge
-  of a byte or unknown token keeps whole chunks, and the summary says why.
+  of a byte or unknown token keeps whole chunks, and the summary says why. The same argument needs less: a
+  symbol spanning the place is a merge's result t whose text occurs there, t = u + v with u ending the text
+  before the place and v starting the text after it. So with `--context-cuts` a place is cut wherever no merge's
+  result occurs across it in the text (a merge that makes "中国人" rules out the place in "中国人" but not in
+  "美国人"), found by data/offline/pieces.py's SpanFinder.
+
+- Pieces of byte-level chunks (GPT-2 and Split, with `--context-cuts`). A line of Chinese has no space: it is one
+  chunk and one pre-token, which rarely repeats. Take a place between two CJK letters X and Y (kana, Hangul
+  syllables, CJK ideographs: no case folding touches them; "letters" as the tokenizer's own regex engine reads
+  them, checked at load by pre-tokenizing "a" followed by all of them). Of the regexes' alternatives only
+  ` ?\p{L}+` (GPT-2) and `[^\r\n\p{L}\p{N}]?\p{L}+` (Split) match a CJK letter (a contraction holds only ASCII
+  letters), so X's pre-token runs on through Y to the end of the letter run, and no match before it reads past X.
+  The chunk's text up to the place therefore pre-tokenizes as before, its last pre-token cut at the place, and the
+  text from Y on as the rest of the run and then the same pre-tokens (the regexes only look ahead). BPE then works
+  in the byte-level alphabet with the 256 bytes as its first symbols and every later one a merge's result whose
+  text is its parts' (made of those characters; a merge of others voids the cut); so, as above, when no merge's
+  result occurs across the place in the UTF-8 bytes, the run's two sides encode as each alone, and a chunk's ids
+  are its pieces' (each piece encoded as a text of its own, by tiktoken or `tokenizers`). Not covered, so no
+  pieces: `ignore_merges` (a piece that is a token would be that token whatever the merges make), a subword
+  prefix or suffix, other models.
 
 Documents holding whitespace that Python's `re` and the tokenizer's regex engine may classify differently
 (OTHER_SPACES in _encoder.py) go to the plain encoder.

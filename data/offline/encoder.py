@@ -38,8 +38,8 @@ import numpy as np
 
 from data.eod import eod_id_from_tokenizer
 from data.offline.chunk_rules import OTHER_SPACES, SAFE_SPACES, cut_rule  # noqa: F401 (the spaces: re-exported)
-from data.offline.fast_bpe import tiktoken_engine
-from data.offline.pieces import key_text, piece_cutter
+from data.offline.fast_bpe import byte_chars, tiktoken_engine
+from data.offline.pieces import key_text, letter_cutter, piece_cutter
 
 _OTHER_SPACE_RE = re.compile("[" + re.escape(OTHER_SPACES) + "]")
 _strip_run = operator.methodcaller("lstrip", " \u2581")
@@ -89,7 +89,7 @@ class HFEncoder:
     verify_first = 4  # documents per process checked against the plain encoder
     max_cached_tokens = 1 << 26
 
-    def __init__(self, tokenizer_json, use_cache=True, use_engine=True):
+    def __init__(self, tokenizer_json, use_cache=True, use_engine=True, use_context_cuts=False):
         from tokenizers import Tokenizer
         self.tokenizer = Tokenizer.from_str(tokenizer_json)
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
@@ -98,10 +98,16 @@ class HFEncoder:
         self.rule, self.cache_reason = (None, "disabled by the caller") if not use_cache else cut_rule(config, vocab)
         if self.rule is not None:
             self.cache_reason = self._find_template()
-        # The Llama 2 layout's new chunks are cut again, into pieces no token spans, each encoded once.
-        self.cutter, self.piece_reason = None, "not the Metaspace whitespace-run layout"
+        # New chunks are cut again, into pieces no token spans, each encoded once (data/offline/pieces.py): the
+        # Llama 2 layout's between characters no merge joins, or with `use_context_cuts` wherever no token occurs
+        # across; byte-level BPE's, with `use_context_cuts`, inside runs of CJK letters (a line of Chinese is one
+        # chunk). Finding those cuts costs more CPU than they saved on Chinese (docs/benchmarks.md): off by default.
+        self.cutter, self.piece_reason = None, "not a layout with pieces"
         if self.rule is not None and self.rule.runs:
-            self.cutter, self.piece_reason = piece_cutter(config["model"], vocab)
+            self.cutter, self.piece_reason = piece_cutter(config["model"], vocab, use_context_cuts)
+        elif use_context_cuts and self.rule is not None and self.rule.name in ("GPT-2 byte-level",
+                                                                              "regex Split + ByteLevel"):
+            self.cutter, self.piece_reason = letter_cutter(config["model"], self.tokenizer.pre_tokenizer, byte_chars())
         self.cached = self.cache_reason is None
         if self.cached:
             # The tokenizers that encode misses are built at the first miss: the main process never needs them.
@@ -216,6 +222,10 @@ class HFEncoder:
         self._starts.resize(first + len(chunks))
         self._lens.resize(first + len(chunks))
         words, slots, runs = chunks, None, None
+        if self.cutter is not None and not self.rule.runs:  # byte-level: every new chunk by its pieces
+            ids, counts = self._encode_by_pieces(chunks)
+            self._store(first + np.arange(len(chunks)), [ids], counts)
+            return
         if self.engine is not None:  # only for cut rules that encode every chunk with the others
             ids, counts = self.engine.encode(chunks)
             self._store(first + np.arange(len(chunks)), [ids.astype(np.int32)], counts)
@@ -314,7 +324,8 @@ class HFEncoder:
         """(ids, tokens per chunk) of chunks joined into one word, from their pieces' ids: the pieces not cached
         yet are encoded each as a text of its own. A short piece is looked up by its integer key (no string made),
         a long one by its text."""
-        text = self.rule.joined_text("".join(chunks))
+        text = "".join(chunks)
+        text = self.rule.joined_text(text) if self.rule.joined_text else text
         lengths = np.fromiter(map(len, chunks), np.int64, len(chunks))
         cut = self.cutter.cut(text, np.cumsum(lengths) - lengths)
         index = self._pieces
@@ -352,8 +363,16 @@ class HFEncoder:
         return ids, np.diff(last, prepend=-1)
 
     def _encode_apart(self, pieces):
-        """(ids, tokens per piece) of pieces each encoded alone: as one text, the cutter's separator between them
-        (one token each, dropped), else as a batch of texts."""
+        """(ids, tokens per piece) of pieces each encoded alone: byte-level ones by the engine or as the words of a
+        pre-tokenized input; others as one text, the cutter's separator between them (one token each, dropped),
+        else as a batch of texts."""
+        if self.engine is not None:
+            ids, counts = self.engine.encode(pieces)
+            return ids.astype(np.int32), counts
+        if self._joined is None:
+            (encoding,) = self._inner.encode_batch([pieces], is_pretokenized=True, add_special_tokens=False)
+            return (np.asarray(encoding.ids, np.int32),
+                    np.bincount(np.asarray(encoding.word_ids, np.int64), minlength=len(pieces)))
         sep = self.cutter.separator
         if sep is None:
             encodings = self._joined.encode_batch_fast(pieces, add_special_tokens=False)
@@ -489,6 +508,6 @@ def eod_token_id(encoder, eod_token, tokenizer_type, tokenizer_model):
     return eod_id_from_tokenizer(tokenizer_model)
 
 
-def load_encoder(spec, use_cache=True, use_engine=True):
+def load_encoder(spec, use_cache=True, use_engine=True, use_context_cuts=False):
     kind, value = spec
-    return HFEncoder(value, use_cache, use_engine) if kind == "hf" else SentencePieceEncoder(value)
+    return HFEncoder(value, use_cache, use_engine, use_context_cuts) if kind == "hf" else SentencePieceEncoder(value)

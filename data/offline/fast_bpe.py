@@ -42,7 +42,7 @@ SAMPLE = (
 
 
 @functools.lru_cache(maxsize=1)
-def _byte_chars():
+def byte_chars():
     """{byte-level character: its byte}: GPT-2's map of bytes to printable characters."""
     from tokenizers import pre_tokenizers
     printable = [b for b in range(256) if 0x21 <= b <= 0x7E or 0xA1 <= b <= 0xAC or 0xAE <= b <= 0xFF]
@@ -74,7 +74,7 @@ def _structure(model, vocab):
         return "a BPE subword prefix or suffix"
     if model.get("byte_fallback"):
         return "byte fallback"
-    chars = _byte_chars()
+    chars = byte_chars()
     if any(c not in vocab for c in chars):
         return "a vocabulary without all 256 byte-level characters"
     pairs = [tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1)) for m in model.get("merges") or ()]
