@@ -451,7 +451,11 @@ def test_pipeline_trace_tool_runs(tmp_path):
                           env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("stage ")]
-    assert len(lines) == 2 and "analytic 0.200" in lines[0] and "peak live micro-batches  2" in lines[0]
+    assert len(lines) == 4 and "analytic 0.200" in lines[0] and "peak live micro-batches  2" in lines[0]
+    # 1F1B: whole backwards, and on the last stage the cool-down's split ones
+    assert re.search(r"^stage 0: slot costs \(shortest, ms\) F0 [\d.]+  BW0 [\d.]+$", lines[2]), lines
+    assert re.search(r"^stage 1: slot costs \(shortest, ms\) F0 [\d.]+  BW0 [\d.]+  B0 [\d.]+  W0 [\d.]+$",
+                     lines[3]), lines
 
 
 def test_trace_on_cuda_times_slots_with_events_on_the_compute_stream(monkeypatch):

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine.plan.bubble import analytic_bubble  # noqa: E402
-from engine.plan.trace_replay import replayed_idle  # noqa: E402
+from engine.plan.trace_replay import replayed_idle, slot_costs  # noqa: E402
 
 
 def bubble_fractions(traces: list[list[tuple]]) -> list[float]:
@@ -167,6 +167,18 @@ def report(args, gathered: list, table: bool) -> None:
     for stage, (line, idle, again, peak) in enumerate(zip(timeline(traces), measured, replayed, peaks)):
         print(f"stage {stage}: replayed bubble {again:.3f}, measured {idle:.3f} (analytic {expected:.3f})  "
               f"peak live micro-batches {peak:>2}  |{line}|")
+    for stage, trace in enumerate(traces):
+        print(f"stage {stage}: slot costs (shortest, ms) {describe_costs(slot_costs(trace))}")
+
+
+def describe_costs(costs: dict) -> str:
+    """F, B and W per chunk as the replay charges them; "BW" is a B that computed its weight gradients too,
+    a B is only the input gradient (its W ran in a slot of its own)."""
+    names = {(kind, split): "B" if kind == "B" and split else "BW" if kind == "B" else kind
+             for kind, _, split in costs}
+    return "  ".join(f"{names[kind, split]}{chunk} {cost * 1e3:.1f}"
+                     for (kind, chunk, split), cost in sorted(costs.items(), key=lambda kv: (kv[0][1], "FBW".index(
+                         kv[0][0]), kv[0][2])))
 
 
 if __name__ == "__main__":

@@ -31,11 +31,7 @@ def replay(traces: list[list[tuple]], schedule: str) -> list[list[tuple[float, f
     chunks = max(e[2] for t in traces for e in t) + 1 if schedule in ("interleaved", "zbv") else 1
     last = p * chunks - 1
     ordered = [sorted(t, key=lambda e: e[3]) for t in traces]
-    costs = [{} for _ in range(p)]  # rank -> the work of a slot -> its shortest duration
-    for rank, trace in enumerate(ordered):
-        for event in trace:
-            work = _work(trace, event)
-            costs[rank][work] = min(costs[rank].get(work, event[4] - event[3]), event[4] - event[3])
+    costs = [slot_costs(trace) for trace in ordered]
     done: dict = {}  # (kind, model chunk, micro-batch) -> replayed end
     out: list[list[tuple[float, float]]] = [[] for _ in range(p)]
     position, free = [0] * p, [0.0] * p
@@ -58,6 +54,15 @@ def replay(traces: list[list[tuple]], schedule: str) -> list[list[tuple[float, f
         if not progressed:
             raise ValueError("the traces' slots wait on each other in a circle: not one step of one schedule")
     return out
+
+
+def slot_costs(trace: list[tuple]) -> dict:
+    """One rank's {(kind, chunk, B with its own W slot): shortest duration}: what the replay charges a slot."""
+    costs: dict = {}
+    for event in trace:
+        work = _work(trace, event)
+        costs[work] = min(costs.get(work, event[4] - event[3]), event[4] - event[3])
+    return costs
 
 
 def _work(trace: list[tuple], event: tuple) -> tuple:
