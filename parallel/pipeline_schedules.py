@@ -68,7 +68,10 @@ class ScheduleTrace:
 
     On CUDA a slot's ends are CUDA events recorded on the compute stream, so a slot lasts as long as its
     kernels ran, not as long as the host took to queue them; the events are read (one synchronisation) when
-    `events` is first asked for. On the CPU the host clock is the compute's clock."""
+    `events` is first asked for. On the CPU the host clock is the compute's clock, and each mark also reads
+    the thread's CPU clock: `compute_events` then gives each slot the CPU time its thread spent in it, what the
+    slot costs on a core of its own when ranks share cores (with one intra-op thread, as
+    tools/pipeline_trace.py runs them; gloo's transfers run between slots, on threads of their own)."""
 
     def __init__(self, device: torch.device | None = None):
         self.cuda = device is not None and torch.device(device).type == "cuda"
@@ -81,7 +84,7 @@ class ScheduleTrace:
     def mark(self):
         """A point in the compute stream's time, to give `add`."""
         if not self.cuda:
-            return time.time()
+            return time.time(), time.thread_time()
         event = torch.cuda.Event(enable_timing=True)
         if self._origin is None:  # wall-clock time of the first event, so that ranks' traces line up
             torch.cuda.synchronize()
@@ -108,10 +111,19 @@ class ScheduleTrace:
     def events(self) -> list:
         """(kind "F" | "B" | "W", micro_batch, chunk, t_start, t_end) in wall-clock seconds."""
         if not self.cuda:
-            return list(self._slots)
+            return [(kind, mb, chunk, start[0], end[0]) for kind, mb, chunk, start, end in self._slots]
         torch.cuda.synchronize()
         wall, origin = self._origin if self._origin else (0.0, None)
         return [(kind, mb, chunk, wall + origin.elapsed_time(start) / 1e3, wall + origin.elapsed_time(end) / 1e3)
+                for kind, mb, chunk, start, end in self._slots]
+
+    @property
+    def compute_events(self) -> list:
+        """`events` with each slot's end at its start plus the time it computed: on the CPU its thread's CPU
+        time (a rank taken off its core mid-slot is not charged the wait), on CUDA the events' own span."""
+        if self.cuda:
+            return self.events
+        return [(kind, mb, chunk, start[0], start[0] + end[1] - start[1])
                 for kind, mb, chunk, start, end in self._slots]
 
 

@@ -451,7 +451,11 @@ def test_pipeline_trace_tool_runs(tmp_path):
                           env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("stage ")]
-    assert len(lines) == 2 and "analytic 0.200" in lines[0] and "peak live micro-batches  2" in lines[0]
+    assert len(lines) == 4 and "analytic 0.200" in lines[0] and "peak live micro-batches  2" in lines[0]
+    # 1F1B: whole backwards, and on the last stage the cool-down's split ones
+    assert re.search(r"^stage 0: slot costs \(shortest, ms\) F0 [\d.]+  BW0 [\d.]+$", lines[2]), lines
+    assert re.search(r"^stage 1: slot costs \(shortest, ms\) F0 [\d.]+  BW0 [\d.]+  B0 [\d.]+  W0 [\d.]+$",
+                     lines[3]), lines
 
 
 def test_trace_on_cuda_times_slots_with_events_on_the_compute_stream(monkeypatch):
@@ -481,3 +485,22 @@ def test_trace_on_cuda_times_slots_with_events_on_the_compute_stream(monkeypatch
     assert [round(end - start, 6) for _, _, _, start, end in events] == [0.005, 0.005]
     assert round(events[1][3] - events[0][3], 6) == 0.01 and trace.peak_live == 2
     assert clock["synchronised"] == 2  # at the first mark (the wall-clock origin) and when read
+    assert trace.compute_events == events  # the GPU's time is already the slot's own
+
+
+def test_trace_on_cpu_charges_a_slot_the_cpu_time_of_its_thread():
+    """A rank off its core mid-slot (here asleep 50 ms) is charged only what it computed: the replay's costs
+    (compute_events) leave out the waits that the wall clock (events) counts."""
+    trace = ScheduleTrace()
+    start = trace.mark()
+    time.sleep(0.05)
+    trace.add("F", 0, 0, start, trace.mark())
+    start, spun = trace.mark(), time.thread_time()
+    while time.thread_time() - spun < 0.02:
+        pass
+    trace.add("B", 0, 0, start, trace.mark())
+    (_, _, _, wall_f, wall_f_end), (_, _, _, wall_b, wall_b_end) = trace.events
+    (_, _, _, cpu_f, cpu_f_end), (_, _, _, cpu_b, cpu_b_end) = trace.compute_events
+    assert (cpu_f, cpu_b) == (wall_f, wall_b)  # starts on the wall clock, which orders the ranks' slots
+    assert wall_f_end - wall_f >= 0.05 > 0.01 > cpu_f_end - cpu_f
+    assert wall_b_end - wall_b >= cpu_b_end - cpu_b >= 0.02

@@ -7,8 +7,9 @@ import random
 import pytest
 
 from engine.plan.bubble import analytic_bubble
-from engine.plan.trace_replay import replay, replayed_idle
+from engine.plan.trace_replay import replay, replayed_idle, slot_costs
 from parallel.zero_bubble_plan import critical_order, plan
+from tools.pipeline_trace import describe_costs
 
 
 def stretched(slots_by_rank: list[list[tuple]], cost: dict, seed: int = 0) -> list[list[tuple]]:
@@ -75,6 +76,9 @@ def test_a_split_backward_costs_what_split_ones_cost():
     traces = [[("F", 0, 0, 0, 1), ("F", 1, 0, 1, 2), ("B", 0, 0, 9, 10), ("B", 1, 0, 12, 13)],
               [("F", 0, 0, 1, 2), ("B", 0, 0, 2, 5), ("F", 1, 0, 5, 6), ("B", 1, 0, 6, 7), ("W", 1, 0, 7, 9)]]
     assert replay(traces, "1f1b") == [[(0, 1), (1, 2), (5, 6), (7, 8)], [(1, 2), (2, 5), (5, 6), (6, 7), (7, 9)]]
+    # what tools/pipeline_trace.py prints of them: "BW" the backward with its weight gradients, "B" the split one
+    assert slot_costs(traces[1]) == {("F", 0, False): 1, ("B", 0, False): 3, ("B", 0, True): 1, ("W", 0, False): 2}
+    assert describe_costs(slot_costs(traces[1])) == "F0 1000.0  BW0 3000.0  B0 1000.0  W0 2000.0"
 
 
 def back_to_back(slots: list[tuple], cost) -> list[tuple]:

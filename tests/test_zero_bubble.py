@@ -1,21 +1,28 @@
 """The zero-bubble schedules (parallel/zero_bubble*.py) against 1F1B and the single-process model (gloo, CPU,
 fp32, NCCL semantics): ZB-H1 and ZBV at PP 2 and PP 4 give 1F1B's loss and gradients bit for bit (each
-`.grad` sums its micro-batches in the same order); their plans keep 1F1B's peak activation count; invalid
-settings are refused in one line.
+`.grad` sums its micro-batches in the same order); their plans keep 1F1B's peak activation count; a
+preemption signal inside the schedule stops every rank at the same step and the run resumes on its curve;
+invalid settings are refused in one line.
 """
 import itertools
+import os
 import re
+import signal
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
 
+from engine.checkpoint.files import read_latest
 from engine.config.schema import ConfigError, load_config, validate
+from engine.observe.metrics import MetricsLog
 from engine.stage_balance import chunk_layers
 from parallel.stage_layers import balanced_layer_counts, chunk_roles, stage_layer_ids
 from parallel.zero_bubble_plan import critical_order, idle_fraction, peaks, plan
 from tests.distributed import WorkerPool
 from tests.helpers import TINY, launch, single_losses
+from engine.stop import PREEMPTED_EXIT, StopControl, StopRun
 from engine.train import Trainer
 from parallel.distributed import DistEnv
 from parallel.pipeline_schedules import ScheduleTrace
@@ -183,6 +190,72 @@ def test_trained_parameters_equal_1f1b_bit_for_bit(pool, layout):
         assert merged.keys() == reference.keys()
         for key, value in reference.items():
             assert torch.equal(merged[key], value), (schedule, key, (merged[key] - value).abs().max())
+
+
+class SignalInWSlot(ScheduleTrace):
+    """Sends this process SIGUSR1 (SLURM's warning before preemption) right after the first W slot of step
+    `step`, so the signal lands inside the zero-bubble schedule, with slots of that step still to run."""
+
+    def __init__(self, trainer, step):
+        super().__init__()
+        self.trainer, self.step, self.later = trainer, step, None  # later: slots of `step` run after the signal
+
+    def add(self, kind, *args, **kwargs):
+        super().add(kind, *args, **kwargs)
+        if self.trainer.step != self.step - 1:  # the Trainer counts a step once its schedule has run
+            return
+        if self.later is not None:
+            self.later += 1
+        elif kind == "W":
+            self.later = 0
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+
+def curve(history):
+    return [(h["step"], h["loss"], h["grad_norm"]) for h in history]
+
+
+def preempted_and_resumed(rank, world, tmp, overrides, signalled, stop):
+    """A straight run, then a run whose rank `signalled` is signalled during step `stop`'s schedule (the real
+    StopControl: its handler, the agreement at the step's end, the save), then a new Trainer in that run.dir."""
+    run = [f"run.dir={tmp}/preempted", *overrides]
+    straight = curve(Trainer(load_config(TINY, [f"run.dir={tmp}/straight", *overrides]), DistEnv(rank, world)).train(
+        MetricsLog(Path(tmp), enabled=False)))
+    first = Trainer(load_config(TINY, run), DistEnv(rank, world))
+    if rank == signalled:
+        first.schedule_trace = SignalInWSlot(first, stop)
+    control = StopControl(first.env)
+    try:
+        first.train(MetricsLog(Path(tmp), enabled=False), control)
+        raise AssertionError("no StopRun")
+    except StopRun as stopped:
+        message, code = str(stopped), stopped.code
+    finally:
+        control.restore()
+    later = first.schedule_trace.later if rank == signalled else None
+    second = Trainer(load_config(TINY, run), DistEnv(rank, world))
+    return dict(straight=straight, code=code, message=message, stopped_at=first.step, later=later,
+                resumed_from=second.step, resumed=curve(second.train(MetricsLog(Path(tmp), enabled=False))))
+
+
+@pytest.mark.parametrize("layout", [("parallel.pipeline=2", "parallel.schedule=zbv", "parallel.virtual_stages=2"),
+                                    ("parallel.pipeline=4", "parallel.schedule=zb-h1")],
+                         ids=["zbv-pp2-dp2", "zbh1-pp4"])
+def test_preemption_signal_inside_the_schedule_stops_every_rank_together_and_resumes_exactly(pool, tmp_path,
+                                                                                               layout):
+    """SIGUSR1 to one rank (the last) inside a W slot of step 3: the schedule finishes, every rank agrees at the
+    step's end to stop there, saves and raises StopRun with exit 3; a new Trainer in that run.dir continues
+    from step 3 on the straight run's curve, bit for bit (same processes, same layout)."""
+    steps, stop = 6, 3
+    overrides = [f"train.steps={steps}", "train.micro_batch_size=1", *layout]
+    got = pool.run(preempted_and_resumed, str(tmp_path), overrides, pool.world_size - 1, stop)
+    assert got[-1]["later"] > 0  # slots of step 3 ran after the signal: it did arrive mid-schedule
+    assert all(r["code"] == PREEMPTED_EXIT and r["stopped_at"] == stop == r["resumed_from"] for r in got), got
+    assert "received SIGUSR1" in got[-1]["message"]
+    assert all("another rank received a stop signal" in r["message"] for r in got[:-1])
+    assert read_latest(tmp_path / "preempted" / "checkpoints").name == f"step_{stop:08d}"
+    for r in got:
+        assert r["resumed"] == r["straight"][stop:] and len(r["straight"]) == steps
 
 
 # The five launched layouts against one single-process reference (the same recipe in this process): tiny.yaml's

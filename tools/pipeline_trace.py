@@ -15,7 +15,10 @@ W: p stages' worth at most). Two idle fractions are read from the trace's slots:
 the stage ran, which includes transfers and, when ranks share fewer cores than there are stages, CPU
 contention; and replayed (engine/plan/trace_replay.py), the step's slots rerun in each rank's recorded order,
 each at the shortest duration of its rank's slots of the same work and as soon as its inputs are done,
-transfers free: the schedule's bubble at the slots' real costs, without the cores' waits. `--compare` traces
+transfers free: the schedule's bubble at the slots' real costs, without the cores' waits. A slot's duration
+there is the CPU time its rank's thread spent in it (ScheduleTrace.compute_events; GPU time on CUDA), not
+the wall-clock time, which on shared cores includes the waits for one; each stage's line of slot costs
+gives the F:B:W ratio the replay used. `--compare` traces
 1F1B, interleaved (v = --virtual), ZB-H1 and ZBV in turn and prints a table.
 """
 from __future__ import annotations
@@ -30,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine.plan.bubble import analytic_bubble  # noqa: E402
-from engine.plan.trace_replay import replayed_idle  # noqa: E402
+from engine.plan.trace_replay import replayed_idle, slot_costs  # noqa: E402
 
 
 def bubble_fractions(traces: list[list[tuple]]) -> list[float]:
@@ -80,7 +83,7 @@ def _worker(rank: int, world: int, port: int, args, results) -> None:
         with comm.RECORD.capture() as record:  # one more step, to count its messages
             trainer.train_step()
         sends = sum(1 for e in record if e.op == "send" and e.group == "pp")
-        results.put((trainer.topo.pp_rank, trace.events, trace.peak_live, sends))
+        results.put((trainer.topo.pp_rank, trace.events, trace.compute_events, trace.peak_live, sends))
     finally:
         dist.destroy_process_group()
 
@@ -151,12 +154,13 @@ def main(argv=None) -> int:
 def report(args, gathered: list, table: bool) -> None:
     """Per stage: measured idle fraction, the analytic one, peak live activations (in chunks) and the timeline;
     with `table`, one row for the schedule."""
-    traces = [events for _, events, _, _ in gathered]
+    traces = [events for _, events, _, _, _ in gathered]
+    computed = [events for _, _, events, _, _ in gathered]  # each slot as long as its thread computed
     p, m, v = args.pipeline, args.micro_batches, virtual_of(args)
     expected = analytic_bubble(args.schedule, p, m, v)
     measured = bubble_fractions(traces)
-    replayed = replayed_idle(traces, args.schedule)
-    peaks = [peak for _, _, peak, _ in gathered]
+    replayed = replayed_idle(computed, args.schedule)
+    peaks = [peak for _, _, _, peak, _ in gathered]
     if table:
         print(f"{args.schedule:<12}{v:>2}  {expected:8.3f}  {sum(replayed) / p:14.3f} {max(replayed):8.3f}"
               f"{sum(measured) / p:18.3f} {max(measured):8.3f}"
@@ -167,6 +171,18 @@ def report(args, gathered: list, table: bool) -> None:
     for stage, (line, idle, again, peak) in enumerate(zip(timeline(traces), measured, replayed, peaks)):
         print(f"stage {stage}: replayed bubble {again:.3f}, measured {idle:.3f} (analytic {expected:.3f})  "
               f"peak live micro-batches {peak:>2}  |{line}|")
+    for stage, trace in enumerate(computed):
+        print(f"stage {stage}: slot costs (shortest, ms) {describe_costs(slot_costs(trace))}")
+
+
+def describe_costs(costs: dict) -> str:
+    """F, B and W per chunk as the replay charges them; "BW" is a B that computed its weight gradients too,
+    a B is only the input gradient (its W ran in a slot of its own)."""
+    names = {(kind, split): "B" if kind == "B" and split else "BW" if kind == "B" else kind
+             for kind, _, split in costs}
+    return "  ".join(f"{names[kind, split]}{chunk} {cost * 1e3:.1f}"
+                     for (kind, chunk, split), cost in sorted(costs.items(), key=lambda kv: (kv[0][1], "FBW".index(
+                         kv[0][0]), kv[0][2])))
 
 
 if __name__ == "__main__":
