@@ -1,14 +1,16 @@
 """The dry run (engine/dry_run): its recorded collectives of every rank equal what a real gloo run of the same
 layout records (op, group ranks, dtype, count, shape, peer, order) for TP + SP, CP (allgather, ring, alltoall),
-PP (GPipe, 1F1B, interleaved), ZeRO 0-3, per-unit groups, HSDP and hierarchical reduction; the schedule check
+PP (GPipe, 1F1B, interleaved), ZeRO 0-3, per-unit groups, HSDP and hierarchical reduction, and under host
+offload its device and host bytes too; the schedule check
 names an injected violation of each kind (a skipped all-reduce, two collectives in another order, a receive of
 another shape, a blocking send order that deadlocks); bad --world-size and --ranks are one line and status 2
 before any rank runs."""
 import pytest
 
 from engine.config.schema import load_config, validate
-from engine.dry_run import schedule_check
+from engine.dry_run import report, schedule_check
 from engine.dry_run.__main__ import main, run
+from engine.dry_run.memory import held_bytes
 from engine.dry_run.rank_program import dry_config, event_row
 from engine.train import Trainer
 from parallel import comm
@@ -65,6 +67,48 @@ def test_the_dry_run_records_what_a_real_run_records(pools, world, overrides):
     simulated = run(cfg, world, list(range(world)), 2)
     for rank, result in enumerate(simulated):
         assert comparable(result["events"]) == real[rank], rank
+    assert schedule_check.check({r["rank"]: r["events"] for r in simulated}) == (None, 0)
+
+
+def real_record_and_memory(rank, world, overrides) -> tuple:
+    """real_record and the rank's device and host bytes as the dry run measures them (engine/dry_run/memory.py):
+    the gradients as the optimizer takes them, its state after its first step."""
+    cfg = dry_config(load_config(TINY, [*BASE, *overrides]), world)
+    measured = {}
+    with comm.RECORD.capture() as events:
+        trainer = Trainer(cfg, DistEnv(rank, world))
+        zero_grad = trainer.optimizer.zero_grad
+
+        def measure_then_zero():
+            measured.update(held_bytes(trainer))
+            zero_grad()
+        trainer.optimizer.zero_grad = measure_then_zero
+        trainer.train_step()
+    return comparable(event_row(e) for e in events), measured
+
+
+OFFLOAD = [
+    (2, ["optim.offload_fraction=0.5", "optim.offload_overlap=false", "train.precision=bf16"]),
+    (2, ["optim.offload_fraction=0.5", "optim.offload_overlap=true", "train.precision=bf16"]),
+    (2, ["optim.offload_fraction=1", "optim.offload_overlap=true", "parallel.zero_stage=1", "train.precision=bf16"]),
+    (2, ["optim.offload_fraction=0.6", "optim.offload_overlap=false", "parallel.zero_stage=3"]),
+    (4, ["optim.offload_fraction=0.5", "optim.offload_overlap=true", "parallel.pipeline=2", "parallel.zero_stage=2"]),
+]
+
+
+@pytest.mark.parametrize("world,overrides", OFFLOAD, ids=[" ".join(o) for _, o in OFFLOAD])
+def test_under_offload_the_dry_run_records_and_holds_what_a_real_run_does(pools, world, overrides):
+    # the host buffers are meta where the parameters are (engine/optim/offload.host_of); the host copies are no
+    # collective, so the schedule is the one a real run records, and the host bytes stay out of the device's
+    real = pools[world].run(real_record_and_memory, overrides)
+    cfg = dry_config(load_config(TINY, [*BASE, *overrides]), world)
+    simulated = run(cfg, world, list(range(world)), 2)
+    for rank, result in enumerate(simulated):
+        events, memory = real[rank]
+        assert comparable(result["events"]) == events, rank
+        assert result["memory"] == memory and memory["host"] > 0, (rank, result["memory"], memory)
+        want = report.rank_report(cfg, world, result)
+        assert want["memory_equal"] and not want["volume_differences"], want
     assert schedule_check.check({r["rank"]: r["events"] for r in simulated}) == (None, 0)
 
 

@@ -1,5 +1,5 @@
-"""The dry run's per-rank report: parameter, gradient and optimizer bytes from the meta tensors against
-engine/memory_estimate.py (equal, byte for byte), bytes per group of the training step against the planner's
+"""The dry run's per-rank report: parameter, gradient and optimizer bytes on the device and optimizer bytes in host
+memory (optim.offload_fraction) from the meta tensors against engine/memory_estimate.py (equal, byte for byte), bytes per group of the training step against the planner's
 volumes (engine/plan/volumes.py), communicators, and build and step seconds; a console table and a JSON file."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from engine.config.schema import Config, data_parallel_size
 from engine.dry_run.memory import estimated_bytes
 from engine.plan import volumes
 
-MEMORY = ("parameters", "gradients", "optimizer")
+MEMORY = ("parameters", "gradients", "optimizer", "host")
 SMALL = 2**16  # the loss's statistics and the gradient norm: scalars the planner does not count
 
 
@@ -80,13 +80,14 @@ def mib(n: float) -> str:
 def table(reports: list, limit: int = 24) -> str:
     """The console table: one line per rank (the first `limit` and the last), MiB."""
     head = (f"{'rank':>6} {'tp':>3} {'cp':>3} {'pp':>3} {'dp':>4} {'params MiB':>11} {'grads MiB':>10} "
-            f"{'optim MiB':>10} {'act MiB':>9} {'= est':>5} {'volumes':>8} {'ops':>6} {'comms':>5} {'build s':>7}")
+            f"{'optim MiB':>10} {'host MiB':>9} {'act MiB':>9} {'= est':>5} {'volumes':>8} {'ops':>6} {'comms':>5} {'build s':>7}")
     shown = reports if len(reports) <= limit else reports[:limit - 1] + reports[-1:]
     lines = [head]
     for r in shown:
         c, m = r["coords"], r["memory"]
         lines.append(f"{r['rank']:>6} {c['tp']:>3} {c['cp']:>3} {c['pp']:>3} {c['dp']:>4} {mib(m['parameters']):>11} "
-                     f"{mib(m['gradients']):>10} {mib(m['optimizer']):>10} {mib(r['estimate']['activations']):>9} "
+                     f"{mib(m['gradients']):>10} {mib(m['optimizer']):>10} {mib(m['host']):>9} "
+                     f"{mib(r['estimate']['activations']):>9} "
                      f"{'yes' if r['memory_equal'] else 'NO':>5} "
                      f"{'equal' if not r['volume_differences'] else 'DIFFER':>8} "
                      f"{r['collectives']:>6} {r['communicators']:>5} {r['build_s']:>7.2f}")
