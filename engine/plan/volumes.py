@@ -124,9 +124,11 @@ def per_micro_batch(cfg: Config, stage: int, world_size: int, gpus_per_node: int
         again = cfg.train.recompute != "none"  # both recomputations run the core again, a ring's shifts with it
         if p.context_attention == "alltoall":  # q, k, v to heads and the output back, forward and backward
             q = m.num_attention_heads // t * m.head_dim
-            passes = 3 if full else 2
-            out += [Collective("cp", "all_to_all", tokens(cfg) * q * e, 2 * passes * layers, c, cp_link),
-                    Collective("cp", "all_to_all", tokens(cfg) * kv * e, 2 * passes * layers, c, cp_link)]
+            # a recomputation runs q, k and v's exchange again; selective's stops once the attention kernel's
+            # saved tensors are rebuilt (torch's checkpoint stops early), before the output's exchange
+            queries, keys = 4 + (2 if full else 1 if again else 0), 4 + (2 if again else 0)
+            out += [Collective("cp", "all_to_all", tokens(cfg) * q * e, queries * layers, c, cp_link),
+                    Collective("cp", "all_to_all", tokens(cfg) * kv * e, keys * layers, c, cp_link)]
         elif p.context_attention == "ring":  # each forward shifts keys and values c - 1 times round the ring,
             block = tokens(cfg) * 2 * kv  # the backward their gradients (accumulated in fp32 below fp32)
             out += [Collective("cp", "p2p", block * e, (c - 1) * layers * (2 if again else 1), 2, cp_link),
