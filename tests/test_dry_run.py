@@ -194,6 +194,15 @@ def test_cp_alltoall_under_selective_recomputation_exchanges_as_the_planner_coun
     assert "dry run: PASS" in out and "volumes differ" not in out, out[-2000:]
 
 
+def test_cp_alltoall_exchanges_the_repeated_kv_heads_as_the_planner_counts(capsys, tmp_path):
+    # 2 KV heads over CP 4 are repeated to 4 before the exchange: the planner counted 2 (found by the dry-run
+    # sweep: 70B shape, TP 4 × CP 4 alltoall, 44% more than planned)
+    assert main(["--config", TINY, "--world-size", "4", "--jobs", "2", f"run.dir={tmp_path}", "parallel.context=4",
+                 "parallel.context_attention=alltoall", "model.hidden_size=2048"]) == 0
+    out = capsys.readouterr().out
+    assert "dry run: PASS" in out and "volumes differ" not in out, out[-2000:]
+
+
 def test_zbv_transfers_on_the_ranks_of_the_vs_ends_and_turn_equal_the_planners(capsys, tmp_path):
     # under zbv rank 0 holds the model's first and last chunk and the last rank the two that meet at the V's
     # turn: each crosses on 2 chunk sides, not 3 (found by the dry-run sweep: PP 8 and 16, 50% more planned)
@@ -201,6 +210,25 @@ def test_zbv_transfers_on_the_ranks_of_the_vs_ends_and_turn_equal_the_planners(c
                  "parallel.pipeline=4", "parallel.schedule=zbv", "parallel.virtual_stages=2"]) == 0
     out = capsys.readouterr().out
     assert "dry run: PASS" in out and "volumes differ" not in out, out[-2000:]
+
+
+def test_tp_replicated_gradients_are_summed_over_tp_at_dp_1_under_zero_as_the_planner_counts(capsys, tmp_path):
+    # at DP × CP = 1 the planner counted no data-parallel collective for ZeRO >= 1, the TP sum of the norms'
+    # gradients under sequence parallelism included (found by the dry-run sweep: TP 2 × PP 16 × DP 1, ZeRO-3)
+    assert main(["--config", TINY, "--world-size", "2", "--jobs", "2", f"run.dir={tmp_path}", "parallel.tensor=2",
+                 "parallel.sequence_parallel=true", "parallel.zero_stage=1", "model.hidden_size=2048"]) == 0
+    out = capsys.readouterr().out
+    assert "dry run: PASS" in out and "volumes differ" not in out, out[-2000:]
+
+
+def test_offload_spares_are_estimated_per_shard_where_no_tp_summed_element_is(capsys, tmp_path):
+    # a ZeRO shard without the norms' TP-summed elements is stepped during backward and holds spares; the estimate
+    # judged the whole unit, so no rank had any (found by the dry-run sweep: TP 2 + SP, DP 512, 60% more host)
+    assert main(["--config", TINY, "--world-size", "8", "--jobs", "2", f"run.dir={tmp_path}", "parallel.tensor=2",
+                 "parallel.sequence_parallel=true", "parallel.zero_stage=1", "train.precision=bf16",
+                 "optim.offload_fraction=1", "optim.offload_overlap=true"]) == 0
+    out = capsys.readouterr().out
+    assert "dry run: PASS" in out and "memory differs" not in out, out[-2000:]
 
 
 @pytest.mark.parametrize("arguments,named", [

@@ -1,5 +1,6 @@
 """The dry run's per-rank report: parameter, gradient and optimizer bytes on the device and optimizer bytes in host
-memory (optim.offload_fraction) from the meta tensors against engine/memory_estimate.py (equal, byte for byte), bytes per group of the training step against the planner's
+memory (optim.offload_fraction) from the meta tensors against engine/memory_estimate.py (equal, byte for byte),
+bytes per group of the training step against the planner's
 volumes (engine/plan/volumes.py), communicators, and build and step seconds; a console table and a JSON file."""
 from __future__ import annotations
 
@@ -94,7 +95,8 @@ def mib(n: float) -> str:
 def table(reports: list, limit: int = 24) -> str:
     """The console table: one line per rank (the first `limit` and the last), MiB."""
     head = (f"{'rank':>6} {'tp':>3} {'cp':>3} {'pp':>3} {'dp':>4} {'params MiB':>11} {'grads MiB':>10} "
-            f"{'optim MiB':>10} {'host MiB':>9} {'act MiB':>9} {'= est':>5} {'volumes':>8} {'ops':>6} {'comms':>5} {'build s':>7}")
+            f"{'optim MiB':>10} {'host MiB':>9} {'act MiB':>9} {'= est':>5} {'volumes':>8} {'ops':>6} {'comms':>5} "
+            f"{'build s':>7}")
     shown = reports if len(reports) <= limit else reports[:limit - 1] + reports[-1:]
     lines = [head]
     for r in shown:
