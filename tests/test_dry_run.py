@@ -5,6 +5,8 @@ offload its device and host bytes too; the schedule check
 names an injected violation of each kind (a skipped all-reduce, two collectives in another order, a receive of
 another shape, a blocking send order that deadlocks); bad --world-size and --ranks are one line and status 2
 before any rank runs."""
+import json
+
 import pytest
 
 from engine.config.schema import load_config, validate
@@ -13,6 +15,7 @@ from engine.dry_run.__main__ import main, run
 from engine.dry_run.memory import held_bytes
 from engine.dry_run.rank_program import dry_config, event_row
 from engine.train import Trainer
+from tools import dry_run_sweep
 from parallel import comm
 from parallel.distributed import DistEnv
 from tests.distributed import worker_pools
@@ -229,6 +232,30 @@ def test_offload_spares_are_estimated_per_shard_where_no_tp_summed_element_is(ca
                  "optim.offload_fraction=1", "optim.offload_overlap=true"]) == 0
     out = capsys.readouterr().out
     assert "dry run: PASS" in out and "memory differs" not in out, out[-2000:]
+
+
+def test_the_sweep_prints_a_line_per_layout_refuses_the_invalid_and_writes_json(capsys, tmp_path):
+    # tools/dry_run_sweep.py on a 4-layout matrix: 2 layers cannot make PP 2's 4 chunks (interleaved, zbv)
+    path = tmp_path / "sweep.json"
+    assert dry_run_sweep.main(["--config", TINY, "--tp", "1,2", "--cp", "1", "--pp", "1,2", "--max-world", "4",
+                               "--jobs", "2", "--json", str(path), "model.num_layers=2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines[1:-1]] == ["PASS", "REFUSED", "PASS", "REFUSED"], lines
+    assert "model.num_layers=2 is fewer than parallel.pipeline × virtual_stages" in lines[2], lines[2]
+    assert lines[-1].startswith("dry run sweep: 4 layouts, 2 PASS, 2 refused as invalid, 0 FAIL"), lines[-1]
+    result = json.loads(path.read_text())
+    assert (result["PASS"], result["REFUSED"], result["FAIL"]) == (2, 2, 0)
+    assert [r["ranks"] for r in result["results"]] == [[0, 3], [], [0, 3], []]
+
+
+@pytest.mark.parametrize("arguments,named", [
+    (["--tp", "1,x"], "--tp 1,x: give sizes as a comma-separated list"),
+    (["--pp", "0"], "--pp 0: every size must be at least 1"),
+])
+def test_the_sweeps_bad_input_is_one_line(capsys, arguments, named):
+    assert dry_run_sweep.main(["--config", TINY, *arguments]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and named in err, err
 
 
 @pytest.mark.parametrize("arguments,named", [
