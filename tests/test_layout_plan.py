@@ -386,13 +386,13 @@ def test_dry_run_fails_and_names_the_volume_when_the_prediction_is_off(capsys, m
     import tools.plan_layout
     from engine.dry_run import report
     planned = report.planned_volumes
-    monkeypatch.setattr(report, "planned_volumes", lambda *a: {k: 1.5 * b if k == ("tp", "all_gather") else b
+    monkeypatch.setattr(report, "planned_volumes", lambda *a: {k: 1.5 * b if k == ("pp", "p2p") else b
                                                                for k, b in planned(*a).items()})
     assert tools.plan_layout.main(DRY_RUN) == 1
     lines = dry_run_lines(capsys.readouterr().out)
     assert len(lines) == 2 and all(": FAIL (4 ranks, " in line for line in lines), lines
-    for line in lines:  # the largest difference first: the all-gather the prediction overstates by half
-        got, want = re.search(r": rank \d+ tp all_gather: recorded (\d+) B, planned (\d+) B", line).groups()
+    for line in lines:  # the largest difference first: the pipeline transfers the prediction overstates by half
+        got, want = re.search(r": rank \d+ pp p2p: recorded (\d+) B, planned (\d+) B", line).groups()
         assert int(want) == 1.5 * int(got) > 0, line
 
 
