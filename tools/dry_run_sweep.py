@@ -54,6 +54,8 @@ def main(argv=None) -> int:
     parser.add_argument("--pp", default="1,2,4,8,16", help="pipeline sizes (default 1,2,4,8,16)")
     parser.add_argument("--max-dp", type=int, default=512, help="largest data-parallel size (default 512)")
     parser.add_argument("--max-world", type=int, default=4096, help="largest world size (default 4096)")
+    parser.add_argument("--phase", type=int, default=0, help="shift every setting's cycle by this many layouts: "
+                        "the same TP × CP × PP with other settings (default 0)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="ranks simulated at once")
     parser.add_argument("--timeout", type=int, default=900, help="seconds a layout may run before it counts as hung")
     parser.add_argument("--json", type=Path, help="also write every layout's result and the summary here")
@@ -62,6 +64,8 @@ def main(argv=None) -> int:
     try:
         tps, cps, pps = sizes("--tp", args.tp), sizes("--cp", args.cp), sizes("--pp", args.pp)
         load_config(args.config, args.overrides)
+        if args.phase < 0:
+            raise ConfigError(f"--phase {args.phase}: give 0 or more")
         for flag, value in (("--max-dp", args.max_dp), ("--max-world", args.max_world), ("--jobs", args.jobs),
                             ("--timeout", args.timeout)):
             if value < 1:
@@ -69,7 +73,7 @@ def main(argv=None) -> int:
     except ConfigError as exc:
         print(f"trilith: configuration error: {exc}", file=sys.stderr)
         return 2
-    cases = matrix(tps, cps, pps, args.max_dp, args.max_world)
+    cases = matrix(tps, cps, pps, args.max_dp, args.max_world, args.phase)
     print(f"dry run sweep: {len(cases)} layouts of {args.config}, {args.jobs} ranks at a time", flush=True)
     start, cpu = time.perf_counter(), cpu_seconds()
     results = []
@@ -82,7 +86,8 @@ def main(argv=None) -> int:
             print(f"{result['status']:<7} {case.name()} at {case.world} ranks ({len(result['ranks'])} simulated, "
                   f"{result['wall_s']} s): {result['line']}", flush=True)
     counts = {s: sum(r["status"] == s for r in results) for s in ("PASS", "REFUSED", "FAIL")}
-    summary = {"config": args.config, "overrides": args.overrides, "layouts": len(results), **counts,
+    summary = {"config": args.config, "overrides": args.overrides, "phase": args.phase, "layouts": len(results),
+               **counts,
                "ranks_simulated": sum(len(r["ranks"]) for r in results),
                "wall_s": round(time.perf_counter() - start, 1), "cpu_s": round(cpu_seconds() - cpu, 1)}
     print(f"dry run sweep: {summary['layouts']} layouts, {counts['PASS']} PASS, {counts['REFUSED']} refused as "

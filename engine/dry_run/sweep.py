@@ -70,14 +70,16 @@ class Case:
                 "train.micro_batch_size=1", f"train.global_batch_size={micro * self.dp}"]
 
 
-def matrix(tps: list[int], cps: list[int], pps: list[int], max_dp: int, max_world: int) -> list[Case]:
-    """The cases (module docstring); a TP × CP × PP above `max_world` is left out."""
+def matrix(tps: list[int], cps: list[int], pps: list[int], max_dp: int, max_world: int,
+           phase: int = 0) -> list[Case]:
+    """The cases (module docstring); a TP × CP × PP above `max_world` is left out. `phase` shifts every cycle,
+    pairing each TP × CP × PP with other settings."""
     cases = []
     for tp, cp, pp in itertools.product(tps, cps, pps):
         fixed = tp * cp * pp
         if fixed > max_world:
             continue
-        i = len(cases)
+        i = len(cases) + phase
         largest = min(max_dp, max_world // fixed)
         dp = min(largest, (largest, 16, 2, 1)[i % 4])
         schedule, virtual = SCHEDULES[i % len(SCHEDULES)]
