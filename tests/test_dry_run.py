@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from engine.config.schema import load_config, validate
+from engine.config.schema import load_config
 from engine.dry_run import report, schedule_check
 from engine.dry_run.__main__ import main, run
 from engine.dry_run.memory import held_bytes
