@@ -190,13 +190,17 @@ def state_bytes(cfg: Config, units: list, shard_size: int, shard_rank: int | Non
     split = e != FP32
     weights = grads = largest = 0
     optim = [0] * shard_size  # per rank: Muon's elements hold one fp32 buffer, not two moments
-    spares = 0
+    spares = [0] * shard_size  # per rank: elements of the offloaded shards it steps during backward
     fp32_held = [0] * shard_size  # per rank: elements of the units' fp32 norm segments its shards hold
     staging = [0] * shard_size  # per rank: the offloaded units' 16-bit gradient staging buffers (offload.HostGrad)
     # the blocks' units are equal: each distinct (unit, placement) is counted once, times how often it occurs
     for (unit, host), times in Counter(zip(units, on_host)).items():
-        if host and cfg.optim.offload_overlap != "false" and not tp_summed_later(cfg, unit):
-            spares += times * -(-max(sum(n for _, n in unit), 1) // shard_size)
+        if host and cfg.optim.offload_overlap != "false":  # a shard holding TP-summed elements is not stepped early
+            summed = replicated_in_shards(unit, tuple(split and reduces_in_fp32(name, cfg.parallel.fp32_reduce)
+                                                      for name, _ in unit),
+                                          tuple(tp_summed_later(cfg, [x]) for x in unit), shard_size)
+            spares = [a + times * -(-max(sum(n for _, n in unit), 1) // shard_size) * (k == 0)
+                      for a, k in zip(spares, summed)]
         numel = sum(n for _, n in unit)
         fp32_numel = sum(n for name, n in unit if split and reduces_in_fp32(name, cfg.parallel.fp32_reduce))
         shard = -(-max(numel, 1) // shard_size)
@@ -219,7 +223,8 @@ def state_bytes(cfg: Config, units: list, shard_size: int, shard_rank: int | Non
     grads += FP32 * (max(fp32_held) if shard_rank is None else fp32_held[shard_rank])
     optim = max(optim) if shard_rank is None else optim[shard_rank]
     return weights, grads, optim, largest, HOST_STATE * sum(s for s, host in zip(shards, on_host) if host) + \
-        HOST_SPARE * spares + (max(staging) if shard_rank is None else staging[shard_rank])
+        HOST_SPARE * (max(spares) if shard_rank is None else spares[shard_rank]) + \
+        (max(staging) if shard_rank is None else staging[shard_rank])
 
 
 def staging_bytes(e: int, numel: int, fp32_numel: int = 0) -> int:
@@ -346,6 +351,21 @@ def tp_summed_later(cfg: Config, unit: list) -> bool:
     return any((p.sequence_parallel and "norm" in name) or (m.kv_heads < p.tensor and ("k_proj" in name or
                                                                                       "v_proj" in name))
                for name, _ in unit)
+
+
+@functools.lru_cache(maxsize=4096)
+def replicated_in_shards(unit: tuple, fp32_last: tuple, replicated: tuple, shard_size: int) -> tuple:
+    """Per shard: elements of the `replicated` parameters of `unit` in it, laid out as parallel/fsdp_units does
+    (the fp32-reduced ones, `fp32_last`, at the end)."""
+    shard = -(-max(sum(n for _, n in unit), 1) // shard_size)
+    placed = sorted(zip(unit, replicated, fp32_last), key=lambda x: x[2])
+    out = [0] * shard_size
+    offset = 0
+    for (_, n), is_replicated, _ in placed:
+        for rank in range(offset // shard, -(-(offset + n) // shard)) if is_replicated else ():
+            out[rank] += min((rank + 1) * shard, offset + n) - max(rank * shard, offset)
+        offset += n
+    return tuple(out)
 
 
 # -- activations ---------------------------------------------------------------------------------------

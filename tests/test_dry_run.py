@@ -1,16 +1,21 @@
 """The dry run (engine/dry_run): its recorded collectives of every rank equal what a real gloo run of the same
 layout records (op, group ranks, dtype, count, shape, peer, order) for TP + SP, CP (allgather, ring, alltoall),
-PP (GPipe, 1F1B, interleaved), ZeRO 0-3, per-unit groups, HSDP and hierarchical reduction; the schedule check
+PP (GPipe, 1F1B, interleaved), ZeRO 0-3, per-unit groups, HSDP and hierarchical reduction, and under host
+offload its device and host bytes too; the schedule check
 names an injected violation of each kind (a skipped all-reduce, two collectives in another order, a receive of
 another shape, a blocking send order that deadlocks); bad --world-size and --ranks are one line and status 2
 before any rank runs."""
+import json
+
 import pytest
 
-from engine.config.schema import load_config, validate
-from engine.dry_run import schedule_check
+from engine.config.schema import load_config
+from engine.dry_run import report, schedule_check
 from engine.dry_run.__main__ import main, run
+from engine.dry_run.memory import held_bytes
 from engine.dry_run.rank_program import dry_config, event_row
 from engine.train import Trainer
+from tools import dry_run_sweep
 from parallel import comm
 from parallel.distributed import DistEnv
 from tests.distributed import worker_pools
@@ -65,6 +70,48 @@ def test_the_dry_run_records_what_a_real_run_records(pools, world, overrides):
     simulated = run(cfg, world, list(range(world)), 2)
     for rank, result in enumerate(simulated):
         assert comparable(result["events"]) == real[rank], rank
+    assert schedule_check.check({r["rank"]: r["events"] for r in simulated}) == (None, 0)
+
+
+def real_record_and_memory(rank, world, overrides) -> tuple:
+    """real_record and the rank's device and host bytes as the dry run measures them (engine/dry_run/memory.py):
+    the gradients as the optimizer takes them, its state after its first step."""
+    cfg = dry_config(load_config(TINY, [*BASE, *overrides]), world)
+    measured = {}
+    with comm.RECORD.capture() as events:
+        trainer = Trainer(cfg, DistEnv(rank, world))
+        zero_grad = trainer.optimizer.zero_grad
+
+        def measure_then_zero():
+            measured.update(held_bytes(trainer))
+            zero_grad()
+        trainer.optimizer.zero_grad = measure_then_zero
+        trainer.train_step()
+    return comparable(event_row(e) for e in events), measured
+
+
+OFFLOAD = [
+    (2, ["optim.offload_fraction=0.5", "optim.offload_overlap=false", "train.precision=bf16"]),
+    (2, ["optim.offload_fraction=0.5", "optim.offload_overlap=true", "train.precision=bf16"]),
+    (2, ["optim.offload_fraction=1", "optim.offload_overlap=true", "parallel.zero_stage=1", "train.precision=bf16"]),
+    (2, ["optim.offload_fraction=0.6", "optim.offload_overlap=false", "parallel.zero_stage=3"]),
+    (4, ["optim.offload_fraction=0.5", "optim.offload_overlap=true", "parallel.pipeline=2", "parallel.zero_stage=2"]),
+]
+
+
+@pytest.mark.parametrize("world,overrides", OFFLOAD, ids=[" ".join(o) for _, o in OFFLOAD])
+def test_under_offload_the_dry_run_records_and_holds_what_a_real_run_does(pools, world, overrides):
+    # the host buffers are meta where the parameters are (engine/optim/offload.host_of); the host copies are no
+    # collective, so the schedule is the one a real run records, and the host bytes stay out of the device's
+    real = pools[world].run(real_record_and_memory, overrides)
+    cfg = dry_config(load_config(TINY, [*BASE, *overrides]), world)
+    simulated = run(cfg, world, list(range(world)), 2)
+    for rank, result in enumerate(simulated):
+        events, memory = real[rank]
+        assert comparable(result["events"]) == events, rank
+        assert result["memory"] == memory and memory["host"] > 0, (rank, result["memory"], memory)
+        want = report.rank_report(cfg, world, result)
+        assert want["memory_equal"] and not want["volume_differences"], want
     assert schedule_check.check({r["rank"]: r["events"] for r in simulated}) == (None, 0)
 
 
@@ -139,6 +186,76 @@ def test_cp_allgather_under_selective_recomputation_gathers_twice_as_the_planner
                  "train.recompute=selective"]) == 0
     out = capsys.readouterr().out
     assert "dry run: PASS" in out and "volumes differ" not in out, out[-2000:]
+
+
+def test_cp_alltoall_under_selective_recomputation_exchanges_as_the_planner_counts(capsys, tmp_path):
+    # the recomputed core exchanges q, k and v again but not the output (torch's checkpoint stops early): the
+    # planner counted neither (found by the dry-run sweep: 70B shape, CP 2 alltoall, 28% more than planned)
+    assert main(["--config", TINY, "--world-size", "2", "--jobs", "2", f"run.dir={tmp_path}", "parallel.context=2",
+                 "parallel.context_attention=alltoall", "train.recompute=selective"]) == 0
+    out = capsys.readouterr().out
+    assert "dry run: PASS" in out and "volumes differ" not in out, out[-2000:]
+
+
+def test_cp_alltoall_exchanges_the_repeated_kv_heads_as_the_planner_counts(capsys, tmp_path):
+    # 2 KV heads over CP 4 are repeated to 4 before the exchange: the planner counted 2 (found by the dry-run
+    # sweep: 70B shape, TP 4 × CP 4 alltoall, 44% more than planned)
+    assert main(["--config", TINY, "--world-size", "4", "--jobs", "2", f"run.dir={tmp_path}", "parallel.context=4",
+                 "parallel.context_attention=alltoall", "model.hidden_size=2048"]) == 0
+    out = capsys.readouterr().out
+    assert "dry run: PASS" in out and "volumes differ" not in out, out[-2000:]
+
+
+def test_zbv_transfers_on_the_ranks_of_the_vs_ends_and_turn_equal_the_planners(capsys, tmp_path):
+    # under zbv rank 0 holds the model's first and last chunk and the last rank the two that meet at the V's
+    # turn: each crosses on 2 chunk sides, not 3 (found by the dry-run sweep: PP 8 and 16, 50% more planned)
+    assert main(["--config", TINY, "--world-size", "4", "--jobs", "2", f"run.dir={tmp_path}", "model.num_layers=8",
+                 "parallel.pipeline=4", "parallel.schedule=zbv", "parallel.virtual_stages=2"]) == 0
+    out = capsys.readouterr().out
+    assert "dry run: PASS" in out and "volumes differ" not in out, out[-2000:]
+
+
+def test_tp_replicated_gradients_are_summed_over_tp_at_dp_1_under_zero_as_the_planner_counts(capsys, tmp_path):
+    # at DP × CP = 1 the planner counted no data-parallel collective for ZeRO >= 1, the TP sum of the norms'
+    # gradients under sequence parallelism included (found by the dry-run sweep: TP 2 × PP 16 × DP 1, ZeRO-3)
+    assert main(["--config", TINY, "--world-size", "2", "--jobs", "2", f"run.dir={tmp_path}", "parallel.tensor=2",
+                 "parallel.sequence_parallel=true", "parallel.zero_stage=1", "model.hidden_size=2048"]) == 0
+    out = capsys.readouterr().out
+    assert "dry run: PASS" in out and "volumes differ" not in out, out[-2000:]
+
+
+def test_offload_spares_are_estimated_per_shard_where_no_tp_summed_element_is(capsys, tmp_path):
+    # a ZeRO shard without the norms' TP-summed elements is stepped during backward and holds spares; the estimate
+    # judged the whole unit, so no rank had any (found by the dry-run sweep: TP 2 + SP, DP 512, 60% more host)
+    assert main(["--config", TINY, "--world-size", "8", "--jobs", "2", f"run.dir={tmp_path}", "parallel.tensor=2",
+                 "parallel.sequence_parallel=true", "parallel.zero_stage=1", "train.precision=bf16",
+                 "optim.offload_fraction=1", "optim.offload_overlap=true"]) == 0
+    out = capsys.readouterr().out
+    assert "dry run: PASS" in out and "memory differs" not in out, out[-2000:]
+
+
+def test_the_sweep_prints_a_line_per_layout_refuses_the_invalid_and_writes_json(capsys, tmp_path):
+    # tools/dry_run_sweep.py on a 4-layout matrix: 2 layers cannot make PP 2's 4 chunks (interleaved, zbv)
+    path = tmp_path / "sweep.json"
+    assert dry_run_sweep.main(["--config", TINY, "--tp", "1,2", "--cp", "1", "--pp", "1,2", "--max-world", "4",
+                               "--jobs", "2", "--json", str(path), "model.num_layers=2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines[1:-1]] == ["PASS", "REFUSED", "PASS", "REFUSED"], lines
+    assert "model.num_layers=2 is fewer than parallel.pipeline × virtual_stages" in lines[2], lines[2]
+    assert lines[-1].startswith("dry run sweep: 4 layouts, 2 PASS, 2 refused as invalid, 0 FAIL"), lines[-1]
+    result = json.loads(path.read_text())
+    assert (result["PASS"], result["REFUSED"], result["FAIL"]) == (2, 2, 0)
+    assert [r["ranks"] for r in result["results"]] == [[0, 3], [], [0, 3], []]
+
+
+@pytest.mark.parametrize("arguments,named", [
+    (["--tp", "1,x"], "--tp 1,x: give sizes as a comma-separated list"),
+    (["--pp", "0"], "--pp 0: every size must be at least 1"),
+])
+def test_the_sweeps_bad_input_is_one_line(capsys, arguments, named):
+    assert dry_run_sweep.main(["--config", TINY, *arguments]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and named in err, err
 
 
 @pytest.mark.parametrize("arguments,named", [

@@ -368,17 +368,31 @@ def test_dry_run_checks_the_best_layouts_as_docs_planner_shows(capsys):
     assert "--dry-run 100000: only" in capsys.readouterr().err
 
 
+def test_verify_across_nodes_dry_runs_the_layouts_it_cannot_run_here(capsys):
+    # the runs need the cluster (their launch lines are printed); the dry run checks them on this CPU first
+    import tools.plan_layout
+    args = ["--config", "launch/configs/tiny.yaml", "--nodes", "2", "--gpus-per-node", "2", "train.device=cpu",
+            "--verify", "1"]
+    assert tools.plan_layout.main(args) == 0
+    out = capsys.readouterr().out
+    lines = dry_run_lines(out)
+    assert len(lines) == 1 and ": PASS (4 ranks, " in lines[0], out[-2000:]
+    assert "on the cluster launch each of these" in out
+    assert tools.plan_layout.main(args[:-1] + ["100000"]) == 2
+    assert "--verify 100000: only" in capsys.readouterr().err
+
+
 def test_dry_run_fails_and_names_the_volume_when_the_prediction_is_off(capsys, monkeypatch):
     import tools.plan_layout
     from engine.dry_run import report
     planned = report.planned_volumes
-    monkeypatch.setattr(report, "planned_volumes", lambda *a: {k: 1.5 * b if k == ("tp", "all_gather") else b
+    monkeypatch.setattr(report, "planned_volumes", lambda *a: {k: 1.5 * b if k == ("pp", "p2p") else b
                                                                for k, b in planned(*a).items()})
     assert tools.plan_layout.main(DRY_RUN) == 1
     lines = dry_run_lines(capsys.readouterr().out)
     assert len(lines) == 2 and all(": FAIL (4 ranks, " in line for line in lines), lines
-    for line in lines:  # the largest difference first: the all-gather the prediction overstates by half
-        got, want = re.search(r": rank \d+ tp all_gather: recorded (\d+) B, planned (\d+) B", line).groups()
+    for line in lines:  # the largest difference first: the pipeline transfers the prediction overstates by half
+        got, want = re.search(r": rank \d+ pp p2p: recorded (\d+) B, planned (\d+) B", line).groups()
         assert int(want) == 1.5 * int(got) > 0, line
 
 

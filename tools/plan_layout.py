@@ -12,6 +12,7 @@ rank's memory estimate exceeds --gpu-memory less --margin, predicts each one's s
 winner as section.key=value overrides for launch/run_pretrain.sh. --calibrate records a profile on this
 machine's devices (tools/plan_calibrate.py); --verify K runs the K best for a few steps through
 launch/run_pretrain.sh and prints predicted against measured step time and peak memory (tools/plan_verify.py);
+across nodes it prints their launch lines and dry-runs them here (as --dry-run K, unless that is given);
 --dry-run K simulates a covering sample of the K best's ranks on one CPU and checks their schedule, memory and
 volumes against the estimate and the plan (tools/plan_dry_run.py).
 docs/planner.md explains the model.
@@ -89,8 +90,10 @@ def main(argv=None) -> int:
         return 2
     world = args.nodes * args.gpus_per_node
     result = plan(cfg, world, profile, device_memory, args.gpus_per_node, margin=args.margin)
-    if result.ranked and args.dry_run > len(result.ranked):
-        print(f"plan_layout: --dry-run {args.dry_run}: only {len(result.ranked)} layouts fit; give at most "
+    # --verify across nodes cannot run here: what this machine can check of those layouts is their dry run
+    flag, dry = ("--dry-run", args.dry_run) if args.dry_run or args.nodes == 1 else ("--verify", args.verify)
+    if result.ranked and dry > len(result.ranked):
+        print(f"plan_layout: {flag} {dry}: only {len(result.ranked)} layouts fit; give at most "
               f"{len(result.ranked)}", file=sys.stderr)
         return 2
     m = cfg.model
@@ -110,9 +113,9 @@ def main(argv=None) -> int:
     print("the fastest as overrides for launch/run_pretrain.sh:")
     print("  " + " ".join(overrides(cfg, best.layout, world)))
     status = 0
-    if args.dry_run:
+    if dry:
         from tools.plan_dry_run import dry_run
-        status = dry_run(result.ranked[:args.dry_run], world)
+        status = dry_run(result.ranked[:dry], world)
     if args.verify:
         from tools.plan_verify import verify
         status = max(status, verify(args.config, args.overrides, result.ranked[:args.verify], world, profile,

@@ -1,5 +1,6 @@
-"""The dry run's per-rank report: parameter, gradient and optimizer bytes from the meta tensors against
-engine/memory_estimate.py (equal, byte for byte), bytes per group of the training step against the planner's
+"""The dry run's per-rank report: parameter, gradient and optimizer bytes on the device and optimizer bytes in host
+memory (optim.offload_fraction) from the meta tensors against engine/memory_estimate.py (equal, byte for byte),
+bytes per group of the training step against the planner's
 volumes (engine/plan/volumes.py), communicators, and build and step seconds; a console table and a JSON file."""
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from pathlib import Path
 from engine.config.schema import Config, data_parallel_size
 from engine.dry_run.memory import estimated_bytes
 from engine.plan import volumes
+from parallel.zero_bubble_plan import stage_of
 
-MEMORY = ("parameters", "gradients", "optimizer")
+MEMORY = ("parameters", "gradients", "optimizer", "host")
 SMALL = 2**16  # the loss's statistics and the gradient norm: scalars the planner does not count
 
 
@@ -31,17 +33,30 @@ _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "
           "int16": 2, "int8": 1}
 
 
+def crossing_sides(cfg: Config, stage: int) -> int:
+    """How many of the two sides (input, output) of the model chunks pipeline rank `stage` holds face a chunk on
+    another rank: all but the model's first input and last output under 1F1B and the interleaved schedules
+    (rank s holds chunks s, s + p, ...), and under zbv (a V: rank s holds chunks s and 2p - 1 - s) also not the
+    last rank's two middle chunks, which meet on it, while rank 0 holds both of the model's ends."""
+    p, v = cfg.parallel.pipeline, cfg.parallel.virtual_stages
+    held = [stage_of(cfg.parallel.schedule, p, stage, k) for k in range(v)] if cfg.parallel.schedule == "zbv" \
+        else [stage + k * p for k in range(v)]
+    rank = {j: s for s in range(p) for j in ([stage_of("zbv", p, s, k) for k in range(v)]
+                                             if cfg.parallel.schedule == "zbv" else range(s, v * p, p))}
+    return sum(0 <= j + d < v * p and rank[j + d] != stage for j in held for d in (-1, 1))
+
+
 def planned_volumes(cfg: Config, world_size: int, stage: int, shard_rank: int) -> dict:
     """The planner's bytes of one step on a rank of pipeline stage `stage`. The planner counts one pipeline
-    boundary per model chunk (an activation forward, its gradient back); a rank sends and receives on both
-    boundaries of each of its chunks but the model's first and last: 2 × (2v - first - last) transfers. A ring
-shift of context parallelism is a send and a receive."""
+    boundary per model chunk (an activation forward, its gradient back); a rank sends and receives across each
+    side of its chunks that faces another rank (crossing_sides): 2 transfers a side. A ring shift of context
+    parallelism is a send and a receive."""
     m = cfg.train.global_batch_size // (cfg.train.micro_batch_size * data_parallel_size(cfg, world_size))
-    v, ends = cfg.parallel.virtual_stages, (stage == 0) + (stage == cfg.parallel.pipeline - 1)
+    sides = crossing_sides(cfg, stage) if cfg.parallel.pipeline > 1 else 0
     out: dict = {}
     for c in volumes.per_micro_batch(cfg, stage, world_size, 8):
         # a pipeline transfer or a ring shift is recorded twice: its send and its receive
-        count = 2 * (2 * v - ends) if c.group == "pp" else 2 * c.count if c.op == "p2p" else c.count
+        count = 2 * sides if c.group == "pp" else 2 * c.count if c.op == "p2p" else c.count
         out[c.group, c.op] = out.get((c.group, c.op), 0) + m * count * c.nbytes
     for c in volumes.per_step(cfg, stage, world_size, 8, shard_rank):
         out[c.group, c.op] = out.get((c.group, c.op), 0) + c.count * c.nbytes
@@ -80,13 +95,15 @@ def mib(n: float) -> str:
 def table(reports: list, limit: int = 24) -> str:
     """The console table: one line per rank (the first `limit` and the last), MiB."""
     head = (f"{'rank':>6} {'tp':>3} {'cp':>3} {'pp':>3} {'dp':>4} {'params MiB':>11} {'grads MiB':>10} "
-            f"{'optim MiB':>10} {'act MiB':>9} {'= est':>5} {'volumes':>8} {'ops':>6} {'comms':>5} {'build s':>7}")
+            f"{'optim MiB':>10} {'host MiB':>9} {'act MiB':>9} {'= est':>5} {'volumes':>8} {'ops':>6} {'comms':>5} "
+            f"{'build s':>7}")
     shown = reports if len(reports) <= limit else reports[:limit - 1] + reports[-1:]
     lines = [head]
     for r in shown:
         c, m = r["coords"], r["memory"]
         lines.append(f"{r['rank']:>6} {c['tp']:>3} {c['cp']:>3} {c['pp']:>3} {c['dp']:>4} {mib(m['parameters']):>11} "
-                     f"{mib(m['gradients']):>10} {mib(m['optimizer']):>10} {mib(r['estimate']['activations']):>9} "
+                     f"{mib(m['gradients']):>10} {mib(m['optimizer']):>10} {mib(m['host']):>9} "
+                     f"{mib(r['estimate']['activations']):>9} "
                      f"{'yes' if r['memory_equal'] else 'NO':>5} "
                      f"{'equal' if not r['volume_differences'] else 'DIFFER':>8} "
                      f"{r['collectives']:>6} {r['communicators']:>5} {r['build_s']:>7.2f}")

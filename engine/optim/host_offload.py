@@ -33,7 +33,8 @@ class HostOffload:
         self.opt, self.cfg, self.device = opt, cfg, device
         ids = list(pieces)
         self.arena = offload.PinnedArena([offload.HostGrad.request(n, grad, tail) for n, grad, _, tail in
-                                          pieces.values()] + [(n, param) for n, _, param, _ in pieces.values()])
+                                          pieces.values()] + [(n, param) for n, _, param, _ in pieces.values()],
+                                         offload.host_of(device))
         self.host_grads = {i: offload.HostGrad(masters[i], grad, self.arena.views[k], tail)
                            for k, (i, (_, grad, _, tail)) in enumerate(pieces.items())}
         stream = offload.side_stream(device) if ids else None

@@ -45,9 +45,15 @@ def pinned() -> bool:
     return torch.cuda.is_available()
 
 
+def host_of(device: torch.device) -> torch.device:
+    """Where the host memory of a rank on `device` lives: the CPU, except for a rank whose tensors are on the
+    meta device (engine/dry_run simulates a large job's ranks on one CPU): its host buffers are shapes too."""
+    return device if device.type == "meta" else HOST
+
+
 def host_empty(like: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """An ordinary (pageable) host buffer shaped like `like`."""
-    return torch.empty(like.shape, dtype=dtype, device=HOST)
+    return torch.empty(like.shape, dtype=dtype, device=host_of(like.device))
 
 
 def host_copy(t: torch.Tensor) -> torch.Tensor:
@@ -67,15 +73,15 @@ class PinnedArena:
     from the ordinary CPU allocator, exact, and on a GPU is page-locked in place (cudaHostRegister), so
     non_blocking copies from and to it are asynchronous DMA. On CPU it is ordinary memory."""
 
-    def __init__(self, requests: list[tuple[int, torch.dtype]]):
+    def __init__(self, requests: list[tuple[int, torch.dtype]], host: torch.device = HOST):
         sizes = [-(-numel * dtype.itemsize // 4) * 4 for numel, dtype in requests]
-        self.block = torch.empty(sum(sizes), dtype=torch.uint8, device=HOST)
+        self.block = torch.empty(sum(sizes), dtype=torch.uint8, device=host)
         self.views, at = [], 0
         for (numel, dtype), size in zip(requests, sizes):
             self.views.append(self.block[at:at + numel * dtype.itemsize].view(dtype))
             at += size
         self.registered = False
-        if pinned() and self.block.numel():
+        if pinned() and self.block.is_cpu and self.block.numel():
             code = torch.cuda.cudart().cudaHostRegister(self.block.data_ptr(), self.block.numel(), 0)
             if int(code) != 0:
                 raise RuntimeError(f"cudaHostRegister of the offload's {self.block.numel()} staging bytes failed "

@@ -112,7 +112,9 @@ class MixedPrecisionAdamW:
         else:  # the first step: Adam's state starts at zero
             spare[1].zero_()
             spare[2].zero_()
-            step = torch.zeros((), dtype=torch.float32, device=m.device)
+            # where torch.optim keeps it: on the host unless fused or capturable (a meta master's would be unreadable)
+            step = torch.zeros((), dtype=torch.float32,
+                               device=m.device if group["fused"] or group["capturable"] else "cpu")
         beta1, beta2 = group["betas"]
         adamw_kernel([spare[0]], [grad], [spare[1]], [spare[2]], [], [step], foreach=group["foreach"],
                      fused=group["fused"], capturable=group["capturable"], amsgrad=False, beta1=beta1, beta2=beta2,

@@ -34,13 +34,15 @@ nothing moves: the gather under DDP without TP).
 from __future__ import annotations
 
 import functools
+import math
 from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
 from engine.config.schema import Config, data_parallel_size
-from engine.memory_estimate import DTYPE_BYTES, NS_BYTES, chunk_units, muon_plan, stage_chunks, tp_summed_later
+from engine.memory_estimate import (DTYPE_BYTES, NS_BYTES, chunk_units, muon_plan, replicated_in_shards, stage_chunks,
+                                    tp_summed_later)
 from parallel.ddp import reduces_in_fp32
 from parallel.embedding_rows import rows_worth_it
 from parallel.embedding_shards import lookup_worth_it
@@ -124,9 +126,13 @@ def per_micro_batch(cfg: Config, stage: int, world_size: int, gpus_per_node: int
         again = cfg.train.recompute != "none"  # both recomputations run the core again, a ring's shifts with it
         if p.context_attention == "alltoall":  # q, k, v to heads and the output back, forward and backward
             q = m.num_attention_heads // t * m.head_dim
-            passes = 3 if full else 2
-            out += [Collective("cp", "all_to_all", tokens(cfg) * q * e, 2 * passes * layers, c, cp_link),
-                    Collective("cp", "all_to_all", tokens(cfg) * kv * e, 2 * passes * layers, c, cp_link)]
+            # a recomputation runs q, k and v's exchange again; selective's stops once the attention kernel's
+            # saved tensors are rebuilt (torch's checkpoint stops early), before the output's exchange
+            queries, keys = 4 + (2 if full else 1 if again else 0), 4 + (2 if again else 0)
+            # KV heads repeated until they split evenly over CP (parallel/context.py, _alltoall)
+            repeat = c // math.gcd(kv // m.head_dim, c)
+            out += [Collective("cp", "all_to_all", tokens(cfg) * q * e, queries * layers, c, cp_link),
+                    Collective("cp", "all_to_all", tokens(cfg) * kv * repeat * e, keys * layers, c, cp_link)]
         elif p.context_attention == "ring":  # each forward shifts keys and values c - 1 times round the ring,
             block = tokens(cfg) * 2 * kv  # the backward their gradients (accumulated in fp32 below fp32)
             out += [Collective("cp", "p2p", block * e, (c - 1) * layers * (2 if again else 1), 2, cp_link),
@@ -181,21 +187,6 @@ def tp_replicated(cfg: Config, units: list, shard_size: int) -> list[int]:
     return total
 
 
-@functools.lru_cache(maxsize=4096)
-def replicated_in_shards(unit: tuple, fp32_last: tuple, replicated: tuple, shard_size: int) -> tuple:
-    """Per shard: elements of the `replicated` parameters of `unit` in it, laid out as parallel/fsdp_units does
-    (the fp32-reduced ones, `fp32_last`, at the end)."""
-    shard = -(-max(sum(n for _, n in unit), 1) // shard_size)
-    placed = sorted(zip(unit, replicated, fp32_last), key=lambda x: x[2])
-    out = [0] * shard_size
-    offset = 0
-    for (_, n), is_replicated, _ in placed:
-        for rank in range(offset // shard, -(-(offset + n) // shard)) if is_replicated else ():
-            out[rank] += min((rank + 1) * shard, offset + n) - max(rank * shard, offset)
-        offset += n
-    return tuple(out)
-
-
 def flat_or_hierarchical(cfg: Config, op: str, nbytes: float, count: float, ranks: int, link: str,
                          gpus_per_node: int) -> list[Collective]:
     """A gradient reduction over the DP × CP group, or, under parallel.hierarchical_node_size, its stages as
@@ -221,8 +212,8 @@ def per_step(cfg: Config, stage: int, world_size: int, gpus_per_node: int,
     e = DTYPE_BYTES[cfg.train.precision]
     dp = data_parallel_size(cfg, world_size)
     n = dp * p.context  # gradients are reduced over DP × CP
-    if n == 1:
-        return tp_sum_of_replicated(cfg, stage_units(cfg, stage), gpus_per_node) if p.zero_stage == 0 else []
+    if n == 1:  # nothing to reduce, but TP-replicated gradients are summed over TP at every ZeRO stage
+        return tp_sum_of_replicated(cfg, stage_units(cfg, stage), gpus_per_node)
     micro_batches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
     span = p.tensor * n
     chunks = stage_chunks(cfg, stage)
