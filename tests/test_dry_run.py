@@ -234,6 +234,17 @@ def test_offload_spares_are_estimated_per_shard_where_no_tp_summed_element_is(ca
     assert "dry run: PASS" in out and "memory differs" not in out, out[-2000:]
 
 
+def test_under_offload_overlap_auto_the_estimate_is_the_one_for_what_the_optimizer_decided(capsys, tmp_path):
+    # auto turns speculation off where the device's time model says it does not pay (here: no spares held); the
+    # estimate of the written "auto" counts the spares, so the dry run compared 1,452,032 B against 907,520 B
+    assert main(["--config", TINY, "--world-size", "2", "--jobs", "2", f"run.dir={tmp_path}", "parallel.tensor=2",
+                 "parallel.zero_stage=3", "optim.offload_fraction=0.5", "optim.offload_overlap=auto"]) == 0
+    out = capsys.readouterr().out
+    assert "dry run: PASS" in out and "memory differs" not in out, out[-2000:]
+    ranks = json.loads((tmp_path / "dry_run" / "report.json").read_text())["ranks"]
+    assert all(r["memory"]["host"] == r["estimate"]["host"] for r in ranks), ranks
+
+
 def test_the_sweep_prints_a_line_per_layout_refuses_the_invalid_and_writes_json(capsys, tmp_path):
     # tools/dry_run_sweep.py on a 4-layout matrix: 2 layers cannot make PP 2's 4 chunks (interleaved, zbv)
     path = tmp_path / "sweep.json"

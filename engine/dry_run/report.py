@@ -76,7 +76,7 @@ def volume_differences(recorded: dict, planned: dict) -> list[str]:
 def rank_report(cfg: Config, world_size: int, result: dict) -> dict:
     c = result["coords"]
     memory, step_rows = result["memory"], result["events"][result["setup_events"]:]
-    want = estimated_bytes(cfg, world_size, c["pp"], memory["shard_rank"])
+    want = estimated_bytes(cfg, world_size, c["pp"], memory["shard_rank"], memory.get("offload_overlap"))
     recorded = recorded_volumes(step_rows, bool(cfg.parallel.hsdp_group_size))
     planned = planned_volumes(cfg, world_size, c["pp"], memory["shard_rank"])
     return {"rank": result["rank"], "coords": c, "memory": {k: memory[k] for k in MEMORY},
