@@ -16,11 +16,9 @@ import logging
 import re
 import time
 
-from safetensors.torch import load as decode_tensors
-
 from engine.checkpoint.checkpointer import rng_apply
 from engine.checkpoint.files import LATEST, CheckpointError
-from engine.checkpoint.memory_snapshot import pack, unpack
+from engine.checkpoint.memory_snapshot import STATE, unpack
 
 log = logging.getLogger("trilith")
 
@@ -55,9 +53,10 @@ def verified_here(nodes: list[str], rank: int):
     return lambda owner: owner == rank or (owner not in mine and owner % len(mine) == mine.index(rank))
 
 
-def restore_shard(checkpointer, manifest: dict, state: bytes) -> dict:
-    """Set this rank's training state from its shard; returns the metadata (as Checkpointer.load does)."""
-    tensors, ranges, meta = decode_tensors(state), manifest["ranges"], manifest["meta"]
+def restore_shard(checkpointer, manifest: dict, tensors: dict) -> dict:
+    """Set this rank's training state from its shard's manifest and tensors; returns the metadata (as
+    Checkpointer.load does)."""
+    ranges, meta = manifest["ranges"], manifest["meta"]
 
     def read(name, key, start, end):
         if ranges.get(name) != [start, end] or f"{key}/{name}" not in tensors:
@@ -86,7 +85,7 @@ def recover(checkpointer, memory) -> dict | None:
                      f"steps lost unknown, {time.perf_counter() - start:.2f} s")
         return meta
     store, rank = memory.store, memory.rank
-    held, ignored = store.held(verified_here(memory.nodes, rank))
+    held, ignored = store.held(verified_here(memory.nodes, rank), keep=rank)
     gathered = memory.exchange.gather({"held": held, "ignored": ignored, "progress": store.progress(rank),
                                        "disk": disk_step(checkpointer) if rank == 0 else -1})
     for report in gathered if rank == 0 else []:
@@ -97,13 +96,12 @@ def recover(checkpointer, memory) -> dict | None:
     disk = gathered[0]["disk"]
     if step > disk:
         moves = [(h, owner) for owner, h in holder.items() if h != owner]
-        received = memory.exchange.deliver(moves, lambda owner: pack(*store.read(owner, step)))
+        received = memory.exchange.deliver(moves, lambda owner: store.packed(owner, step))
         if rank in received:
             manifest, state = unpack(received[rank])
-            store.write(rank, step, {k: manifest[k] for k in ("meta", "ranges", "rng")}, state)  # own copy again
-        else:
-            manifest, state = store.read(rank, step)
-        meta = restore_shard(checkpointer, manifest, state)
+            store.write(rank, step, {k: manifest[k] for k in ("meta", "ranges", "rng")}, [state],
+                        crc=manifest["files"][STATE]["crc32"])  # own copy again
+        meta = restore_shard(checkpointer, *store.load(rank, step))
         sent = sorted(owner for _, owner in moves)
         tier = "memory " + (f"(partner copies for rank{'s' if len(sent) > 1 else ''} {', '.join(map(str, sent))})"
                             if sent else "(own shards)")
@@ -112,6 +110,7 @@ def recover(checkpointer, memory) -> dict | None:
         tier = "the disk checkpoint (" + ("no complete memory snapshot)" if step < 0 else
                                           f"the newest complete memory snapshot, step {step}, is not newer)")
     resumed = meta["step"] if meta else 0
+    store.kept = {}  # the shard held() read, unused when the disk tier served
     store.drop_after(resumed)
     if rank == 0 and (meta or last >= 0):
         n = last - resumed

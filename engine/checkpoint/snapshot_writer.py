@@ -7,18 +7,15 @@ commits the copy it received. The next snapshot first waits for the previous one
 """
 from __future__ import annotations
 
-import json
 import logging
 import secrets
 import shutil
 from pathlib import Path
 
-from safetensors.torch import save as encode_tensors
-
 from engine.checkpoint.background import BackgroundWrite
 from engine.checkpoint.checkpointer import rng_snapshot
 from engine.checkpoint.files import CheckpointError
-from engine.checkpoint.memory_snapshot import Identity, SnapshotStore, config_hash, pack, unpack
+from engine.checkpoint.memory_snapshot import STATE, Identity, SnapshotStore, config_hash, encode, pack, unpack
 from engine.memory_estimate import gib
 from parallel import comm
 from parallel.distributed import snapshot_node
@@ -116,16 +113,17 @@ class MemorySnapshots:
         self.background.start(self._write, step, manifest, tensors)
 
     def _write(self, step: int, manifest: dict, tensors: dict) -> None:
-        state = encode_tensors(tensors)
+        parts = encode(tensors)  # the captured copies' own bytes: written and checksummed without another copy
         between = (lambda: self.faults.mid_snapshot(step)) if self.faults else (lambda: None)
-        written = self.store.write(self.rank, step, manifest, state, between)
-        mine = pack(json.loads((written / "manifest.json").read_text()), state)
+        written = self.store.write(self.rank, step, manifest, parts, between)
+        if self.exchange.partner is None:  # one node (or uneven ones): no copy to send, none to receive
+            return
         mid_transfer = (lambda: self.faults.mid_transfer(step)) if self.faults else (lambda: None)
-        received = self.exchange.swap(mine, mid_transfer)
+        received = self.exchange.swap(pack(written, parts), mid_transfer)
         if received is not None:
             theirs, data = unpack(received)
             self.store.write(theirs["rank"], theirs["step"], {k: theirs[k] for k in ("meta", "ranges", "rng")},
-                             data)
+                             [data], crc=theirs["files"][STATE]["crc32"])
 
     def settle(self) -> None:
         """At exit, also after a failure: let a snapshot in flight finish (a dead partner fails its transfer at
