@@ -15,8 +15,8 @@ world size, config hash, run.dir and its token) last, then renamed into place; t
 kept, so a failure during a snapshot leaves the previous one whole. A snapshot whose manifest names another
 run.dir, world size or configuration is never used: `held()` names it and ignores it.
 
-The state file is safetensors, written straight from the tensors' bytes (no encoded copy) and read straight into
-new tensors (no decoding copy). Its checksum is CRC-32, not the disk checkpoint's SHA-256: a snapshot never leaves
+The state file is safetensors: the training thread copies the state into one buffer laid out as its data, which is
+written as it is (no encoding), and it is read straight into new tensors (no decoding copy). Its checksum is CRC-32, not the disk checkpoint's SHA-256: a snapshot never leaves
 the node's memory or the partner's, so what it must catch is a flipped or lost byte (a torn write, bad memory), not
 a forged file, and CRC-32 catches every burst of up to 32 bits and all but 2^-32 of the rest at 4-5× SHA-256's speed.
 """
@@ -84,15 +84,24 @@ def byte_view(t: torch.Tensor) -> memoryview:
 
 
 def encode(tensors: dict[str, torch.Tensor]) -> list[memoryview]:
-    """A safetensors file as its pieces: the header, then each (contiguous CPU) tensor's own bytes, in order."""
+    """A safetensors file as two buffers: its header, and one new buffer that copies every tensor (from any device)
+    in, wider elements first so that each tensor is aligned. The writer then hands the whole state to each C call
+    (write, CRC-32) at once: a call per tensor took and gave back the GIL hundreds of times per snapshot, and on a
+    busy host each handover kept the training thread waiting."""
+    order = sorted(tensors, key=lambda k: -tensors[k].element_size())
     header, offset = {}, 0
-    for key, t in tensors.items():
+    for key in order:
+        t = tensors[key]
         size = t.numel() * t.element_size()
         header[key] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
         offset += size
+    flat = torch.empty(offset, dtype=torch.uint8)
+    for key in order:
+        start, end = header[key]["data_offsets"]
+        flat[start:end].view(tensors[key].dtype).copy_(tensors[key].reshape(-1))
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    return [memoryview(len(text).to_bytes(8, "little") + text)] + [byte_view(t) for t in tensors.values()]
+    return [memoryview(len(text).to_bytes(8, "little") + text), byte_view(flat)]
 
 
 def decode(path: Path, size: int, crc: int) -> dict[str, torch.Tensor]:
@@ -160,6 +169,7 @@ class SnapshotStore:
         self.identity = identity
         self.dir = Path(root) / node / run_id(identity.run_dir)
         self.kept: dict = {}  # {path: (manifest, tensors)}: the snapshot held() read for load()
+        self.older: list = []  # [(owner, step)] that held(newest=True) left unchecked
 
     def owner_dir(self, owner: int) -> Path:
         return self.dir / f"rank_{owner:05d}"
@@ -198,25 +208,45 @@ class SnapshotStore:
         found = [int(m.group(1)) for p in base.iterdir() if (m := STEP.match(p.name))] if base.is_dir() else []
         return sorted(found, reverse=True)
 
-    def held(self, select=lambda owner: True, keep: int | None = None) -> tuple[list[tuple[int, int]], list[str]]:
+    def held(self, select=lambda owner: True, keep: int | None = None, newest: bool = False,
+             above: int = -1) -> tuple[list[tuple[int, int]], list[str]]:
         """([(owner, step)] of the intact snapshots of this run here whose owner `select` takes, [why each other
         one of those is ignored]). The newest intact snapshot of owner `keep` is verified while it is read into
-        tensors, which `load()` then returns without reading it again; the others are checked in place."""
+        tensors, which `load()` then returns without reading it again; the others are checked in place.
+        `newest`: per owner only down to its newest intact snapshot, the older ones left to `held_older()`.
+        Snapshots of step `above` or older are neither checked nor reported (the disk checkpoint is as new)."""
         held, ignored = [], []
-        self.kept = {}
+        self.kept, self.older = {}, []
         if not self.dir.is_dir():
             return held, ignored
         for base in sorted(self.dir.iterdir()):
             match = OWNER.match(base.name)
             if not match or not select(int(match.group(1))):
                 continue
-            for step in self._steps(int(match.group(1))):
-                read = int(match.group(1)) == keep and not self.kept
-                problem = self.problem(base / f"step_{step:08d}", read)
+            owner = int(match.group(1))
+            steps = [s for s in self._steps(owner) if s > above]
+            for i, step in enumerate(steps):
+                problem = self.problem(base / f"step_{step:08d}", owner == keep and not self.kept)
                 if problem:
                     ignored.append(f"{base / f'step_{step:08d}'} ({problem})")
-                else:
-                    held.append((int(match.group(1)), step))
+                    continue
+                held.append((owner, step))
+                if newest:
+                    self.older += [(owner, s) for s in steps[i + 1:]]
+                    break
+        return held, ignored
+
+    def held_older(self) -> tuple[list[tuple[int, int]], list[str]]:
+        """`held()` for the snapshots the last `held(newest=True)` left unchecked."""
+        held, ignored = [], []
+        for owner, step in self.older:
+            path = self._path(owner, step)
+            problem = self.problem(path)
+            if problem:
+                ignored.append(f"{path} ({problem})")
+            else:
+                held.append((owner, step))
+        self.older = []
         return held, ignored
 
     def problem(self, path: Path, read: bool = False) -> str:

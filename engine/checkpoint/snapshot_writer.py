@@ -93,8 +93,9 @@ class MemorySnapshots:
         """Note the last finished step, for the recovery's count of lost steps."""
         self.store.set_progress(self.rank, step)
 
-    def capture(self, step: int, consumed_samples: int) -> tuple[dict, dict]:
-        """(manifest, tensors): copies of this rank's whole local state, taken now in the training thread."""
+    def capture(self, step: int, consumed_samples: int) -> tuple[dict, list]:
+        """(manifest, the state file's buffers): this rank's whole local state copied into host memory now, in the
+        training thread (memory_snapshot.encode)."""
         opt = self.ck.optimizer
         tensors, rng_json = rng_snapshot()
         ranges = {}
@@ -102,18 +103,17 @@ class MemorySnapshots:
             ranges[name] = list(state["range"])
             for key, value in state.items():
                 if key not in ("shape", "range"):
-                    tensors[f"{key}/{name}"] = value.detach().to("cpu", copy=True).contiguous()
+                    tensors[f"{key}/{name}"] = value.detach()
         meta = {"step": step, "consumed_samples": consumed_samples, "adam_step": opt.adam_step,
                 "scaler": opt.scaler.state_dict(), "layout": self.ck.layout, **self.ck.extra_metadata}
-        return {"meta": meta, "ranges": ranges, "rng": rng_json}, tensors
+        return {"meta": meta, "ranges": ranges, "rng": rng_json}, encode(tensors)
 
     def save(self, step: int, consumed_samples: int) -> None:
         self.wait()
-        manifest, tensors = self.capture(step, consumed_samples)
-        self.background.start(self._write, step, manifest, tensors)
+        manifest, parts = self.capture(step, consumed_samples)
+        self.background.start(self._write, step, manifest, parts)
 
-    def _write(self, step: int, manifest: dict, tensors: dict) -> None:
-        parts = encode(tensors)  # the captured copies' own bytes: written and checksummed without another copy
+    def _write(self, step: int, manifest: dict, parts: list) -> None:
         between = (lambda: self.faults.mid_snapshot(step)) if self.faults else (lambda: None)
         written = self.store.write(self.rank, step, manifest, parts, between)
         if self.exchange.partner is None:  # one node (or uneven ones): no copy to send, none to receive
