@@ -204,7 +204,8 @@ def run_mode(args, mode: str, work: Path, name: str) -> dict:
     marker = run_dir / "logs" / "fault.fired"
     fired = marker.read_text().split() if marker.exists() else []
     seconds = step_time(runs)
-    return {"mode": mode, "round": int(name.rpartition("-")[2]) if "-" in name else 1, "memory_interval": memory, "wall_s": wall, "steps": args.steps,
+    return {"mode": mode, "round": int(name.rpartition("-")[2]) if "-" in name else 1, "memory_interval": memory,
+            "wall_s": wall, "steps": args.steps,
             "goodput_steps_per_s": args.steps / wall, "useful_share": args.steps * seconds / wall,
             "step_s": seconds, "failures": fails, "faults_fired": len(fired), "redone_equal": redone_equal(run_dir),
             "reached": max(curve(run_dir)), "cpu_s": cpu, "load": [load_before, os.getloadavg()[0]],
