@@ -33,6 +33,11 @@ def partners(nodes: list[str]) -> list[int | None]:
     return out
 
 
+def as_tensor(payload: bytearray) -> torch.Tensor:
+    """A writable buffer as a uint8 tensor on its memory (torch.frombuffer refuses an empty one)."""
+    return torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
+
+
 class SnapshotExchange:
     """Built on every rank at once (it makes a process group); `nodes` is every rank's node name."""
 
@@ -45,9 +50,10 @@ class SnapshotExchange:
         self.group = dist.new_group(backend=host_backend()) if self.world > 1 else None
         comm.register_group(self.group, "snapshot")
 
-    def swap(self, payload: bytes, between=lambda: None) -> bytes | None:
+    def swap(self, payload: bytearray, between=lambda: None) -> memoryview | None:
         """Send this rank's payload to its partner and receive its source's (blocking; background thread).
-        `between` runs after the sizes are exchanged, before the bytes (a test's injected fault)."""
+        `between` runs after the sizes are exchanged, before the bytes (a test's injected fault). Sent from the
+        payload's own memory and received into a new buffer: no other copy."""
         if self.partner is None:
             return None
         size_out = torch.tensor([len(payload)], dtype=torch.int64)
@@ -55,9 +61,8 @@ class SnapshotExchange:
         comm.host_send_recv(size_out, self.partner, size_in, self.source, self.group)
         between()
         data_in = torch.empty(int(size_in.item()), dtype=torch.uint8)
-        comm.host_send_recv(torch.frombuffer(bytearray(payload), dtype=torch.uint8), self.partner, data_in,
-                            self.source, self.group)
-        return data_in.numpy().tobytes()
+        comm.host_send_recv(as_tensor(payload), self.partner, data_in, self.source, self.group)
+        return memoryview(data_in.numpy())
 
     def gather(self, obj) -> list:
         """Every rank's `obj` (what snapshots it holds), in rank order."""
@@ -67,7 +72,7 @@ class SnapshotExchange:
         comm.all_gather_object(out, obj, self.group)
         return out
 
-    def deliver(self, moves: list[tuple[int, int]], payload_of) -> dict[int, bytes]:
+    def deliver(self, moves: list[tuple[int, int]], payload_of) -> dict[int, memoryview]:
         """Carry out `moves` [(holder, owner)], the same list on every rank, one at a time in order: the holder
         sends `payload_of(owner)`, the owner receives. Returns {owner: payload} of what this rank received."""
         received = {}
@@ -75,12 +80,11 @@ class SnapshotExchange:
             if self.rank == holder:
                 data = payload_of(owner)
                 comm.host_send_recv(torch.tensor([len(data)], dtype=torch.int64), owner, None, -1, self.group)
-                comm.host_send_recv(torch.frombuffer(bytearray(data), dtype=torch.uint8), owner, None, -1,
-                                    self.group)
+                comm.host_send_recv(as_tensor(data), owner, None, -1, self.group)
             elif self.rank == owner:
                 size = torch.zeros(1, dtype=torch.int64)
                 comm.host_send_recv(None, -1, size, holder, self.group)
                 data_in = torch.empty(int(size.item()), dtype=torch.uint8)
                 comm.host_send_recv(None, -1, data_in, holder, self.group)
-                received[owner] = data_in.numpy().tobytes()
+                received[owner] = memoryview(data_in.numpy())
         return received

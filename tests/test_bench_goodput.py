@@ -2,9 +2,14 @@
 a written log and on one real launch at the tiny shape (rank 1 killed at step 3, snapshots every 2 steps: one
 restart from memory, one step lost). The goodput itself is measured in docs/benchmarks.md, not asserted."""
 import json
+import os
+import shutil
+import subprocess
+
+import pytest
 
 from tests.helpers import tool
-from tools.bench_goodput import attempts, failures, summary
+from tools.bench_goodput import ColdDisk, attempts, failures, summary
 
 BANNER = "Trilith: 2 ranks = TP 1 × PP 1 × DP 2 on cpu"
 LOG = f"""2026-12-06 03:00:00,000 {BANNER}
@@ -37,10 +42,12 @@ def test_each_restart_is_read_with_its_tier_steps_lost_and_times():
 def test_the_summary_judges_the_goals_from_the_numbers():
     class Args:
         shape, nproc, steps, rank, fail_every, checkpoint_interval, memory_interval = "tiny", 2, 10, 1, 3, 4, 2
+        disk_cache = "cold"
 
     def result(mode, lost, tier, restore):
         fails = [{"lost": lost, "tier": tier, "restore_s": restore, "restart_s": 20.0}]
-        return {"mode": mode, "memory_interval": 2 if mode == "memory" else 0, "wall_s": 50.0, "steps": 10,
+        return {"mode": mode, "round": 1, "memory_interval": 2 if mode == "memory" else 0, "wall_s": 50.0,
+                "cpu_s": 60.0, "load": [1.0, 2.0], "steps": 10,
                 "goodput_steps_per_s": 0.2, "useful_share": 0.2, "step_s": 1.0, "failures": fails,
                 "redone_equal": True, "curve": {1: (5.0, 1.0)}}
     lines = summary(Args, [result("disk", 3, "disk", 0.4), result("memory", 1, "memory", 0.1)])
@@ -49,6 +56,44 @@ def test_the_summary_judges_the_goals_from_the_numbers():
     lines = summary(Args, [result("disk", 3, "disk", 0.2), result("memory", 3, "memory", 0.1)])
     assert "steps lost per failure with snapshots: at most 3 (goal ≤ memory_interval=2: MISSED)" in lines
     assert "restore from memory 0.10 s, from the disk checkpoint 0.20 s: 2.0× (goal ≥ 3×: MISSED)" in lines
+
+
+def test_interleaved_rounds_give_each_rounds_step_time_ratio():
+    class Args:
+        shape, nproc, steps, rank, fail_every, checkpoint_interval, memory_interval = "tiny", 2, 10, 1, 0, 0, 1
+        disk_cache = "warm"
+
+    def result(mode, n, step_s):
+        return {"mode": mode, "round": n, "memory_interval": 1 if mode == "memory" else 0, "wall_s": 50.0,
+                "cpu_s": 60.0, "load": [1.0, 2.0], "steps": 10, "goodput_steps_per_s": 0.2, "useful_share": 0.2,
+                "step_s": step_s, "failures": [], "redone_equal": True, "curve": {1: (5.0, 1.0)}}
+    lines = summary(Args, [result("disk", 1, 1.0), result("memory", 1, 1.1), result("disk", 2, 2.0),
+                           result("memory", 2, 2.0), result("disk", 3, 1.0), result("memory", 3, 1.02)])
+    assert lines[0].endswith("checkpoint.interval=0, disk cache warm")
+    assert "median step time with snapshots every 1 and without: round 1: 1.100 s against 1.000 s (+10.0%), round 2: " \
+           "2.000 s against 2.000 s (+0.0%), round 3: 1.020 s against 1.000 s (+2.0%); median of the rounds +2.0%" \
+           in lines, lines
+    assert "same loss and gradient norm at every step in both modes: yes" in lines
+
+
+@pytest.mark.skipif(not shutil.which("fincore"), reason="util-linux fincore counts a file's pages in the cache")
+def test_cold_disk_evicts_each_committed_checkpoint_once(tmp_path):
+    """A committed checkpoint (its manifest written) leaves the page cache; one still being written does not."""
+    def cached(path):
+        out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)],
+                             capture_output=True, text=True, check=True).stdout
+        return int(out.split()[0])
+    committed, pending = tmp_path / "checkpoints" / "step_00000004", tmp_path / "checkpoints" / ".tmp-step_00000008"
+    for d in (committed, pending):
+        d.mkdir(parents=True)
+        (d / "rank.safetensors").write_bytes(os.urandom(1 << 20))
+    (committed / "manifest.json").write_text("{}")
+    assert cached(committed / "rank.safetensors") == 1 << 20
+    cold = ColdDisk(tmp_path)
+    cold.sweep()
+    cold.sweep()
+    assert cold.seen == {"step_00000004"} and cold.bytes == (1 << 20) + 2
+    assert cached(committed / "rank.safetensors") == 0 and cached(pending / "rank.safetensors") == 1 << 20
 
 
 def test_a_killed_rank_costs_at_most_memory_interval_steps(tmp_path):

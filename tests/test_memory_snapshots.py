@@ -13,12 +13,13 @@ import logging
 import os
 import re
 import shutil
+import zlib
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
-from engine.checkpoint.memory_snapshot import Identity, SnapshotStore, pack, unpack
+from engine.checkpoint.memory_snapshot import Identity, SnapshotStore, unpack
 from engine.checkpoint.snapshot_recovery import agree
 from engine.config.schema import from_dict, validate
 from engine.observe.metrics import MetricsLog
@@ -128,7 +129,7 @@ CASES = [  # (case, checkpoint.interval, step resumed at, what the recovery line
     ("lost_node", 3, 4, "from memory (partner copies for ranks 2, 3) at step 4: 0 steps lost"),
     ("corrupt_own", 3, 4, "from memory (partner copies for rank 1) at step 4: 0 steps lost"),
     ("cut_short", 5, 2, "from memory (own shards) at step 2: 2 steps lost"),  # no disk checkpoint yet
-    ("foreign", 3, 3, "from the disk checkpoint (no complete memory snapshot) at step 3: 1 step lost"),
+    ("foreign", 3, 3, "from the disk checkpoint (no complete memory snapshot newer than it) at step 3: 1 step lost"),
 ]
 
 
@@ -144,7 +145,7 @@ def test_recovery_resumes_on_the_uninterrupted_curve(pool, tmp_path, parallel):
         recovery = [x for x in lines if x.startswith("recovery:")]
         assert len(recovery) == 1 and recovery[0].startswith(f"recovery: {line}, "), (case, lines)
         if case == "corrupt_own":
-            assert any("does not match its manifest's size and SHA-256" in x for x in lines), lines
+            assert any("does not match its manifest's size and CRC-32" in x for x in lines), lines
         if case == "foreign":
             assert any("another run's or layout's snapshot: world_size 8, this run's is 4" in x for x in lines), lines
 
@@ -162,9 +163,9 @@ def test_store_keeps_two_generations_and_names_what_it_ignores(tmp_path):
     ident = Identity(str(tmp_path / "run"), 2, "abc", "t1")
     store = SnapshotStore(str(tmp_path / "shm"), "node0", ident)
     for step in (2, 4, 6):
-        store.write(0, step, {"meta": {}, "ranges": {}, "rng": {}}, f"state {step}".encode())
+        store.write(0, step, {"meta": {}, "ranges": {}, "rng": {}}, [f"state {step}".encode()])
     assert store.held() == ([(0, 6), (0, 4)], [])
-    manifest, state = unpack(pack(*store.read(0, 6)))
+    manifest, state = unpack(store.packed(0, 6))
     assert state == b"state 6" and manifest["step"] == 6 and manifest["files"]["state.safetensors"]["bytes"] == 7
     other = SnapshotStore(str(tmp_path / "shm"), "node0", Identity(ident.run_dir, 2, "abc", "t2"))
     held, ignored = other.held()
@@ -189,7 +190,8 @@ def logged(build):
 def test_another_configurations_snapshots_are_named_and_ignored(tmp_path):
     """One rank fails in step 5 (disk checkpoint of 3, memory snapshots of 2 and 4). Restarted with the same
     configuration, it resumes from memory at step 4; restarted with another learning rate (another config hash),
-    it names both snapshots, ignores them and resumes from the disk checkpoint."""
+    it names the snapshot newer than the disk checkpoint (step 2's is not even checked), ignores it and resumes
+    from the disk checkpoint."""
     first = one_rank(tmp_path)
     with contextlib.suppress(Failure):
         first.train(MetricsLog(tmp_path, enabled=False), FailAfter(5))
@@ -199,10 +201,10 @@ def test_another_configurations_snapshots_are_named_and_ignored(tmp_path):
                                   for x in lines), lines
     other, lines = logged(lambda: one_rank(tmp_path, "optim.lr=1e-3"))
     ignored = [x for x in lines if x.startswith("memory snapshot: ignoring ")]
-    assert len(ignored) == 2 and all(re.search(r"rank_00000/step_0000000[24] \(another run's or layout's snapshot: "
-                                               r"config_hash '\w+', this run's is '\w+'\)$", x) for x in ignored), lines
-    assert other.step == 3 and any(x.startswith("recovery: from the disk checkpoint (no complete memory snapshot) at "
-                                                "step 3: 1 step lost, ") for x in lines), lines
+    assert len(ignored) == 1 and re.search(r"rank_00000/step_00000004 \(another run's or layout's snapshot: "
+                                           r"config_hash '\w+', this run's is '\w+'\)$", ignored[0]), lines
+    assert other.step == 3 and any(x.startswith("recovery: from the disk checkpoint (no complete memory snapshot newer "
+                                                "than it) at step 3: 1 step lost, ") for x in lines), lines
 
 
 def test_the_host_memory_count_is_two_generations_of_own_and_partner_shards(tmp_path):
@@ -233,5 +235,100 @@ def test_each_snapshot_on_a_node_is_verified_by_one_of_its_ranks(tmp_path):
     assert [o for o in range(2) if verified_here(["a", "b"], 0)(o)] == [0, 1]  # one rank per node: all of them
     store = SnapshotStore(str(tmp_path / "shm"), "a", Identity(str(tmp_path / "run"), 4, "abc", "t"))
     for owner in (0, 1, 2, 3):
-        store.write(owner, 4, {"meta": {}, "ranges": {}, "rng": {}}, b"state")
+        store.write(owner, 4, {"meta": {}, "ranges": {}, "rng": {}}, [b"state"])
     assert store.held(verified_here(nodes, 1)) == ([(1, 4), (3, 4)], [])
+
+
+def test_the_state_file_is_safetensors_written_and_read_without_copies_and_checked_by_crc32(tmp_path):
+    """The state file, written from the tensors' own bytes, is a safetensors file (safetensors reads it back);
+    load() returns the tensors held() verified while reading them, and after that reads the file again, checked."""
+    import torch
+    from safetensors.torch import load_file
+
+    from engine.checkpoint.memory_snapshot import encode
+    tensors = {"master/w": torch.randn(5, 3), "rng/default/cpu": torch.arange(7, dtype=torch.uint8),
+               "exp_avg/w": torch.randn(15).bfloat16(), "empty": torch.zeros(0)}
+    store = SnapshotStore(str(tmp_path / "shm"), "a", Identity(str(tmp_path / "run"), 1, "abc", "t"))
+    manifest = store.write(0, 2, {"meta": {}, "ranges": {}, "rng": {}}, encode(tensors))
+    path = store.owner_dir(0) / "step_00000002"
+    on_disk = load_file(path / "state.safetensors")
+    assert on_disk.keys() == tensors.keys() and all(torch.equal(on_disk[k], v) for k, v in tensors.items())
+    assert manifest["files"]["state.safetensors"]["crc32"] == zlib.crc32((path / "state.safetensors").read_bytes())
+    assert store.held(keep=0) == ([(0, 2)], []) and path in store.kept
+    for _ in range(2):  # the copy held() read, then the file read again
+        got = store.load(0, 2)[1]
+        assert got.keys() == tensors.keys() and all(torch.equal(got[k], v) for k, v in tensors.items())
+        assert not store.kept
+
+
+@pytest.mark.parametrize("damage", ["tensor byte", "header byte", "truncated", "longer"])
+@pytest.mark.parametrize("keep", [0, None], ids=["read", "in-place"])
+def test_a_damaged_state_file_is_named_in_one_line_and_the_previous_generation_serves(tmp_path, damage, keep):
+    """Every damage to the newest snapshot (a flipped bit in a tensor or in the header, a file cut short or
+    grown) is caught by the CRC-32 or the size, whether held() verifies by reading or in place: one line names
+    it, and the previous generation is what the rank holds (the next tier; with none left, the disk)."""
+    import torch
+
+    from engine.checkpoint.memory_snapshot import encode
+    store = SnapshotStore(str(tmp_path / "shm"), "a", Identity(str(tmp_path / "run"), 1, "abc", "t"))
+    for step in (2, 4):
+        store.write(0, step, {"meta": {}, "ranges": {}, "rng": {}}, encode({"master/w": torch.full((64,), step)}))
+    state = store.owner_dir(0) / "step_00000004" / "state.safetensors"
+    data = bytearray(state.read_bytes())
+    if damage == "tensor byte":
+        data[-5] ^= 0x01
+    elif damage == "header byte":
+        data[12] ^= 0x20
+    elif damage == "truncated":
+        data = data[:-4]
+    else:
+        data += b"\0" * 8
+    state.write_bytes(bytes(data))
+    held, ignored = store.held(keep=keep)
+    assert held == [(0, 2)] and ignored == [f"{state.parent} (state.safetensors does not match its manifest's size "
+                                            f"and CRC-32)"], ignored
+    assert torch.equal(store.load(0, 2)[1]["master/w"], torch.full((64,), 2))
+
+
+def test_a_snapshot_damaged_after_its_check_or_in_transfer_is_an_error_in_one_line(tmp_path):
+    """A state file that changes between held()'s check and load(), and a partner's copy whose bytes do not match
+    the CRC-32 its sender stated, are errors naming the snapshot (the restart then resumes from another copy)."""
+    import torch
+
+    from engine.checkpoint.files import CheckpointError
+    from engine.checkpoint.memory_snapshot import encode
+    store = SnapshotStore(str(tmp_path / "shm"), "a", Identity(str(tmp_path / "run"), 2, "abc", "t"))
+    manifest = store.write(0, 2, {"meta": {}, "ranges": {}, "rng": {}}, encode({"master/w": torch.ones(64)}))
+    assert store.held() == ([(0, 2)], [])
+    state = store.owner_dir(0) / "step_00000002" / "state.safetensors"
+    data = bytearray(state.read_bytes())
+    data[-1] ^= 0x80
+    state.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"step_00000002/state.safetensors does not match its manifest's "
+                                              r"CRC-32$"):
+        store.load(0, 2)
+    _, state_bytes = unpack(store.packed(0, 2))
+    with pytest.raises(CheckpointError, match=r"^the copy of rank 1's step 2 snapshot was damaged in transfer "
+                                              r"\(CRC-32 [0-9a-f]{8}, its manifest says [0-9a-f]{8}\)$"):
+        store.write(1, 2, {"meta": {}, "ranges": {}, "rng": {}}, [state_bytes], crc=manifest["files"][
+            "state.safetensors"]["crc32"])
+    assert not (store.owner_dir(1) / "step_00000002").exists()
+
+
+def test_older_generations_are_checked_only_when_the_newest_do_not_agree(tmp_path):
+    """held(newest=True) checks each owner down to its newest intact snapshot and nothing older than `above`;
+    held_older() checks the rest. bound() says when the older ones cannot give a newer complete step."""
+    from engine.checkpoint.snapshot_recovery import bound
+    store = SnapshotStore(str(tmp_path / "shm"), "a", Identity(str(tmp_path / "run"), 2, "abc", "t"))
+    for owner, steps in ((0, (2, 4, 6)), (1, (2, 4))):  # rank 1 died before writing step 6
+        for step in steps:
+            store.write(owner, step, {"meta": {}, "ranges": {}, "rng": {}}, [b"state"])
+    (store.owner_dir(0) / "step_00000006" / "state.safetensors").write_bytes(b"stat3")  # corrupt: the next serves
+    held, ignored = store.held(newest=True, above=1)
+    assert held == [(0, 4), (1, 4)] and len(ignored) == 1 and "step_00000006 (state.safetensors" in ignored[0]
+    assert store.older == [(1, 2)] and bound([{"held": held}], 2) == 4  # owner 0 kept two generations: 6 and 4
+    assert store.held_older() == ([(1, 2)], []) and store.older == []
+    assert store.held(newest=True, above=4) == ([], [(f"{store.owner_dir(0) / 'step_00000006'} (state.safetensors "
+                                                      f"does not match its manifest's size and CRC-32)")])
+    assert bound([{"held": [(0, 6), (1, 4)]}, {"held": [(0, 4)]}], 2) == 4
+    assert bound([{"held": [(0, 6)]}], 2) == -1

@@ -1,7 +1,8 @@
 """Resuming a restarted job from memory snapshots, else from the disk checkpoint (checkpoint.memory_interval).
 
-After init_process_group every rank states which snapshots its node holds for it to hand out (its own shard and
-its share of the other owners' there, partner copies; checksums verified, each file by one rank of the node), the
+After init_process_group every rank states which snapshots newer than the disk checkpoint its node holds for it to
+hand out (its own shard and its share of the other owners' there, partner copies; checksums verified, each file by
+one rank of the node, each owner's newest first and the older ones only when the newest do not agree), the
 last step it finished before the restart and, on rank 0, the disk checkpoint's step. All ranks then agree, from
 the same gathered list, on the newest step for which every rank's shard is held somewhere. If it is newer than
 the disk checkpoint, the holders send the missing shards to their owners (parallel/snapshot_exchange.py) and
@@ -16,11 +17,9 @@ import logging
 import re
 import time
 
-from safetensors.torch import load as decode_tensors
-
 from engine.checkpoint.checkpointer import rng_apply
 from engine.checkpoint.files import LATEST, CheckpointError
-from engine.checkpoint.memory_snapshot import pack, unpack
+from engine.checkpoint.memory_snapshot import STATE, unpack
 
 log = logging.getLogger("trilith")
 
@@ -47,6 +46,16 @@ def agree(gathered: list[dict], world: int) -> tuple[int, dict]:
     return -1, {}
 
 
+def bound(gathered: list[dict], world: int) -> int:
+    """The newest step that could be complete: the oldest of the owners' newest held steps (-1 when an owner has
+    none). When agree() reached it, the older generations cannot do better."""
+    newest = {}
+    for report in gathered:
+        for owner, step in report["held"]:
+            newest[owner] = max(step, newest.get(owner, -1))
+    return min(newest.get(owner, -1) for owner in range(world))
+
+
 def verified_here(nodes: list[str], rank: int):
     """Which owners' snapshots in its node's directory `rank` verifies and reports: each file once per node (a
     rank hashing all of them would hash the node's snapshots once per rank). Its own; of owners not on this node
@@ -55,9 +64,10 @@ def verified_here(nodes: list[str], rank: int):
     return lambda owner: owner == rank or (owner not in mine and owner % len(mine) == mine.index(rank))
 
 
-def restore_shard(checkpointer, manifest: dict, state: bytes) -> dict:
-    """Set this rank's training state from its shard; returns the metadata (as Checkpointer.load does)."""
-    tensors, ranges, meta = decode_tensors(state), manifest["ranges"], manifest["meta"]
+def restore_shard(checkpointer, manifest: dict, tensors: dict) -> dict:
+    """Set this rank's training state from its shard's manifest and tensors; returns the metadata (as
+    Checkpointer.load does)."""
+    ranges, meta = manifest["ranges"], manifest["meta"]
 
     def read(name, key, start, end):
         if ranges.get(name) != [start, end] or f"{key}/{name}" not in tensors:
@@ -86,32 +96,40 @@ def recover(checkpointer, memory) -> dict | None:
                      f"steps lost unknown, {time.perf_counter() - start:.2f} s")
         return meta
     store, rank = memory.store, memory.rank
-    held, ignored = store.held(verified_here(memory.nodes, rank))
+    # Snapshots no newer than the disk checkpoint (run.dir is shared: every rank reads the same `latest`) would
+    # never be used, so they are not checked; of the others, each owner's newest intact one first: usually enough
+    on_disk = disk_step(checkpointer)
+    held, ignored = store.held(verified_here(memory.nodes, rank), keep=rank, newest=True, above=on_disk)
     gathered = memory.exchange.gather({"held": held, "ignored": ignored, "progress": store.progress(rank),
-                                       "disk": disk_step(checkpointer) if rank == 0 else -1})
+                                       "disk": on_disk if rank == 0 else -1})
+    step, holder = agree(gathered, memory.world)
+    disk = gathered[0]["disk"]
+    if step < bound(gathered, memory.world) and bound(gathered, memory.world) > disk:
+        # some owner's newest is missing elsewhere: an older generation may complete a newer step than this
+        more = memory.exchange.gather(dict(zip(("held", "ignored"), store.held_older())))
+        for report, extra in zip(gathered, more):
+            report["held"], report["ignored"] = report["held"] + extra["held"], report["ignored"] + extra["ignored"]
+        step, holder = agree(gathered, memory.world)
     for report in gathered if rank == 0 else []:
         for line in report["ignored"]:
             log.warning(f"memory snapshot: ignoring {line}")
     last = max(r["progress"] for r in gathered)
-    step, holder = agree(gathered, memory.world)
-    disk = gathered[0]["disk"]
     if step > disk:
         moves = [(h, owner) for owner, h in holder.items() if h != owner]
-        received = memory.exchange.deliver(moves, lambda owner: pack(*store.read(owner, step)))
+        received = memory.exchange.deliver(moves, lambda owner: store.packed(owner, step))
         if rank in received:
             manifest, state = unpack(received[rank])
-            store.write(rank, step, {k: manifest[k] for k in ("meta", "ranges", "rng")}, state)  # own copy again
-        else:
-            manifest, state = store.read(rank, step)
-        meta = restore_shard(checkpointer, manifest, state)
+            store.write(rank, step, {k: manifest[k] for k in ("meta", "ranges", "rng")}, [state],
+                        crc=manifest["files"][STATE]["crc32"])  # own copy again
+        meta = restore_shard(checkpointer, *store.load(rank, step))
         sent = sorted(owner for _, owner in moves)
         tier = "memory " + (f"(partner copies for rank{'s' if len(sent) > 1 else ''} {', '.join(map(str, sent))})"
                             if sent else "(own shards)")
     else:
         meta = checkpointer.resume()
-        tier = "the disk checkpoint (" + ("no complete memory snapshot)" if step < 0 else
-                                          f"the newest complete memory snapshot, step {step}, is not newer)")
+        tier = "the disk checkpoint (no complete memory snapshot newer than it)"
     resumed = meta["step"] if meta else 0
+    store.kept, store.older = {}, []  # what held() read or left, unused when the disk tier served
     store.drop_after(resumed)
     if rank == 0 and (meta or last >= 0):
         n = last - resumed

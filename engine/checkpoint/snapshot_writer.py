@@ -7,18 +7,15 @@ commits the copy it received. The next snapshot first waits for the previous one
 """
 from __future__ import annotations
 
-import json
 import logging
 import secrets
 import shutil
 from pathlib import Path
 
-from safetensors.torch import save as encode_tensors
-
 from engine.checkpoint.background import BackgroundWrite
 from engine.checkpoint.checkpointer import rng_snapshot
 from engine.checkpoint.files import CheckpointError
-from engine.checkpoint.memory_snapshot import Identity, SnapshotStore, config_hash, pack, unpack
+from engine.checkpoint.memory_snapshot import STATE, Identity, SnapshotStore, config_hash, encode, pack, unpack
 from engine.memory_estimate import gib
 from parallel import comm
 from parallel.distributed import snapshot_node
@@ -96,8 +93,9 @@ class MemorySnapshots:
         """Note the last finished step, for the recovery's count of lost steps."""
         self.store.set_progress(self.rank, step)
 
-    def capture(self, step: int, consumed_samples: int) -> tuple[dict, dict]:
-        """(manifest, tensors): copies of this rank's whole local state, taken now in the training thread."""
+    def capture(self, step: int, consumed_samples: int) -> tuple[dict, list]:
+        """(manifest, the state file's buffers): this rank's whole local state copied into host memory now, in the
+        training thread (memory_snapshot.encode)."""
         opt = self.ck.optimizer
         tensors, rng_json = rng_snapshot()
         ranges = {}
@@ -105,27 +103,27 @@ class MemorySnapshots:
             ranges[name] = list(state["range"])
             for key, value in state.items():
                 if key not in ("shape", "range"):
-                    tensors[f"{key}/{name}"] = value.detach().to("cpu", copy=True).contiguous()
+                    tensors[f"{key}/{name}"] = value.detach()
         meta = {"step": step, "consumed_samples": consumed_samples, "adam_step": opt.adam_step,
                 "scaler": opt.scaler.state_dict(), "layout": self.ck.layout, **self.ck.extra_metadata}
-        return {"meta": meta, "ranges": ranges, "rng": rng_json}, tensors
+        return {"meta": meta, "ranges": ranges, "rng": rng_json}, encode(tensors)
 
     def save(self, step: int, consumed_samples: int) -> None:
         self.wait()
-        manifest, tensors = self.capture(step, consumed_samples)
-        self.background.start(self._write, step, manifest, tensors)
+        manifest, parts = self.capture(step, consumed_samples)
+        self.background.start(self._write, step, manifest, parts)
 
-    def _write(self, step: int, manifest: dict, tensors: dict) -> None:
-        state = encode_tensors(tensors)
+    def _write(self, step: int, manifest: dict, parts: list) -> None:
         between = (lambda: self.faults.mid_snapshot(step)) if self.faults else (lambda: None)
-        written = self.store.write(self.rank, step, manifest, state, between)
-        mine = pack(json.loads((written / "manifest.json").read_text()), state)
+        written = self.store.write(self.rank, step, manifest, parts, between)
+        if self.exchange.partner is None:  # one node (or uneven ones): no copy to send, none to receive
+            return
         mid_transfer = (lambda: self.faults.mid_transfer(step)) if self.faults else (lambda: None)
-        received = self.exchange.swap(mine, mid_transfer)
+        received = self.exchange.swap(pack(written, parts), mid_transfer)
         if received is not None:
             theirs, data = unpack(received)
             self.store.write(theirs["rank"], theirs["step"], {k: theirs[k] for k in ("meta", "ranges", "rng")},
-                             data)
+                             [data], crc=theirs["files"][STATE]["crc32"])
 
     def settle(self) -> None:
         """At exit, also after a failure: let a snapshot in flight finish (a dead partner fails its transfer at
