@@ -170,79 +170,63 @@ def test_blocking_sends_in_the_same_order_deadlock_and_a_batch_does_not():
     assert schedule_check.check(batched) == (None, 0)
 
 
+def passes(capsys, run_dir, world: int, overrides: list[str]) -> list[dict]:
+    """Dry-run the tiny model at `world` with `overrides`: PASS, memory and volumes equal; the ranks' reports."""
+    assert main(["--config", TINY, "--world-size", str(world), "--jobs", "2", f"run.dir={run_dir}", *overrides]) == 0
+    out = capsys.readouterr().out
+    assert "dry run: PASS" in out and "volumes differ" not in out and "memory differs" not in out, out[-2000:]
+    return json.loads((run_dir / "dry_run" / "report.json").read_text())["ranks"]
+
+
 def test_hsdp_replica_reductions_equal_the_planners_with_the_fp32_norms(capsys, tmp_path):
     # HSDP 2 of DP 4 in bf16: the replicas' all-reduce runs on parallel/topology's dp_inter group and carries the
     # fp32 norm segments beside the bf16 shards; both must be the planner's dp-replicas volume
-    assert main(["--config", TINY, "--world-size", "4", "--jobs", "2", f"run.dir={tmp_path}", "parallel.zero_stage=1",
-                 "parallel.hsdp_group_size=2", "train.precision=bf16"]) == 0
-    out = capsys.readouterr().out
-    assert "dry run: PASS" in out and "volumes differ" not in out, out[-2000:]
+    passes(capsys, tmp_path, 4, ["parallel.zero_stage=1", "parallel.hsdp_group_size=2", "train.precision=bf16"])
 
 
 def test_cp_allgather_under_selective_recomputation_gathers_twice_as_the_planner_counts(capsys, tmp_path):
     # the key/value all-gather is inside the recomputed attention core: the planner counted it once
     # (found by the 70B recipe at 4,096 ranks with CP 4)
-    assert main(["--config", TINY, "--world-size", "2", "--jobs", "2", f"run.dir={tmp_path}", "parallel.context=2",
-                 "train.recompute=selective"]) == 0
-    out = capsys.readouterr().out
-    assert "dry run: PASS" in out and "volumes differ" not in out, out[-2000:]
+    passes(capsys, tmp_path, 2, ["parallel.context=2", "train.recompute=selective"])
 
 
-def test_cp_alltoall_under_selective_recomputation_exchanges_as_the_planner_counts(capsys, tmp_path):
+# Findings of the dry-run sweep at the 70B shape, each on the smallest layout that shows it; each failed before
+# its fix in the planner (engine/plan/volumes.py), the dry run's reading of it, or the estimate.
+SWEEP_FINDINGS = {
     # the recomputed core exchanges q, k and v again but not the output (torch's checkpoint stops early): the
-    # planner counted neither (found by the dry-run sweep: 70B shape, CP 2 alltoall, 28% more than planned)
-    assert main(["--config", TINY, "--world-size", "2", "--jobs", "2", f"run.dir={tmp_path}", "parallel.context=2",
-                 "parallel.context_attention=alltoall", "train.recompute=selective"]) == 0
-    out = capsys.readouterr().out
-    assert "dry run: PASS" in out and "volumes differ" not in out, out[-2000:]
-
-
-def test_cp_alltoall_exchanges_the_repeated_kv_heads_as_the_planner_counts(capsys, tmp_path):
-    # 2 KV heads over CP 4 are repeated to 4 before the exchange: the planner counted 2 (found by the dry-run
-    # sweep: 70B shape, TP 4 × CP 4 alltoall, 44% more than planned)
-    assert main(["--config", TINY, "--world-size", "4", "--jobs", "2", f"run.dir={tmp_path}", "parallel.context=4",
-                 "parallel.context_attention=alltoall", "model.hidden_size=2048"]) == 0
-    out = capsys.readouterr().out
-    assert "dry run: PASS" in out and "volumes differ" not in out, out[-2000:]
-
-
-def test_zbv_transfers_on_the_ranks_of_the_vs_ends_and_turn_equal_the_planners(capsys, tmp_path):
+    # planner counted neither (CP 2 alltoall, 28% more than planned)
+    "cp-alltoall-selective-recompute": (2, ["parallel.context=2", "parallel.context_attention=alltoall",
+                                            "train.recompute=selective"]),
+    # 2 KV heads over CP 4 are repeated to 4 before the exchange: the planner counted 2 (TP 4 × CP 4, 44% more)
+    "cp-alltoall-repeated-kv-heads": (4, ["parallel.context=4", "parallel.context_attention=alltoall",
+                                          "model.hidden_size=2048"]),
     # under zbv rank 0 holds the model's first and last chunk and the last rank the two that meet at the V's
-    # turn: each crosses on 2 chunk sides, not 3 (found by the dry-run sweep: PP 8 and 16, 50% more planned)
-    assert main(["--config", TINY, "--world-size", "4", "--jobs", "2", f"run.dir={tmp_path}", "model.num_layers=8",
-                 "parallel.pipeline=4", "parallel.schedule=zbv", "parallel.virtual_stages=2"]) == 0
-    out = capsys.readouterr().out
-    assert "dry run: PASS" in out and "volumes differ" not in out, out[-2000:]
-
-
-def test_tp_replicated_gradients_are_summed_over_tp_at_dp_1_under_zero_as_the_planner_counts(capsys, tmp_path):
+    # turn: each crosses on 2 chunk sides, not 3 (PP 8 and 16, 50% more planned)
+    "zbv-ends-and-turn": (4, ["model.num_layers=8", "parallel.pipeline=4", "parallel.schedule=zbv",
+                              "parallel.virtual_stages=2"]),
     # at DP × CP = 1 the planner counted no data-parallel collective for ZeRO >= 1, the TP sum of the norms'
-    # gradients under sequence parallelism included (found by the dry-run sweep: TP 2 × PP 16 × DP 1, ZeRO-3)
-    assert main(["--config", TINY, "--world-size", "2", "--jobs", "2", f"run.dir={tmp_path}", "parallel.tensor=2",
-                 "parallel.sequence_parallel=true", "parallel.zero_stage=1", "model.hidden_size=2048"]) == 0
-    out = capsys.readouterr().out
-    assert "dry run: PASS" in out and "volumes differ" not in out, out[-2000:]
+    # gradients under sequence parallelism included (TP 2 × PP 16 × DP 1, ZeRO-3)
+    "tp-sum-at-dp-1-under-zero": (2, ["parallel.tensor=2", "parallel.sequence_parallel=true",
+                                      "parallel.zero_stage=1", "model.hidden_size=2048"]),
+    # a ZeRO shard without the norms' TP-summed elements is stepped during backward and holds spares; the
+    # estimate judged the whole unit, so no rank had any (TP 2 + SP, DP 512, 60% more host)
+    "offload-spares-per-shard": (8, ["parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.zero_stage=1",
+                                     "train.precision=bf16", "optim.offload_fraction=1", "optim.offload_overlap=true"]),
+}
 
 
-def test_offload_spares_are_estimated_per_shard_where_no_tp_summed_element_is(capsys, tmp_path):
-    # a ZeRO shard without the norms' TP-summed elements is stepped during backward and holds spares; the estimate
-    # judged the whole unit, so no rank had any (found by the dry-run sweep: TP 2 + SP, DP 512, 60% more host)
-    assert main(["--config", TINY, "--world-size", "8", "--jobs", "2", f"run.dir={tmp_path}", "parallel.tensor=2",
-                 "parallel.sequence_parallel=true", "parallel.zero_stage=1", "train.precision=bf16",
-                 "optim.offload_fraction=1", "optim.offload_overlap=true"]) == 0
-    out = capsys.readouterr().out
-    assert "dry run: PASS" in out and "memory differs" not in out, out[-2000:]
+@pytest.mark.parametrize("finding", SWEEP_FINDINGS)
+def test_a_sweep_finding_stays_fixed(capsys, tmp_path, finding):
+    world, overrides = SWEEP_FINDINGS[finding]
+    passes(capsys, tmp_path, world, overrides)
 
 
 def test_under_offload_overlap_auto_the_estimate_is_the_one_for_what_the_optimizer_decided(capsys, tmp_path):
     # auto turns speculation off where the device's time model says it does not pay (here: no spares held); the
     # estimate of the written "auto" counts the spares, so the dry run compared 1,452,032 B against 907,520 B
-    assert main(["--config", TINY, "--world-size", "2", "--jobs", "2", f"run.dir={tmp_path}", "parallel.tensor=2",
-                 "parallel.zero_stage=3", "optim.offload_fraction=0.5", "optim.offload_overlap=auto"]) == 0
-    out = capsys.readouterr().out
-    assert "dry run: PASS" in out and "memory differs" not in out, out[-2000:]
-    ranks = json.loads((tmp_path / "dry_run" / "report.json").read_text())["ranks"]
-    assert all(r["memory"]["host"] == r["estimate"]["host"] for r in ranks), ranks
+    ranks = passes(capsys, tmp_path, 2, ["parallel.tensor=2", "parallel.zero_stage=3", "optim.offload_fraction=0.5",
+                                         "optim.offload_overlap=auto"])
+    assert all(r["memory"]["host"] == r["estimate"]["host"] > 0 for r in ranks), ranks
 
 
 def test_the_sweep_prints_a_line_per_layout_refuses_the_invalid_and_writes_json(capsys, tmp_path):
