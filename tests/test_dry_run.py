@@ -6,6 +6,9 @@ names an injected violation of each kind (a skipped all-reduce, two collectives 
 another shape, a blocking send order that deadlocks); bad --world-size and --ranks are one line and status 2
 before any rank runs."""
 import json
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -262,3 +265,28 @@ def test_bad_input_is_one_line_before_any_rank_runs(capsys, arguments, named):
     assert main(["--config", TINY, *arguments]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and named in err, err
+
+
+# The launcher's dry-run commands README and docs/launching.md show, run as written (the recipe's own run.dir);
+# the 1,024- and 4,096-rank covers of the 70B recipe (1-2 minutes each on 2 cores) are in docs/benchmarks.md.
+DOCUMENTED = [
+    ("README.md", "launch/run_pretrain.sh --dry-run --world-size 64 --ranks cover "
+                  "--config launch/configs/llama_7b_64gpu.yaml"),
+    ("docs/launching.md", "launch/run_pretrain.sh --dry-run --world-size 4096 --ranks 0,4095 "
+                          "--config launch/configs/llama_70b_1024gpu.yaml \\\n    parallel.context=4"),
+]
+
+
+@pytest.mark.parametrize("page,command", DOCUMENTED, ids=[page for page, _ in DOCUMENTED])
+def test_a_documented_dry_run_passes_through_the_launcher_as_written(page, command):
+    root = Path(__file__).resolve().parent.parent
+    assert command in (root / page).read_text(), f"{page} no longer shows {command!r}"
+    run_dir = root / load_config(str(root / command.split("--config ")[1].split()[0])).run.dir
+    existed = run_dir.exists()
+    try:
+        done = subprocess.run(["bash", "-c", command], cwd=root, capture_output=True, text=True, timeout=600)
+    finally:
+        if not existed:
+            shutil.rmtree(run_dir, ignore_errors=True)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0 and "dry run: PASS" in out and "Traceback" not in out, out[-3000:]

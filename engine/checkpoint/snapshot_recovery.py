@@ -104,7 +104,8 @@ def recover(checkpointer, memory) -> dict | None:
                                        "disk": on_disk if rank == 0 else -1})
     step, holder = agree(gathered, memory.world)
     disk = gathered[0]["disk"]
-    if step < bound(gathered, memory.world) and bound(gathered, memory.world) > disk:
+    newest_possible = bound(gathered, memory.world)
+    if step < newest_possible and newest_possible > disk:
         # some owner's newest is missing elsewhere: an older generation may complete a newer step than this
         more = memory.exchange.gather(dict(zip(("held", "ignored"), store.held_older())))
         for report, extra in zip(gathered, more):

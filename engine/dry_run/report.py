@@ -10,7 +10,7 @@ from pathlib import Path
 from engine.config.schema import Config, data_parallel_size
 from engine.dry_run.memory import estimated_bytes
 from engine.plan import volumes
-from parallel.zero_bubble_plan import stage_of
+from parallel.zero_bubble_plan import place
 
 MEMORY = ("parameters", "gradients", "optimizer", "host")
 SMALL = 2**16  # the loss's statistics and the gradient norm: scalars the planner does not count
@@ -38,12 +38,13 @@ def crossing_sides(cfg: Config, stage: int) -> int:
     another rank: all but the model's first input and last output under 1F1B and the interleaved schedules
     (rank s holds chunks s, s + p, ...), and under zbv (a V: rank s holds chunks s and 2p - 1 - s) also not the
     last rank's two middle chunks, which meet on it, while rank 0 holds both of the model's ends."""
-    p, v = cfg.parallel.pipeline, cfg.parallel.virtual_stages
-    held = [stage_of(cfg.parallel.schedule, p, stage, k) for k in range(v)] if cfg.parallel.schedule == "zbv" \
-        else [stage + k * p for k in range(v)]
-    rank = {j: s for s in range(p) for j in ([stage_of("zbv", p, s, k) for k in range(v)]
-                                             if cfg.parallel.schedule == "zbv" else range(s, v * p, p))}
-    return sum(0 <= j + d < v * p and rank[j + d] != stage for j in held for d in (-1, 1))
+    p, chunks = cfg.parallel.pipeline, cfg.parallel.pipeline * cfg.parallel.virtual_stages
+    zbv = cfg.parallel.schedule == "zbv"
+
+    def rank_of(chunk: int) -> int:
+        return place("zbv", p, chunk)[0] if zbv else chunk % p
+    return sum(0 <= j + d < chunks and rank_of(j + d) != stage
+               for j in range(chunks) if rank_of(j) == stage for d in (-1, 1))
 
 
 def planned_volumes(cfg: Config, world_size: int, stage: int, shard_rank: int) -> dict:
