@@ -39,7 +39,7 @@ import numpy as np
 from data.eod import eod_id_from_tokenizer
 from data.offline.chunk_rules import OTHER_SPACES, SAFE_SPACES, cut_rule  # noqa: F401 (the spaces: re-exported)
 from data.offline.fast_bpe import byte_chars, tiktoken_engine
-from data.offline.pieces import key_text, letter_cutter, piece_cutter
+from data.offline.pieces import key_texts, letter_cutter, piece_cutter
 
 _OTHER_SPACE_RE = re.compile("[" + re.escape(OTHER_SPACES) + "]")
 _strip_run = operator.methodcaller("lstrip", " \u2581")
@@ -73,16 +73,43 @@ class _Growable:
 
 class _Index(dict):
     """Chunk -> cache slot. A chunk not yet cached gets the next slot and is queued in `new`, so one lookup
-    per chunk both finds the hits and collects the misses (in slot order)."""
+    per chunk both finds the hits and collects the misses (in slot order). `next`: the next slot (the piece cache
+    shares its slots with a _KeyIndex)."""
 
     def __init__(self):
         super().__init__()
         self.new = []
+        self.next = 0
 
     def __missing__(self, chunk):
-        slot = self[chunk] = len(self)
+        slot = self[chunk] = self.next
+        self.next += 1
         self.new.append(chunk)
         return slot
+
+
+class _KeyIndex:
+    """Integer key -> cache slot, a whole array of keys at a time: the known keys sorted, found by binary search,
+    the new ones merged in (no Python object per key; a batch's short pieces are mostly hits)."""
+
+    def __init__(self):
+        self.keys = np.zeros(0, np.int64)
+        self.slots = np.zeros(0, np.int64)
+
+    def find(self, keys, first):
+        """(each key's slot, the new keys: given the slots first, first + 1, ... in this order)."""
+        unique, inverse = np.unique(keys, return_inverse=True)
+        at = np.searchsorted(self.keys, unique)
+        known = at < len(self.keys)
+        known[known] = self.keys[at[known]] == unique[known]
+        new = unique[~known]
+        slots = np.empty(len(unique), np.int64)
+        slots[known] = self.slots[at[known]]
+        slots[~known] = first + np.arange(len(new))
+        if len(new):
+            self.keys = np.insert(self.keys, at[~known], new)
+            self.slots = np.insert(self.slots, at[~known], slots[~known])
+        return slots[inverse.ravel()], new
 
 
 class HFEncoder:
@@ -161,7 +188,8 @@ class HFEncoder:
         self._flat = _Growable(np.int32)
         self._starts = _Growable(np.int64)
         self._lens = _Growable(np.int64)
-        self._pieces = _Index()  # a piece's text, or a short piece's integer key (pieces.py) -> its slot
+        self._pieces = _Index()  # a long piece's text -> its slot
+        self._piece_keys = _KeyIndex()  # a short piece's integer key (pieces.py) -> its slot
         self._piece_flat = _Growable(np.int32)
         self._piece_starts = _Growable(np.int64)
         self._piece_lens = _Growable(np.int64)
@@ -174,12 +202,17 @@ class HFEncoder:
         plain = self._plain_config
         # Without a normalizer, the document's tokenizer itself: no chunk holds an added token's text, and
         # add_special_tokens=False leaves the post-processor out. Else a copy without it (chunks are normalized).
-        self._inner = (self.tokenizer if self.tokenizer.normalizer is None
-                       else Tokenizer.from_str(json.dumps(plain)))
+        # The copies share the document tokenizer's model rather than parse the JSON again (start-up time).
+        if self.tokenizer.normalizer is None:
+            self._inner = self.tokenizer
+        else:
+            self._inner = Tokenizer(self.tokenizer.model)
+            self._inner.pre_tokenizer = self.tokenizer.pre_tokenizer
         # Misses joined into one text per group, when the rule allows it (Metaspace: cheaper than a word list),
         # else encoded as the words of a pre-tokenized input.
-        self._joined = (Tokenizer.from_str(json.dumps(dict(plain, pre_tokenizer=self.rule.joined_pre_tokenizer(
-            plain["pre_tokenizer"])))) if self.rule.joined_pre_tokenizer else None)
+        joined = self.rule.joined_pre_tokenizer(plain["pre_tokenizer"]) if self.rule.joined_pre_tokenizer else None
+        self._joined = (None if not self.rule.joined_pre_tokenizer else Tokenizer(self.tokenizer.model)
+                        if joined is None else Tokenizer.from_str(json.dumps(dict(plain, pre_tokenizer=joined))))
         self._word_start = None
         mark = self.rule.word_mark
         vocab = self._joined.get_vocab(with_added_tokens=False) if self._joined is not None else {}
@@ -328,16 +361,17 @@ class HFEncoder:
         text = self.rule.joined_text(text) if self.rule.joined_text else text
         lengths = np.fromiter(map(len, chunks), np.int64, len(chunks))
         cut = self.cutter.cut(text, np.cumsum(lengths) - lengths)
-        index = self._pieces
+        index, first = self._pieces, self._pieces.next
         pid = np.empty(len(cut.lengths), np.int64)
-        pid[cut.short] = np.fromiter(map(index.__getitem__, cut.keys.tolist()), np.int64, len(cut.keys))
+        pid[cut.short], new_keys = self._piece_keys.find(cut.keys, first)
+        index.next += len(new_keys)
         pid[~cut.short] = np.fromiter(map(index.__getitem__, cut.long), np.int64, len(cut.long))
-        if index.new:
-            new, index.new = index.new, []
-            ids, counts = self._encode_apart([key_text(p) if isinstance(p, int) else p for p in new])
-            slots = np.arange(len(index) - len(new), len(index))
-            self._piece_starts.resize(len(index))
-            self._piece_lens.resize(len(index))
+        if index.next > first:
+            new, index.new = key_texts(new_keys) + index.new, []
+            ids, counts = self._encode_apart(new)
+            slots = np.arange(first, index.next)
+            self._piece_starts.resize(index.next)
+            self._piece_lens.resize(index.next)
             base = self._piece_flat.size
             self._piece_flat.extend(ids)
             self._piece_starts.data[slots] = base + np.cumsum(counts) - counts
@@ -414,7 +448,7 @@ class HFEncoder:
                           np.int64, sum(len(chunks) for _, chunks in chunked))
         if index.new:
             new, index.new = index.new, []
-            self._add_chunks(new, len(index) - len(new))
+            self._add_chunks(new, index.next - len(new))
         flat, starts, lens = self._flat.data, self._starts.data, self._lens.data
         n = lens[cid]
         ends = np.cumsum(n)

@@ -306,6 +306,10 @@ class LetterCutter(_Cutter):
         return cut
 
 
-def key_text(key):
-    """The text of a short piece's integer key (_Cutter.cut)."""
-    return "".join(chr((key >> (21 * k) & _MASK) - 1) for k in range(SHORT) if key >> (21 * k) & _MASK)
+def key_texts(keys):
+    """The texts of short pieces' integer keys (_Cutter.cut), as a list: their code points split out at once and
+    decoded in one C call, then sliced apart."""
+    points = ((np.asarray(keys, np.int64)[:, None] >> (21 * np.arange(SHORT))) & _MASK) - 1
+    text = points[points >= 0].astype(np.uint32).tobytes().decode("utf-32-le")
+    ends = np.cumsum((points >= 0).sum(axis=1)).tolist()
+    return [text[a:b] for a, b in zip([0] + ends[:-1], ends)]
