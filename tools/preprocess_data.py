@@ -287,7 +287,8 @@ def build_parser():
     g.add_argument("--partitions", type=int, default=1,
                    help="process the input files in this many groups, then merge them")
     g.add_argument("--keep-partitions", action="store_true", help="keep per-partition datasets")
-    g.add_argument("--batch-size", type=int, default=64, help="documents per worker task")
+    g.add_argument("--batch-size", type=int, default=256,
+                   help="documents per worker task (fewer, larger tasks: less hand-over cost per document)")
     g.add_argument("--log-interval", type=int, default=None, help="accepted for Megatron compatibility")
     g.add_argument("--quiet", action="store_true", help="no progress line")
     g = p.add_argument_group("array jobs (data/offline/shards.py; launch/run_data_job.sh submits them)")

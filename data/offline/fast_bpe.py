@@ -83,10 +83,11 @@ def _structure(model, vocab):
         return "merges that repeat a pair or a result"
     if any(t not in vocab for t in made):
         return "a merge whose result is not in the vocabulary"
-    if any(c not in chars for t in made for c in t):
+    if not set("".join(made)) <= chars.keys():
         return "a merge of characters outside the byte-level map"
     ranks = {bytes([b]): b for b in range(256)}
-    ranks.update((bytes(chars[c] for c in t), 256 + i) for i, t in enumerate(made))
+    to_latin1 = str.maketrans({c: chr(b) for c, b in chars.items()})  # a token's bytes, by one C call each
+    ranks.update((t.translate(to_latin1).encode("latin-1"), 256 + i) for i, t in enumerate(made))
     ids = np.asarray([vocab[c] for c in sorted(chars, key=chars.get)] + [vocab[t] for t in made], np.int64)
     return ranks, ids, made
 
@@ -105,9 +106,11 @@ def tiktoken_engine(config, tokenizer, rule_name):
     if isinstance(found, str):
         return None, found
     ranks, ids, made = found
-    # (c): every merged token encodes to itself by the merges alone.
-    merges_only = Tokenizer(models.BPE(vocab, [tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1))
-                                              for m in model["merges"]], ignore_merges=False))
+    # (c): every merged token encodes to itself by the merges alone (the tokenizer's own model unless it has
+    # ignore_merges, which would find each token whole).
+    merges_only = (Tokenizer(tokenizer.model) if not model.get("ignore_merges") else Tokenizer(models.BPE(
+        vocab, [tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1)) for m in model["merges"]],
+        ignore_merges=False)))
     for token, enc in zip(made, merges_only.encode_batch_fast(made, add_special_tokens=False)):
         if enc.ids != [vocab[token]]:
             return None, f"the token {token!r} does not encode to itself by the merges"

@@ -269,6 +269,7 @@ class PieceCutter(_Cutter):
         outside[1:oov] = ~in_vocab[joined]
         self._spans = spans.ravel()
         self._fused = (outside[:, None] & outside[None, :]).ravel()  # fuse_unk may join a run of unknown characters
+        self._apart = ~self._spans & ~self._fused  # the pair rule's cuts: one table read a character
         self.context = made is not None
         self._finder = None if made is None else SpanFinder(
             [self._code[np.frombuffer(t.encode("utf-32-le"), np.uint32)].astype(np.int64) for t in made], self._width)
@@ -278,7 +279,7 @@ class PieceCutter(_Cutter):
         pair = codes[:-1] * self._width + codes[1:]
         cut = np.ones(len(points), bool)
         if self._finder is None:
-            cut[1:] = ~self._spans[pair] & ~self._fused[pair]
+            cut[1:] = self._apart[pair]
             return cut
         # Only where some merge's result holds the two characters adjacent may a token occur across.
         maybe = np.flatnonzero(self._spans[pair])
