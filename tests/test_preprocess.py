@@ -502,9 +502,9 @@ def test_wrong_piece_cuts_are_caught(llama2_code):
         encoder._reset_cache()
         encoder.rule = chunk_rules.METASPACE_RUNS  # whole runs: the even-run check would catch cuts inside "▁▁"
         if wrong == "everywhere":
-            encoder.cutter._spans[:] = False
+            encoder.cutter._apart[:] = True
         else:
-            encoder.cutter._fused.reshape(encoder.cutter._width, -1)[-1, -1] = False
+            encoder.cutter._apart.reshape(encoder.cutter._width, -1)[-1, -1] = True
         got = [ids.tolist() for ids in encoder.encode_batch(texts)]
         assert got[wrong == "between unknowns"] != reference.encode(texts[wrong == "between unknowns"]).ids
 
