@@ -212,3 +212,22 @@ def test_letter_cutter_refuses_what_its_proof_does_not_cover(families):
         assert cutter is None and why.startswith(reason), why
     cutter, why = pieces.letter_cutter(config["model"], pre, fast_bpe.byte_chars())
     assert why is None and cutter._letters[ord("中")] and not cutter._letters[ord("，")]
+
+
+@pytest.mark.parametrize("family", ["gpt2-nfkc", "llama3-instruct", "llama2"])
+def test_flat_output_is_the_documents_ids_joined(corpus, families, family):
+    """encode_flat (one gather for a batch: template, own ids, EOD) gives encode_batch's documents joined, the
+    ones the plain encoder takes (other spaces, special-token text) included, with and without an EOD."""
+    from tokenizers import Tokenizer
+    news, rest = corpus
+    reference = Tokenizer.from_file(families[family])
+    special = next(t.content for t in reference.get_added_tokens_decoder().values())
+    texts = news[:3] + rest[:20] + ["全角\u3000空格", f"含有{special}的文本", "x"]
+    for eod in (None, 7):
+        encoder = load_encoder(tokenizer_spec(None, families[family]))
+        encoder.verify_first = 0  # the gather from the first batch on
+        lengths, flat = encoder.encode_flat(texts, eod)
+        docs = [e.ids + ([eod] if eod is not None else []) for e in reference.encode_batch(texts)]
+        assert flat.dtype == np.int32 and lengths.tolist() == [len(d) for d in docs]
+        assert flat.tolist() == [i for d in docs for i in d]
+        assert [a.size for a in encoder.encode_flat([], eod)] == [0, 0]

@@ -79,16 +79,7 @@ def _encode_task(records):
         kept.append(record_origin(record) or (file_index, line))
         for column, text in zip(texts, values):
             column.append(text)
-    per_key = []
-    for column in texts:
-        docs = encoder.encode_batch(column) if column else []
-        lengths = np.fromiter(map(len, docs), np.int64, len(docs))
-        if eod is not None and docs:  # each document, then the EOD id: one concatenation
-            end = np.asarray([eod], np.int64)
-            docs, lengths = [docs[k // 2] if k % 2 == 0 else end for k in range(2 * len(docs))], lengths + 1
-        # int32 ids (any vocabulary fits): half the bytes of int64 to send to the main process
-        per_key.append((lengths, np.concatenate(docs, dtype=np.int32, casting="same_kind") if docs
-                        else np.zeros(0, np.int32)))
+    per_key = [encoder.encode_flat(column, eod) for column in texts]
     return kept, rejects, per_key, nbytes, encoder.cache_reason, encoder.engine_reason if encoder.cached else None
 
 

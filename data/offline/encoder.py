@@ -429,9 +429,47 @@ class HFEncoder:
     def encode_batch(self, texts):
         if not self.cached:
             return self._plain(texts)
+        tokens, bounds, chunked, plain = self._encode_cached(texts)
+        out = [None] * len(texts)
+        for i, begin, end in zip(chunked.tolist(), bounds[:-1].tolist(), bounds[1:].tolist()):
+            out[i] = tokens[begin:end].astype(np.int64)
+            if self._prefix.size or self._suffix.size:
+                out[i] = np.concatenate((self._prefix, out[i], self._suffix))
+        for i, ids in plain.items():
+            out[i] = ids
+        if self._verified < self.verify_first:
+            self._verify(texts, out)
+        return out
+
+    def encode_flat(self, texts, eod=None):
+        """(tokens per document, the documents' ids in one int32 array, each followed by `eod` unless None): what
+        encode_batch gives, assembled in one gather rather than an array or two per document."""
+        if not self.cached or self._verified < self.verify_first:
+            return _flat(self.encode_batch(texts), eod)
+        tokens, bounds, chunked, plain = self._encode_cached(texts)
+        others = np.fromiter(plain, np.int64, len(plain))
+        other_lens = np.fromiter(map(len, plain.values()), np.int64, len(plain))
+        fixed = np.concatenate((self._prefix, self._suffix, [0 if eod is None else eod])).astype(np.int32)
+        pool = np.concatenate([tokens, fixed] + [ids.astype(np.int32) for ids in plain.values()])
+        # Four pieces of the pool per document: the template's prefix, its own ids, the template's suffix, EOD.
+        starts = np.zeros((len(texts), 4), np.int64)
+        lens = np.zeros((len(texts), 4), np.int64)
+        starts[chunked, 0], lens[chunked, 0] = len(tokens), len(self._prefix)
+        starts[chunked, 1], lens[chunked, 1] = bounds[:-1], np.diff(bounds)
+        starts[chunked, 2], lens[chunked, 2] = len(tokens) + len(self._prefix), len(self._suffix)
+        starts[others, 1] = len(tokens) + len(fixed) + np.cumsum(other_lens) - other_lens
+        lens[others, 1] = other_lens
+        starts[:, 3], lens[:, 3] = len(tokens) + len(fixed) - 1, eod is not None
+        lens, starts = lens.ravel(), starts.ravel()
+        ends = np.cumsum(lens)
+        return (lens.reshape(-1, 4).sum(axis=1),
+                pool[np.repeat(starts - (ends - lens), lens) + np.arange(int(ends[-1]) if lens.size else 0)])
+
+    def _encode_cached(self, texts):
+        """(the cached documents' own ids joined, int32; where each one's begin and end, their indices in
+        `texts`, {index: ids} of the documents the plain encoder took)."""
         if self._flat.size + self._piece_flat.size > self.max_cached_tokens:
             self._reset_cache()
-        out = [None] * len(texts)
         plain, chunked = [], []
         for i, text in enumerate(texts):
             norm = self._normalize(text) if self._normalize else text
@@ -454,16 +492,8 @@ class HFEncoder:
         ends = np.cumsum(n)
         tokens = flat[np.repeat(starts[cid] - (ends - n), n) + np.arange(int(ends[-1]) if n.size else 0)]
         bounds = np.concatenate(([0], ends))[np.cumsum([0] + [len(chunks) for _, chunks in chunked])]
-        for (i, _), begin, end in zip(chunked, bounds[:-1], bounds[1:]):
-            out[i] = tokens[begin:end].astype(np.int64)
-            if self._prefix.size or self._suffix.size:
-                out[i] = np.concatenate((self._prefix, out[i], self._suffix))
-        if plain:
-            for i, ids in zip(plain, self._plain([texts[i] for i in plain])):
-                out[i] = ids
-        if self._verified < self.verify_first:
-            self._verify(texts, out)
-        return out
+        done = dict(zip(plain, self._plain([texts[i] for i in plain]))) if plain else {}
+        return tokens, bounds, np.fromiter((i for i, _ in chunked), np.int64, len(chunked)), done
 
     def _verify(self, texts, out):
         take = min(len(texts), self.verify_first - self._verified)
@@ -493,6 +523,19 @@ class SentencePieceEncoder:
 
     def encode_batch(self, texts):
         return [np.asarray(ids, dtype=np.int64) for ids in self.sp.encode(list(texts))]
+
+    def encode_flat(self, texts, eod=None):
+        return _flat(self.encode_batch(texts), eod)
+
+
+def _flat(docs, eod):
+    """(tokens per document, the documents' ids in one int32 array, each followed by `eod` unless None)."""
+    lengths = np.fromiter(map(len, docs), np.int64, len(docs))
+    if eod is not None and docs:
+        end = np.asarray([eod], np.int64)
+        docs, lengths = [docs[k // 2] if k % 2 == 0 else end for k in range(2 * len(docs))], lengths + 1
+    # int32 ids (any vocabulary fits): half the bytes of int64 to send to the main process
+    return lengths, (np.concatenate(docs, dtype=np.int32, casting="same_kind") if docs else np.zeros(0, np.int32))
 
 
 def tokenizer_spec(tokenizer_type, tokenizer_model, vocab_file=None, merge_file=None):
