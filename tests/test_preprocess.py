@@ -520,3 +520,12 @@ def test_merge_of_a_byte_token_keeps_whole_chunks(tmp_path, llama2_code, capsys)
     assert "<0xE6><0x97>" in [reference.id_to_token(i) for i in reference.encode(texts[0]).ids]
     _exact_through_the_tool(tmp_path, merged, reference, texts, eod_token)
     assert "even-run cuts; no pieces: a merge joins '<0xE6>'" in capsys.readouterr().out
+
+
+def test_a_worker_task_ends_at_its_document_count_or_its_input_bytes():
+    from data.offline.workers import batched
+    records = [(0, n, b"x" * size) for n, size in enumerate([10, 10, 10, 600, 500, 10, 10])]
+    sizes = [[len(r[2]) for r in batch] for batch in batched(records, 3, 1000, preprocess_data._payload_bytes)]
+    assert sizes == [[10, 10, 10], [600, 500], [10, 10]]
+    assert [len(b) for b in batched(range(7), 3)] == [3, 3, 1]
+    assert preprocess_data._payload_bytes((0, 1, {"text": "parsed"})) == 0

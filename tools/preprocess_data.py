@@ -49,6 +49,9 @@ from data.offline.shards import (add_shard_arguments, all_markers, describe_inpu
                            settings, shard_name, write_marker)
 
 REPORT_FIRST = 5  # rejects printed with file:line; all of them go to the rejects file
+# A worker task ends at --batch-size documents or this many input bytes: many short documents share a task's
+# hand-over cost, and long ones are not copied between processes in blocks of megabytes.
+TASK_BYTES = 1 << 20
 
 _worker = {}
 # (spec, use_cache, use_engine, use_context_cuts) -> the encoder main() loaded: forked workers start from it,
@@ -60,6 +63,11 @@ def _init_worker(spec, keys, use_cache, eod_id, use_engine=True, use_context_cut
     options = (use_cache, use_engine, use_context_cuts)
     encoder = _loaded.get((spec, *options))
     _worker.update(encoder=load_encoder(spec, *options) if encoder is None else encoder, keys=keys, eod=eod_id)
+
+
+def _payload_bytes(record):
+    payload = record[2]
+    return len(payload) if isinstance(payload, bytes) else 0
 
 
 def _encode_task(records):
@@ -141,7 +149,7 @@ def preprocess(args, files, prefix, spec, vocab_size, eod, ranges=None, rejects_
     progress = _Progress(args.quiet)
     try:
         batches = batched(iter_records(files, args.json_keys, max_record_bytes=args.max_record_bytes,
-                                       ranges=ranges), args.batch_size)
+                                       ranges=ranges), args.batch_size, TASK_BYTES, _payload_bytes)
         init_args = (spec, args.json_keys, not args.no_cache, eod, not args.no_fast_engine, args.context_cuts)
         for kept, rejects, per_key, nbytes, cache_off, engine_off in ordered_map(_encode_task, batches, args.workers,
                                                                                  _init_worker, init_args):
@@ -279,7 +287,7 @@ def build_parser():
                    help="process the input files in this many groups, then merge them")
     g.add_argument("--keep-partitions", action="store_true", help="keep per-partition datasets")
     g.add_argument("--batch-size", type=int, default=256,
-                   help="documents per worker task (fewer, larger tasks: less hand-over cost per document)")
+                   help="documents per worker task, at most (a task also ends at 1 MB of input)")
     g.add_argument("--log-interval", type=int, default=None, help="accepted for Megatron compatibility")
     g.add_argument("--quiet", action="store_true", help="no progress line")
     g = p.add_argument_group("array jobs (data/offline/shards.py; launch/run_data_job.sh submits them)")

@@ -9,14 +9,16 @@ class WorkerDied(RuntimeError):
     """A worker process ended without finishing its task (the kernel's OOM killer, a signal)."""
 
 
-def batched(items, size):
-    """Lists of `size` consecutive items (the last may be shorter)."""
-    batch = []
+def batched(items, size, max_weight=None, weight=None):
+    """Lists of `size` consecutive items (the last may be shorter); with `max_weight`, a list also ends once its
+    items' `weight(item)` add up to that much."""
+    batch, total = [], 0
     for item in items:
         batch.append(item)
-        if len(batch) == size:
+        total += weight(item) if max_weight is not None else 0
+        if len(batch) == size or (max_weight is not None and total >= max_weight):
             yield batch
-            batch = []
+            batch, total = [], 0
     if batch:
         yield batch
 
