@@ -251,7 +251,8 @@ def snapshot(store, owner, step, tensors) -> dict:
 
 def test_the_state_file_is_safetensors_copied_into_the_spare_pages_and_checked_by_crc32(tmp_path):
     """The state file, copied from the tensors into its memory map, is a safetensors file (safetensors reads it
-    back) whose CRC-32 is zlib's; load() reads it back checked. From the third snapshot on, each one is written
+    back) whose CRC-32 is zlib's; load() returns the tensors held() verified while reading them, and after that
+    reads the file again, checked. From the third snapshot on, each one is written
     into the state file of the generation pruned before it (the same inode: no new pages), and a spare of another
     size is resized to fit."""
     import torch
@@ -265,9 +266,11 @@ def test_the_state_file_is_safetensors_copied_into_the_spare_pages_and_checked_b
     on_disk = load_file(path / "state.safetensors")
     assert on_disk.keys() == tensors.keys() and all(torch.equal(on_disk[k], v) for k, v in tensors.items())
     assert manifest["files"]["state.safetensors"]["crc32"] == zlib.crc32((path / "state.safetensors").read_bytes())
-    assert store.held() == ([(0, 2)], [])
-    got = store.load(0, 2)[1]
-    assert got.keys() == tensors.keys() and all(torch.equal(got[k], v) for k, v in tensors.items())
+    assert store.held(keep=0) == ([(0, 2)], []) and path in store.kept
+    for _ in range(2):  # the copy held() read, then the file read again
+        got = store.load(0, 2)[1]
+        assert got.keys() == tensors.keys() and all(torch.equal(got[k], v) for k, v in tensors.items())
+        assert not store.kept
     first = (path / "state.safetensors").stat().st_ino
     snapshot(store, 0, 4, tensors)
     assert not (store.owner_dir(0) / ".spare").exists()  # two generations: nothing pruned yet
@@ -282,10 +285,11 @@ def test_the_state_file_is_safetensors_copied_into_the_spare_pages_and_checked_b
 
 
 @pytest.mark.parametrize("damage", ["tensor byte", "header byte", "truncated", "longer"])
-def test_a_damaged_state_file_is_named_in_one_line_and_the_previous_generation_serves(tmp_path, damage):
+@pytest.mark.parametrize("keep", [0, None], ids=["read", "in-place"])
+def test_a_damaged_state_file_is_named_in_one_line_and_the_previous_generation_serves(tmp_path, damage, keep):
     """Every damage to the newest snapshot (a flipped bit in a tensor or in the header, a file cut short or
-    grown) is caught by the CRC-32 or the size: one line names it, and the previous generation is what the rank
-    holds (the next tier; with none left, the disk)."""
+    grown) is caught by the CRC-32 or the size, whether held() verifies by reading or in place: one line names
+    it, and the previous generation is what the rank holds (the next tier; with none left, the disk)."""
     import torch
 
     from engine.checkpoint.files import CheckpointError
@@ -303,7 +307,7 @@ def test_a_damaged_state_file_is_named_in_one_line_and_the_previous_generation_s
     else:
         data += b"\0" * 8
     state.write_bytes(bytes(data))
-    held, ignored = store.held()
+    held, ignored = store.held(keep=keep)
     assert held == [(0, 2)] and ignored == [f"{state.parent} (state.safetensors does not match its manifest's size "
                                             f"and CRC-32)"], ignored
     assert torch.equal(store.load(0, 2)[1]["master/w"], torch.full((64,), 2))

@@ -99,7 +99,7 @@ def recover(checkpointer, memory) -> dict | None:
     # Snapshots no newer than the disk checkpoint (run.dir is shared: every rank reads the same `latest`) would
     # never be used, so they are not checked; of the others, each owner's newest intact one first: usually enough
     on_disk = disk_step(checkpointer)
-    held, ignored = store.held(verified_here(memory.nodes, rank), newest=True, above=on_disk)
+    held, ignored = store.held(verified_here(memory.nodes, rank), keep=rank, newest=True, above=on_disk)
     gathered = memory.exchange.gather({"held": held, "ignored": ignored, "progress": store.progress(rank),
                                        "disk": on_disk if rank == 0 else -1})
     step, holder = agree(gathered, memory.world)
@@ -130,7 +130,7 @@ def recover(checkpointer, memory) -> dict | None:
         meta = checkpointer.resume()
         tier = "the disk checkpoint (no complete memory snapshot newer than it)"
     resumed = meta["step"] if meta else 0
-    store.older = []  # what held() left unchecked, unused when the disk tier served
+    store.kept, store.older = {}, []  # what held() read or left, unused when the disk tier served
     store.drop_after(resumed)
     if rank == 0 and (meta or last >= 0):
         n = last - resumed
