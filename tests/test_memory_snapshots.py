@@ -252,7 +252,7 @@ def snapshot(store, owner, step, tensors) -> dict:
 def test_the_state_file_is_safetensors_copied_into_the_spare_pages_and_checked_by_crc32(tmp_path):
     """The state file, copied from the tensors into its memory map, is a safetensors file (safetensors reads it
     back) whose CRC-32 is zlib's; load() returns the tensors held() verified while reading them, and after that
-    reads the file again, checked. From the third snapshot on, each one is written
+    reads the file again, checked, with the tensors asked for as views of the file's private map. From the third snapshot on, each one is written
     into the state file of the generation pruned before it (the same inode: no new pages), and a spare of another
     size is resized to fit."""
     import torch
@@ -271,6 +271,10 @@ def test_the_state_file_is_safetensors_copied_into_the_spare_pages_and_checked_b
         got = store.load(0, 2)[1]
         assert got.keys() == tensors.keys() and all(torch.equal(got[k], v) for k, v in tensors.items())
         assert not store.kept
+    views = store.load(0, 2, view=lambda key: key.startswith("master/"))[1]  # the state the optimizer copies out
+    assert all(torch.equal(views[k], v) for k, v in tensors.items())
+    views["master/w"].add_(1)  # a private map: nothing goes back to the snapshot
+    assert torch.equal(store.load(0, 2)[1]["master/w"], tensors["master/w"])
     first = (path / "state.safetensors").stat().st_ino
     snapshot(store, 0, 4, tensors)
     assert not (store.owner_dir(0) / ".spare").exists()  # two generations: nothing pruned yet
@@ -311,8 +315,9 @@ def test_a_damaged_state_file_is_named_in_one_line_and_the_previous_generation_s
     assert held == [(0, 2)] and ignored == [f"{state.parent} (state.safetensors does not match its manifest's size "
                                             f"and CRC-32)"], ignored
     assert torch.equal(store.load(0, 2)[1]["master/w"], torch.full((64,), 2))
-    with pytest.raises(CheckpointError, match="step_00000004/state.safetensors"):  # read anyway: checked again
-        store.load(0, 4)
+    for view in (lambda key: False, lambda key: True):  # read anyway, into tensors or as views: checked again
+        with pytest.raises(CheckpointError, match="step_00000004/state.safetensors"):
+            store.load(0, 4, view)
 
 
 def test_a_snapshot_damaged_after_its_check_or_in_transfer_is_an_error_in_one_line(tmp_path):

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import mmap
 import os
 import re
@@ -135,25 +136,37 @@ class StateFile:
             flat[offset:offset + t.numel() * t.element_size()].view(t.dtype).copy_(t.reshape(-1))
 
 
-def decode(path: Path, size: int, crc: int) -> dict[str, torch.Tensor]:
-    """The tensors of the state file `path`, each copied from the file's memory map into a new tensor (a read call
-    per tensor cost ~25% more here) and added to the CRC-32 while it is still in the cache (one pass over the
-    bytes); a CheckpointError unless the file has `size` bytes and CRC-32 `crc`."""
+def decode(path: Path, size: int, crc: int, view=lambda key: False) -> dict[str, torch.Tensor]:
+    """The tensors of the state file `path` from the file's memory map, each added to the CRC-32 in the same pass
+    (while it is still in the cache): those `view(key)` takes as views of the map (private: never written back,
+    freed with the last of them), the others copied into new tensors; a CheckpointError unless the file has
+    `size` bytes and CRC-32 `crc`. The map is filled page by page as it is read: populating a private writable
+    map would copy every page."""
     f = SafetensorsRanges(path)
     try:
         if f.size != size:
             raise CheckpointError(f"{path} has {f.size} bytes, its manifest says {size}")
-        with mmap.mmap(f.file.fileno(), 0, flags=POPULATED, prot=mmap.PROT_READ) as data, memoryview(data) as view:
-            got, offset, tensors = crc32(view[:f.base]), 0, {}
+        data = mmap.mmap(f.file.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        flat = torch.frombuffer(data, dtype=torch.uint8)
+        with memoryview(data) as whole:
+            got, offset, tensors = crc32(whole[:f.base]), 0, {}
             for start, key in sorted((f._entry(k)[2], k) for k in f.keys()):
                 if start != offset:  # the checksum covers the file only if the tensors tile it
                     raise CheckpointError(f"{path} is damaged: tensor {key[:80]!r} does not follow the one before "
                                           f"it")
                 dtype, shape, _ = f._entry(key)
-                tensors[key] = torch.empty(shape, dtype=dtype)
-                out = byte_view(tensors[key])
-                out[:] = view[f.base + offset:f.base + offset + len(out)]
-                got, offset = crc32(out, got), offset + len(out)
+                length = math.prod(shape) * dtype.itemsize
+                if view(key):
+                    if (f.base + offset) % dtype.itemsize:
+                        raise CheckpointError(f"{path} is damaged: tensor {key[:80]!r} is not aligned")
+                    tensors[key] = flat[f.base + offset:f.base + offset + length].view(dtype).view(shape)
+                    got = crc32(whole[f.base + offset:f.base + offset + length], got)
+                else:
+                    tensors[key] = torch.empty(shape, dtype=dtype)
+                    out = byte_view(tensors[key])
+                    out[:] = whole[f.base + offset:f.base + offset + length]
+                    got = crc32(out, got)
+                offset += length
         if f.base + offset != f.size or got != crc:
             raise CheckpointError(f"{path} does not match its manifest's CRC-32")
         return tensors
@@ -251,11 +264,11 @@ class SnapshotStore:
         return sorted(found, reverse=True)
 
     def held(self, select=lambda owner: True, keep: int | None = None, newest: bool = False,
-             above: int = -1) -> tuple[list[tuple[int, int]], list[str]]:
+             above: int = -1, view=lambda key: False) -> tuple[list[tuple[int, int]], list[str]]:
         """([(owner, step)] of the intact snapshots of this run here whose owner `select` takes, [why each other
         one of those is ignored]). The newest intact snapshot of owner `keep` is verified while it is read into
         tensors, which `load()` then returns without reading it again (one memory map and one pass over the
-        file instead of two); the others are checked in place.
+        file instead of two; `view` as in `decode()`); the others are checked in place.
         `newest`: per owner only down to its newest intact snapshot, the older ones left to `held_older()`.
         Snapshots of step `above` or older are neither checked nor reported (the disk checkpoint is as new)."""
         held, ignored = [], []
@@ -269,7 +282,7 @@ class SnapshotStore:
             owner = int(match.group(1))
             steps = [s for s in self._steps(owner) if s > above]
             for i, step in enumerate(steps):
-                problem = self.problem(base / f"step_{step:08d}", owner == keep and not self.kept)
+                problem = self.problem(base / f"step_{step:08d}", view if owner == keep and not self.kept else None)
                 if problem:
                     ignored.append(f"{base / f'step_{step:08d}'} ({problem})")
                     continue
@@ -292,18 +305,18 @@ class SnapshotStore:
         self.older = []
         return held, ignored
 
-    def problem(self, path: Path, read: bool = False) -> str:
-        """Why the snapshot in `path` cannot be used ("" when it is whole and this run's). `read`: verify it by
-        reading it into tensors, kept for `load()`."""
+    def problem(self, path: Path, read=None) -> str:
+        """Why the snapshot in `path` cannot be used ("" when it is whole and this run's). `read` (decode()'s
+        `view`): verify it by reading it into tensors, kept for `load()`."""
         try:
             manifest = json.loads((path / MANIFEST).read_text())
             mismatch = self.identity.mismatch(manifest)
             if mismatch:
                 return f"another run's or layout's snapshot: {mismatch}"
             want = manifest["files"][STATE]
-            if read:
+            if read is not None:
                 try:
-                    self.kept[path] = manifest, decode(path / STATE, want["bytes"], want["crc32"])
+                    self.kept[path] = manifest, decode(path / STATE, want["bytes"], want["crc32"], read)
                 except CheckpointError:
                     return f"{STATE} does not match its manifest's size and CRC-32"
             elif not file_matches(path / STATE, want["bytes"], want["crc32"]):
@@ -318,16 +331,16 @@ class SnapshotStore:
     def manifest(self, owner: int, step: int) -> dict:
         return json.loads((self._path(owner, step) / MANIFEST).read_text())
 
-    def load(self, owner: int, step: int) -> tuple[dict, dict[str, torch.Tensor]]:
+    def load(self, owner: int, step: int, view=lambda key: False) -> tuple[dict, dict[str, torch.Tensor]]:
         """(manifest, tensors) of a snapshot: the one `held()` read, else its state file read and checked as it is
-        read (a copy received since, or an older step)."""
+        read (a copy received since, or an older step; `view` as in `decode()`)."""
         path = self._path(owner, step)
         kept, self.kept = self.kept.get(path), {}
         if kept is not None:
             return kept
         manifest = self.manifest(owner, step)
         want = manifest["files"][STATE]
-        return manifest, decode(path / STATE, want["bytes"], want["crc32"])
+        return manifest, decode(path / STATE, want["bytes"], want["crc32"], view)
 
     def packed(self, owner: int, step: int) -> bytearray:
         """A snapshot as `pack()` makes it, for sending: the state file read straight into the buffer."""
