@@ -252,9 +252,9 @@ def snapshot(store, owner, step, tensors) -> dict:
 def test_the_state_file_is_safetensors_copied_into_the_spare_pages_and_checked_by_crc32(tmp_path):
     """The state file, copied from the tensors into its memory map, is a safetensors file (safetensors reads it
     back) whose CRC-32 is zlib's; load() returns the tensors held() verified while reading them, and after that
-    reads the file again, checked, with the tensors asked for as views of the file's private map. From the third snapshot on, each one is written
-    into the state file of the generation pruned before it (the same inode: no new pages), and a spare of another
-    size is resized to fit."""
+    reads the file again, checked, with the tensors asked for as views of the file's private map. From the third
+    snapshot on, each one is written into the state file of the generation pruned before it (the same inode: no
+    new pages), and a spare of another size is resized to fit."""
     import torch
     from safetensors.torch import load_file
 

@@ -18,11 +18,12 @@ run.dir, world size or configuration is never used: `held()` names it and ignore
 
 The state file is safetensors, copied by the training thread straight into the file's memory map: the pages of
 the generation pruned last (kept as `rank_<owner>/.spare`), so a snapshot allocates nothing and makes no other
-copy; the snapshot thread only checksums, commits and sends it. It is read straight into new tensors (no
-decoding copy). Its checksum is CRC-32, not the disk checkpoint's SHA-256: a snapshot never leaves the node's
-memory or the partner's, so what it must catch is a flipped or lost byte (a torn write, bad memory), not a forged
-file; CRC-32 catches every burst of up to 32 bits and all but 2^-32 of the rest. It is computed by ISA-L (the
-isal package), the same value as zlib's, about 12× faster than zlib 1.2 here (34 MiB: 1.3 ms against 16 ms).
+copy; the snapshot thread only checksums, commits and sends it. A restart reads it from the file's map in one
+pass with the checksum: into new tensors what the optimizer keeps, as views what it copies out. Its checksum is
+CRC-32, not the disk checkpoint's SHA-256: a snapshot never leaves the node's memory or the partner's, so what it
+must catch is a flipped or lost byte (a torn write, bad memory), not a forged file; CRC-32 catches every burst of
+up to 32 bits and all but 2^-32 of the rest. It is computed by ISA-L (the isal package), the same value as
+zlib's, about 12× faster than zlib 1.2 here (34 MiB: 1.3 ms against 16 ms).
 """
 from __future__ import annotations
 

@@ -78,9 +78,10 @@ class MemorySnapshots:
             free = shutil.disk_usage(root).free + self.store.bytes_held()
             if need * on_node > free:
                 problem = (f"checkpoint.memory_dir={root} on {self.nodes[self.rank]} has {gib(free)} free but "
-                           f"memory snapshots need {gib(need * on_node)} ({on_node} ranks × 3 (2 generations and the one "
-                           f"being written) × {'own + partner' if self.exchange.partner is not None else 'own'} "
-                           f"shard of {gib(need / (6 if self.exchange.partner is not None else 3))}); enlarge it "
+                           f"memory snapshots need {gib(need * on_node)} ({on_node} ranks × 3 (2 generations and "
+                           f"the one being written) × "
+                           f"{'own + partner' if self.exchange.partner is not None else 'own'} shard of "
+                           f"{gib(need / (6 if self.exchange.partner is not None else 3))}); enlarge it "
                            f"(mount -o remount,size=... /dev/shm), set checkpoint.memory_dir elsewhere, or "
                            f"checkpoint.memory_interval=0")
         except OSError as exc:
