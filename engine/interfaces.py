@@ -61,3 +61,7 @@ class Optimizer(Protocol):
     def load_owned_state(self, read: Callable[[str, str, int, int], torch.Tensor]) -> None:
         """Fill the owned elements from `read(name, key, start, end)` (a checkpoint at any layout), then the
         model parameters from the masters."""
+
+    def keeps_loaded(self) -> frozenset[str]:
+        """The state keys ("exp_avg", ...) whose tensors from `read` load_owned_state keeps as its state; it copies
+        the others out, so a reader may hand those as views of memory that lives only for the load."""

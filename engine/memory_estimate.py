@@ -617,10 +617,11 @@ def snapshot_shard_bytes(cfg: Config, world_size: int) -> int:
 
 
 def snapshot_host_bytes(cfg: Config, world_size: int) -> int:
-    """Host memory one rank's snapshots take: memory snapshots, two generations of its own shard and of its
-    partner's; checkpoint.async_save, one copy of its saved state (engine/checkpoint/checkpointer.save, the RNG
-    states' few bytes aside) while the background write runs."""
-    copies = (4 if cfg.checkpoint.memory_interval > 0 else 0) + (1 if cfg.checkpoint.async_save else 0)
+    """Host memory one rank's snapshots take: memory snapshots, two generations and the one being written (kept
+    between snapshots as the next one's pages) of its own shard and of its partner's; checkpoint.async_save, one
+    copy of its saved state (engine/checkpoint/checkpointer.save, the RNG states' few bytes aside) while the
+    background write runs."""
+    copies = (6 if cfg.checkpoint.memory_interval > 0 else 0) + (1 if cfg.checkpoint.async_save else 0)
     return copies * snapshot_shard_bytes(cfg, world_size) if copies else 0
 
 
@@ -649,9 +650,10 @@ def host_problem(cfg: Config, world_size: int, ranks_per_node: int, memory: int)
         return None
     if not offload:  # memory snapshots alone
         return (f"checkpoint.memory_interval={cfg.checkpoint.memory_interval} keeps {gib(need)} of memory snapshots "
-                f"in each node's host memory ({ranks_per_node} ranks × 2 generations × own + partner's shard), more "
-                f"than {HOST_SHARE:.0%} of its {gib(memory)}; set checkpoint.memory_interval=0, or shard the state "
-                f"over more ranks (parallel.zero_stage ≥ 1, more data-parallel ranks)")
+                f"in each node's host memory ({ranks_per_node} ranks × 3 (2 generations and the one being written) "
+                f"× own + partner's shard), more than {HOST_SHARE:.0%} of its {gib(memory)}; set "
+                f"checkpoint.memory_interval=0, or shard the state over more ranks (parallel.zero_stage ≥ 1, more "
+                f"data-parallel ranks)")
     fits = fitting_fraction(cfg, world_size, ranks_per_node, budget)
     fix = f"set optim.offload_fraction={fits:g} or less" if fits else "turn it off (optim.offload_fraction=0)"
     with_snapshots = "".join(text for on, text in ((snapshots, " and memory snapshots (checkpoint.memory_interval)"),
@@ -772,8 +774,8 @@ def host_report(cfg: Config, world_size: int, stages: list, memory: int, ranks_p
     per_rank = max(s.host for s in stages) + snapshots
     what = [f"optim.offload_fraction={cfg.optim.offload_fraction:g}"] if cfg.optim.offload_fraction > 0 else []
     if cfg.checkpoint.memory_interval > 0:
-        what.append(f"memory snapshots {gib(4 * snapshot_shard_bytes(cfg, world_size))}: 2 generations × own + "
-                    f"partner's shard of {gib(snapshot_shard_bytes(cfg, world_size))}")
+        what.append(f"memory snapshots {gib(6 * snapshot_shard_bytes(cfg, world_size))}: 3 (2 generations and the "
+                    f"one being written) × own + partner's shard of {gib(snapshot_shard_bytes(cfg, world_size))}")
     if cfg.checkpoint.async_save:
         what.append(f"async save's copy {gib(snapshot_shard_bytes(cfg, world_size))}")
     line = (f"  host memory ({'; '.join(what)}): {gib(per_rank)} on the fullest "

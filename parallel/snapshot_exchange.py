@@ -33,8 +33,9 @@ def partners(nodes: list[str]) -> list[int | None]:
     return out
 
 
-def as_tensor(payload: bytearray) -> torch.Tensor:
-    """A writable buffer as a uint8 tensor on its memory (torch.frombuffer refuses an empty one)."""
+def as_tensor(payload) -> torch.Tensor:
+    """A writable buffer (bytearray, memory map) as a uint8 tensor on its memory (torch.frombuffer refuses an
+    empty one)."""
     return torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
 
 
@@ -50,19 +51,24 @@ class SnapshotExchange:
         self.group = dist.new_group(backend=host_backend()) if self.world > 1 else None
         comm.register_group(self.group, "snapshot")
 
-    def swap(self, payload: bytearray, between=lambda: None) -> memoryview | None:
-        """Send this rank's payload to its partner and receive its source's (blocking; background thread).
-        `between` runs after the sizes are exchanged, before the bytes (a test's injected fault). Sent from the
-        payload's own memory and received into a new buffer: no other copy."""
+    def swap(self, head: bytes, body, receive, between=lambda: None):
+        """Send this rank's snapshot to its partner and receive its source's (blocking; background thread): first
+        each side's `head` (its manifest) and body size, then the bodies (the state files), this one sent from its
+        own memory and the source's received straight into `receive(head, size)`, a writable buffer of that
+        size; returns the source's head, or None without a partner. `between` runs after the
+        sizes are exchanged, before the bytes (a test's injected fault)."""
         if self.partner is None:
             return None
-        size_out = torch.tensor([len(payload)], dtype=torch.int64)
-        size_in = torch.zeros(1, dtype=torch.int64)
-        comm.host_send_recv(size_out, self.partner, size_in, self.source, self.group)
+        sizes_in = torch.zeros(2, dtype=torch.int64)
+        comm.host_send_recv(torch.tensor([len(head), len(body)], dtype=torch.int64), self.partner, sizes_in,
+                            self.source, self.group)
         between()
-        data_in = torch.empty(int(size_in.item()), dtype=torch.uint8)
-        comm.host_send_recv(as_tensor(payload), self.partner, data_in, self.source, self.group)
-        return memoryview(data_in.numpy())
+        head_in = torch.empty(int(sizes_in[0]), dtype=torch.uint8)
+        comm.host_send_recv(as_tensor(bytearray(head)), self.partner, head_in, self.source, self.group)
+        theirs = head_in.numpy().tobytes()
+        into = receive(theirs, int(sizes_in[1]))
+        comm.host_send_recv(as_tensor(body), self.partner, as_tensor(into), self.source, self.group)
+        return theirs
 
     def gather(self, obj) -> list:
         """Every rank's `obj` (what snapshots it holds), in rank order."""

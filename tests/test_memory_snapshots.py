@@ -207,22 +207,23 @@ def test_another_configurations_snapshots_are_named_and_ignored(tmp_path):
                                                 "than it) at step 3: 1 step lost, ") for x in lines), lines
 
 
-def test_the_host_memory_count_is_two_generations_of_own_and_partner_shards(tmp_path):
+def test_the_host_memory_count_is_three_state_files_of_own_and_partner_shards(tmp_path):
     """The estimate's shard equals the bytes a rank's snapshot holds (one rank, AdamW: master and two moments
-    of every parameter); the node's count is 2 generations × (own + partner's) × its ranks, and a node too
-    small for it is one line naming checkpoint.memory_interval."""
+    of every parameter); the node's count is 3 (2 generations and the one being written) × (own + partner's) ×
+    its ranks, and a node too small for it is one line naming checkpoint.memory_interval."""
     from engine.checkpoint.snapshot_writer import space_needed, state_bytes
     from engine.memory_estimate import host_problem, report, snapshot_host_bytes, snapshot_shard_bytes
     t = one_rank(tmp_path)
     shard = state_bytes(t.optimizer)
     assert snapshot_shard_bytes(t.cfg, 1) == shard == 3 * 4 * sum(p.numel() for _, p in t.named_params)
-    assert snapshot_host_bytes(t.cfg, 1) == 4 * shard == space_needed(shard, partner=True)
-    assert "memory snapshots 8.3 MiB: 2 generations × own + partner's shard of 2.1 MiB): 8.3 MiB on the fullest " \
-           "rank, 66.2 MiB per node of 8 ranks" in report(t.cfg, 1, 0, 1 << 30, 8)
-    assert host_problem(t.cfg, 1, 8, 10 * 8 * 4 * shard) is None
-    assert host_problem(t.cfg, 1, 8, 8 * 4 * shard).startswith(
-        "checkpoint.memory_interval=2 keeps 66.2 MiB of memory snapshots in each node's host memory (8 ranks × 2 "
-        "generations × own + partner's shard), more than 80% of its 66.2 MiB; set checkpoint.memory_interval=0")
+    assert snapshot_host_bytes(t.cfg, 1) == 6 * shard == space_needed(shard, partner=True)
+    assert "memory snapshots 12.4 MiB: 3 (2 generations and the one being written) × own + partner's shard of " \
+           "2.1 MiB): 12.4 MiB on the fullest rank, 99.3 MiB per node of 8 ranks" in report(t.cfg, 1, 0, 1 << 30, 8)
+    assert host_problem(t.cfg, 1, 8, 10 * 8 * 6 * shard) is None
+    assert host_problem(t.cfg, 1, 8, 8 * 6 * shard).startswith(
+        "checkpoint.memory_interval=2 keeps 99.3 MiB of memory snapshots in each node's host memory (8 ranks × 3 "
+        "(2 generations and the one being written) × own + partner's shard), more than 80% of its 99.3 MiB; set "
+        "checkpoint.memory_interval=0")
 
 
 def test_each_snapshot_on_a_node_is_verified_by_one_of_its_ranks(tmp_path):
@@ -239,17 +240,28 @@ def test_each_snapshot_on_a_node_is_verified_by_one_of_its_ranks(tmp_path):
     assert store.held(verified_here(nodes, 1)) == ([(1, 4), (3, 4)], [])
 
 
-def test_the_state_file_is_safetensors_written_and_read_without_copies_and_checked_by_crc32(tmp_path):
-    """The state file, written from the tensors' own bytes, is a safetensors file (safetensors reads it back);
-    load() returns the tensors held() verified while reading them, and after that reads the file again, checked."""
+def snapshot(store, owner, step, tensors) -> dict:
+    """What the snapshot writer does with `tensors`, in one thread: copied into a new state file, committed."""
+    from engine.checkpoint.memory_snapshot import layout
+    head, places, size = layout(tensors)
+    state = store.open(owner, step, size)
+    state.put_tensors(head, places, tensors)
+    return store.commit(owner, step, state, {"meta": {}, "ranges": {}, "rng": {}})
+
+
+def test_the_state_file_is_safetensors_copied_into_the_spare_pages_and_checked_by_crc32(tmp_path):
+    """The state file, copied from the tensors into its memory map, is a safetensors file (safetensors reads it
+    back) whose CRC-32 is zlib's; load() returns the tensors held() verified while reading them, and after that
+    reads the file again, checked, with the tensors asked for as views of the file's private map. From the third
+    snapshot on, each one is written into the state file of the generation pruned before it (the same inode: no
+    new pages), and a spare of another size is resized to fit."""
     import torch
     from safetensors.torch import load_file
 
-    from engine.checkpoint.memory_snapshot import encode
     tensors = {"master/w": torch.randn(5, 3), "rng/default/cpu": torch.arange(7, dtype=torch.uint8),
                "exp_avg/w": torch.randn(15).bfloat16(), "empty": torch.zeros(0)}
     store = SnapshotStore(str(tmp_path / "shm"), "a", Identity(str(tmp_path / "run"), 1, "abc", "t"))
-    manifest = store.write(0, 2, {"meta": {}, "ranges": {}, "rng": {}}, encode(tensors))
+    manifest = snapshot(store, 0, 2, tensors)
     path = store.owner_dir(0) / "step_00000002"
     on_disk = load_file(path / "state.safetensors")
     assert on_disk.keys() == tensors.keys() and all(torch.equal(on_disk[k], v) for k, v in tensors.items())
@@ -259,6 +271,21 @@ def test_the_state_file_is_safetensors_written_and_read_without_copies_and_check
         got = store.load(0, 2)[1]
         assert got.keys() == tensors.keys() and all(torch.equal(got[k], v) for k, v in tensors.items())
         assert not store.kept
+    views = store.load(0, 2, view=lambda key: key.startswith("master/"))[1]  # the state the optimizer copies out
+    assert all(torch.equal(views[k], v) for k, v in tensors.items())
+    views["master/w"].add_(1)  # a private map: nothing goes back to the snapshot
+    assert torch.equal(store.load(0, 2)[1]["master/w"], tensors["master/w"])
+    first = (path / "state.safetensors").stat().st_ino
+    snapshot(store, 0, 4, tensors)
+    assert not (store.owner_dir(0) / ".spare").exists()  # two generations: nothing pruned yet
+    bigger = {**tensors, "exp_avg_sq/w": torch.randn(15)}
+    snapshot(store, 0, 6, bigger)  # step 2 pruned: its file is the spare
+    assert (store.owner_dir(0) / ".spare").stat().st_ino == first
+    snapshot(store, 0, 8, bigger)  # written into step 2's old file, grown to fit
+    state = store.owner_dir(0) / "step_00000008" / "state.safetensors"
+    assert state.stat().st_ino == first and store.held() == ([(0, 8), (0, 6)], [])
+    got = store.load(0, 8)[1]
+    assert got.keys() == bigger.keys() and all(torch.equal(got[k], v) for k, v in bigger.items())
 
 
 @pytest.mark.parametrize("damage", ["tensor byte", "header byte", "truncated", "longer"])
@@ -269,10 +296,10 @@ def test_a_damaged_state_file_is_named_in_one_line_and_the_previous_generation_s
     it, and the previous generation is what the rank holds (the next tier; with none left, the disk)."""
     import torch
 
-    from engine.checkpoint.memory_snapshot import encode
+    from engine.checkpoint.files import CheckpointError
     store = SnapshotStore(str(tmp_path / "shm"), "a", Identity(str(tmp_path / "run"), 1, "abc", "t"))
     for step in (2, 4):
-        store.write(0, step, {"meta": {}, "ranges": {}, "rng": {}}, encode({"master/w": torch.full((64,), step)}))
+        snapshot(store, 0, step, {"master/w": torch.full((64,), step)})
     state = store.owner_dir(0) / "step_00000004" / "state.safetensors"
     data = bytearray(state.read_bytes())
     if damage == "tensor byte":
@@ -288,6 +315,9 @@ def test_a_damaged_state_file_is_named_in_one_line_and_the_previous_generation_s
     assert held == [(0, 2)] and ignored == [f"{state.parent} (state.safetensors does not match its manifest's size "
                                             f"and CRC-32)"], ignored
     assert torch.equal(store.load(0, 2)[1]["master/w"], torch.full((64,), 2))
+    for view in (lambda key: False, lambda key: True):  # read anyway, into tensors or as views: checked again
+        with pytest.raises(CheckpointError, match="step_00000004/state.safetensors"):
+            store.load(0, 4, view)
 
 
 def test_a_snapshot_damaged_after_its_check_or_in_transfer_is_an_error_in_one_line(tmp_path):
@@ -296,9 +326,8 @@ def test_a_snapshot_damaged_after_its_check_or_in_transfer_is_an_error_in_one_li
     import torch
 
     from engine.checkpoint.files import CheckpointError
-    from engine.checkpoint.memory_snapshot import encode
     store = SnapshotStore(str(tmp_path / "shm"), "a", Identity(str(tmp_path / "run"), 2, "abc", "t"))
-    manifest = store.write(0, 2, {"meta": {}, "ranges": {}, "rng": {}}, encode({"master/w": torch.ones(64)}))
+    manifest = snapshot(store, 0, 2, {"master/w": torch.ones(64)})
     assert store.held() == ([(0, 2)], [])
     state = store.owner_dir(0) / "step_00000002" / "state.safetensors"
     data = bytearray(state.read_bytes())

@@ -177,8 +177,8 @@ def test_shared_memory_too_small_is_one_line_with_the_size(tmp_path, monkeypatch
     from engine.checkpoint import snapshot_writer
     monkeypatch.setattr(snapshot_writer.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(1 << 30, 1 << 30, 4096))
     with pytest.raises(CheckpointError, match=r"checkpoint.memory_dir=\S+ on \S+ has 0.0 MiB free but memory "
-                                              r"snapshots need 4.1 MiB \(1 ranks × 2 generations × own shard of "
-                                              r"2.1 MiB\); enlarge it"):
+                                              r"snapshots need 6.2 MiB \(1 ranks × 3 \(2 generations and the one "
+                                              r"being written\) × own shard of 2.1 MiB\); enlarge it"):
         tiny_trainer(f"run.dir={tmp_path / 'run'}", "checkpoint.memory_interval=2",
                      f"checkpoint.memory_dir={tmp_path / 'shm'}")
 

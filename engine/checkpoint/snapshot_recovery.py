@@ -99,7 +99,14 @@ def recover(checkpointer, memory) -> dict | None:
     # Snapshots no newer than the disk checkpoint (run.dir is shared: every rank reads the same `latest`) would
     # never be used, so they are not checked; of the others, each owner's newest intact one first: usually enough
     on_disk = disk_step(checkpointer)
-    held, ignored = store.held(verified_here(memory.nodes, rank), keep=rank, newest=True, above=on_disk)
+    kept = checkpointer.optimizer.keeps_loaded()
+
+    def view(key: str) -> bool:
+        """The state the optimizer copies out, read as views of the snapshot's map: no new memory for it (new
+        pages cost more than the copy here)."""
+        return key.split("/")[0] in ("master", "momentum", "exp_avg", "exp_avg_sq") and key.split("/")[0] not in kept
+
+    held, ignored = store.held(verified_here(memory.nodes, rank), keep=rank, newest=True, above=on_disk, view=view)
     gathered = memory.exchange.gather({"held": held, "ignored": ignored, "progress": store.progress(rank),
                                        "disk": on_disk if rank == 0 else -1})
     step, holder = agree(gathered, memory.world)
@@ -122,7 +129,7 @@ def recover(checkpointer, memory) -> dict | None:
             manifest, state = unpack(received[rank])
             store.write(rank, step, {k: manifest[k] for k in ("meta", "ranges", "rng")}, [state],
                         crc=manifest["files"][STATE]["crc32"])  # own copy again
-        meta = restore_shard(checkpointer, *store.load(rank, step))
+        meta = restore_shard(checkpointer, *store.load(rank, step, view))
         sent = sorted(owner for _, owner in moves)
         tier = "memory " + (f"(partner copies for rank{'s' if len(sent) > 1 else ''} {', '.join(map(str, sent))})"
                             if sent else "(own shards)")

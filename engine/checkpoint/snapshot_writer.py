@@ -1,12 +1,14 @@
 """Taking memory snapshots every checkpoint.memory_interval steps (format and store: memory_snapshot.py).
 
-The training thread copies the rank's state to host memory (as an async checkpoint save does) and returns;
-a background thread encodes it, commits it to this node's store, swaps it with the partner rank
-(parallel/snapshot_exchange.py: sends its own to the partner on the next node, receives its source's) and
-commits the copy it received. The next snapshot first waits for the previous one, so at most one is in flight.
+The training thread copies the rank's state straight into the snapshot's state file in this node's shared memory
+(mapped; the pages of the generation pruned last) and returns; a background thread checksums and commits it,
+swaps it with the partner rank (parallel/snapshot_exchange.py: sends its own to the partner on the next node from
+the file's pages, receives its source's straight into a state file of its own) and commits the copy it received.
+The next snapshot first waits for the previous one, so at most one is in flight.
 """
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import shutil
@@ -15,7 +17,7 @@ from pathlib import Path
 from engine.checkpoint.background import BackgroundWrite
 from engine.checkpoint.checkpointer import rng_snapshot
 from engine.checkpoint.files import CheckpointError
-from engine.checkpoint.memory_snapshot import STATE, Identity, SnapshotStore, config_hash, encode, pack, unpack
+from engine.checkpoint.memory_snapshot import STATE, Identity, SnapshotStore, StateFile, config_hash, layout
 from engine.memory_estimate import gib
 from parallel import comm
 from parallel.distributed import snapshot_node
@@ -32,8 +34,9 @@ def state_bytes(optimizer) -> int:
 
 
 def space_needed(shard_bytes: int, partner: bool) -> int:
-    """Shared memory one rank's snapshots take: two generations of its own shard and of its partner's."""
-    return 2 * shard_bytes * (2 if partner else 1)
+    """Shared memory one rank's snapshots take: two generations and the one being written (kept between snapshots
+    as the next one's pages) of its own shard and of its partner's."""
+    return 3 * shard_bytes * (2 if partner else 1)
 
 
 class MemorySnapshots:
@@ -64,7 +67,7 @@ class MemorySnapshots:
         return self.ck._gather(token)[0]
 
     def check_space(self) -> None:
-        """/dev/shm too small for two generations (own + partner's): one line naming the size needed, agreed
+        """/dev/shm too small for the snapshots (own + partner's): one line naming the size needed, agreed
         by every rank (each node's ranks share one file system)."""
         need = space_needed(state_bytes(self.ck.optimizer), self.exchange.partner is not None)
         root = Path(self.ck.cfg.checkpoint.memory_dir)
@@ -75,9 +78,10 @@ class MemorySnapshots:
             free = shutil.disk_usage(root).free + self.store.bytes_held()
             if need * on_node > free:
                 problem = (f"checkpoint.memory_dir={root} on {self.nodes[self.rank]} has {gib(free)} free but "
-                           f"memory snapshots need {gib(need * on_node)} ({on_node} ranks × 2 generations × "
+                           f"memory snapshots need {gib(need * on_node)} ({on_node} ranks × 3 (2 generations and "
+                           f"the one being written) × "
                            f"{'own + partner' if self.exchange.partner is not None else 'own'} shard of "
-                           f"{gib(need / (4 if self.exchange.partner is not None else 2))}); enlarge it "
+                           f"{gib(need / (6 if self.exchange.partner is not None else 3))}); enlarge it "
                            f"(mount -o remount,size=... /dev/shm), set checkpoint.memory_dir elsewhere, or "
                            f"checkpoint.memory_interval=0")
         except OSError as exc:
@@ -93,9 +97,9 @@ class MemorySnapshots:
         """Note the last finished step, for the recovery's count of lost steps."""
         self.store.set_progress(self.rank, step)
 
-    def capture(self, step: int, consumed_samples: int) -> tuple[dict, list]:
-        """(manifest, the state file's buffers): this rank's whole local state copied into host memory now, in the
-        training thread (memory_snapshot.encode)."""
+    def capture(self, step: int, consumed_samples: int) -> tuple[dict, StateFile]:
+        """(manifest, the state file): this rank's whole local state copied into its snapshot's state file now, in
+        the training thread."""
         opt = self.ck.optimizer
         tensors, rng_json = rng_snapshot()
         ranges = {}
@@ -106,24 +110,33 @@ class MemorySnapshots:
                     tensors[f"{key}/{name}"] = value.detach()
         meta = {"step": step, "consumed_samples": consumed_samples, "adam_step": opt.adam_step,
                 "scaler": opt.scaler.state_dict(), "layout": self.ck.layout, **self.ck.extra_metadata}
-        return {"meta": meta, "ranges": ranges, "rng": rng_json}, encode(tensors)
+        head, places, size = layout(tensors)
+        state = self.store.open(self.rank, step, size)
+        state.put_tensors(head, places, tensors)
+        return {"meta": meta, "ranges": ranges, "rng": rng_json}, state
 
     def save(self, step: int, consumed_samples: int) -> None:
         self.wait()
-        manifest, parts = self.capture(step, consumed_samples)
-        self.background.start(self._write, step, manifest, parts)
+        manifest, state = self.capture(step, consumed_samples)
+        self.background.start(self._write, step, manifest, state)
 
-    def _write(self, step: int, manifest: dict, parts: list) -> None:
+    def _write(self, step: int, manifest: dict, state: StateFile) -> None:
         between = (lambda: self.faults.mid_snapshot(step)) if self.faults else (lambda: None)
-        written = self.store.write(self.rank, step, manifest, parts, between)
+        written = self.store.commit(self.rank, step, state, manifest, between)
         if self.exchange.partner is None:  # one node (or uneven ones): no copy to send, none to receive
             return
         mid_transfer = (lambda: self.faults.mid_transfer(step)) if self.faults else (lambda: None)
-        received = self.exchange.swap(pack(written, parts), mid_transfer)
-        if received is not None:
-            theirs, data = unpack(received)
-            self.store.write(theirs["rank"], theirs["step"], {k: theirs[k] for k in ("meta", "ranges", "rng")},
-                             [data], crc=theirs["files"][STATE]["crc32"])
+        received = {}
+
+        def receive(head: bytes, size: int):
+            theirs = received["manifest"] = json.loads(head)
+            received["state"] = self.store.open(theirs["rank"], theirs["step"], size)
+            return received["state"].data
+
+        if self.exchange.swap(json.dumps(written).encode(), state.data, receive, mid_transfer) is not None:
+            theirs = received["manifest"]
+            self.store.commit(theirs["rank"], theirs["step"], received["state"],
+                              {k: theirs[k] for k in ("meta", "ranges", "rng")}, crc=theirs["files"][STATE]["crc32"])
 
     def settle(self) -> None:
         """At exit, also after a failure: let a snapshot in flight finish (a dead partner fails its transfer at

@@ -268,6 +268,9 @@ class MixedPrecisionAdamW:
                          "exp_avg_sq": state["exp_avg_sq"].reshape(-1) if state else zeros}
         return out
 
+    def keeps_loaded(self) -> frozenset[str]:
+        return frozenset({"exp_avg", "exp_avg_sq"})  # handed to torch's load_state_dict, which keeps them
+
     @torch.no_grad()
     def load_owned_state(self, read) -> None:
         """Adam's state from flat fp32 ranges, handed to torch's own load_state_dict: it puts each tensor where

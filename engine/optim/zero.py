@@ -195,6 +195,9 @@ class ZeroAdamW:
                     out[r.name] = {**state, "exp_avg": m[moments], "exp_avg_sq": v[moments]}
         return out
 
+    def keeps_loaded(self) -> frozenset[str]:
+        return frozenset()  # every range is copied into the flat buffers
+
     @torch.no_grad()
     def load_owned_state(self, read) -> None:
         momentum = {(i, r.name): buf for (i, r), buf in zip(self.muon_ranges, self.muon.momentum if self.muon else [])}
