@@ -1,9 +1,10 @@
 """Offload's clipped steps and 16-bit transfers (issue 49, items 2, 3 and 6's fp16 case): with clipping on every
-step or on none, bf16 and fp16, DDP and ZeRO, offload with overlap changes no bit against no offload; every
-offloaded gradient crosses to the host exactly once per step (a clipped step scales the host copy it has); a
-16-bit gradient crosses in 16 bits; a speculative job still queued when the step clips is cancelled, not run;
-the offload wrapper (engine/optim/host_offload.py) treats a host gradient as the device does, and does nothing
-without offloaded pieces.
+step or on none, fp32, bf16 and fp16, DDP and ZeRO, offload with overlap changes no bit against no offload; every
+offloaded gradient crosses to the host exactly once per step (a clipped step scales the host copy it has; on CPU
+an fp32 one not sent during backward crosses clipped); a 16-bit gradient crosses in 16 bits; a speculative job
+still queued when the step clips is cancelled, not run; the offload wrapper (engine/optim/host_offload.py) treats
+a host gradient as the device does, keeps an fp32 master in its write-back's buffer, and does nothing without
+offloaded pieces.
 """
 import threading
 import time
@@ -47,8 +48,8 @@ def run(rank, world, precision, fraction, clip, overlap, parallel):
     if fraction:
         send = opt.host.send_grad
 
-        def counted(i):
-            sent = send(i)
+        def counted(i, coef=None):
+            sent = send(i, coef)
             sends.append(sum(t.element_size() for t in sent[:1]))  # the bytes per element the gradient crosses in
             return sent
         opt.host.send_grad = counted
@@ -69,6 +70,9 @@ CASES = [
     ("zero1-bf16-clip-every-step-auto", "bf16", 0.01, "auto", dict(zero_stage=1)),
     ("zero2-fp16-no-clip", "fp16", 0.0, "auto", dict(zero_stage=2)),
     ("ddp-fp16-clip-every-step-auto", "fp16", 0.01, "auto", dict(zero_stage=0)),
+    ("zero1-fp32-clip-every-step-auto", "fp32", 0.01, "auto", dict(zero_stage=1)),
+    ("ddp-fp32-clip-every-step", "fp32", 0.01, "true", dict(zero_stage=0)),
+    ("zero2-fp32-no-clip", "fp32", 0.0, "true", dict(zero_stage=2)),
 ]
 
 
@@ -81,7 +85,7 @@ def test_offload_with_overlap_is_exact_and_copies_each_gradient_once(pool, preci
         assert steps_on == steps_off
         assert_same(state_off, state_on)
         assert per_step == [pieces] * STEPS  # once per step, clipped or not
-        assert widths == {2}  # 16-bit gradients cross in 16 bits
+        assert widths == {4 if precision == "fp32" else 2}  # in its own dtype: 16-bit gradients in 16 bits
         finite = [n for _, n, skipped in steps_off if not skipped]
         if not clip:
             assert redos[-1] == 0
@@ -221,3 +225,30 @@ def test_the_offload_wrapper_lands_a_gradient_as_the_device_treats_it_and_is_ine
     none.write_back(params, masters, ["a", "b"])
     assert 0 not in none and none.settle(False, True, 0.0) == set() and none.land(0.37) == {}
     assert none.readings() == {} and none.speculation is None
+
+
+def test_an_fp32_master_lives_in_its_write_back_buffer_and_its_gradient_crosses_clipped_on_cpu():
+    torch.manual_seed(0)
+    grads = [torch.randn(6) * 1000 for _ in range(2)]
+    masters = [torch.randn(6) for _ in grads]
+    values = [m.clone() for m in masters]
+    opt, cfg, cpu = _Update(grads), SimpleNamespace(offload_overlap="false", offload_threads=1), torch.device("cpu")
+    opt.scaler = LossScaler(False)
+    host = HostOffload(opt, cfg, masters, {1: (6, torch.float32, torch.float32, slice(0, 0))}, cpu)
+    arena = host.arena.block.untyped_storage().data_ptr()
+    assert masters[1].untyped_storage().data_ptr() == arena and torch.equal(masters[1], values[1])
+    assert masters[0] is not values[0] and torch.equal(masters[0], values[0])  # not offloaded: untouched
+    host.send()
+    assert host.deferred == {1}  # crosses in land, clipped on the way
+    host.settle(overflow=False, clip=True, backward_end=0.0)
+    device = grads[1].clone()
+    torch._foreach_mul_([device], 0.37)  # the device's clip, as the optimizers run it
+    landed = host.land(0.37)
+    assert torch.equal(landed[1], device) and torch.equal(grads[1] * 0.37, device)  # the device's own untouched
+    masters[1].add_(1.0)  # AdamW writes the master where the write-back reads it
+    params = [torch.zeros(6) for _ in grads]
+    host.write_back(params, masters, ["model.layers.0.w", "lm_head.weight"])
+    assert torch.equal(params[1], masters[1]) and not params[0].any()
+    host.send()
+    host.settle(overflow=False, clip=False, backward_end=0.0)
+    assert torch.equal(host.land(None)[1], grads[1])  # not clipped: the plain copy

@@ -101,15 +101,23 @@ class WriteBack:
     `staging` buffer in the parameter's dtype (round-to-nearest-even, the bits the device's cast gives), then a
     side stream copies it to the device without blocking the host, and records one event that the parameter's
     first use waits on (a stream wait, not a host synchronisation). On CPU the same code runs with the copies
-    synchronous. The next write-back into `staging` first waits for this copy (issued a whole step earlier)."""
+    synchronous. The next write-back into `staging` first waits for this copy (issued a whole step earlier).
+    When the parameter is fp32 the master itself lives in `staging` (`holds_master`): nothing to round, so the
+    copy to the device reads it where AdamW wrote it; whoever writes the master first calls `settled`."""
 
-    def __init__(self, staging: torch.Tensor, stream):
-        self.staging, self.stream, self.event, self.waiting = staging, stream, None, False
+    def __init__(self, staging: torch.Tensor, stream, holds_master: bool = False):
+        self.staging, self.stream, self.holds_master = staging, stream, holds_master
+        self.event, self.waiting = None, False
 
-    def send(self, device: torch.Tensor, master: torch.Tensor) -> None:
+    def settled(self) -> None:
+        """The host may overwrite `staging`: the last copy from it is complete (issued a step ago; no-op on CPU)."""
         if self.event is not None:
             self.event.synchronize()
-        self.staging.copy_(master.detach().reshape(-1))
+
+    def send(self, device: torch.Tensor, master: torch.Tensor) -> None:
+        if not self.holds_master:
+            self.settled()
+            self.staging.copy_(master.detach().reshape(-1))
         if self.stream is None:
             device.view(-1).copy_(self.staging)
             return
@@ -152,10 +160,15 @@ class HostGrad:
         element count rounded up to even, so that the tail starts 4-byte aligned)."""
         return (numel, dtype) if dtype == torch.float32 else (even(numel) + 2 * (tail.stop - tail.start), dtype)
 
-    def send(self, grad: torch.Tensor, tail32: torch.Tensor | None = None) -> None:
-        """Issue the copies from the device (asynchronous when pinned: wait for the stream before `land`)."""
+    def send(self, grad: torch.Tensor, tail32: torch.Tensor | None = None, coef: float | None = None) -> None:
+        """Issue the copies from the device (asynchronous when pinned: wait for the stream before `land`). `coef`:
+        an fp32 gradient the host reads in place (a CPU device) is clipped on the way, in the same pass; the
+        bits of copying, then scaling."""
         if self.staging is None:
-            self.fp32.view(-1).copy_(grad.reshape(-1), non_blocking=True)
+            if coef is None:
+                self.fp32.view(-1).copy_(grad.reshape(-1), non_blocking=True)
+            else:
+                torch.mul(grad.reshape(-1), coef, out=self.fp32.view(-1))
             return
         self.main.copy_(grad.reshape(-1), non_blocking=True)
         self.has_tail = tail32 is not None
