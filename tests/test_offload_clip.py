@@ -37,14 +37,19 @@ def pool():
         yield made[2]
 
 
-def run(rank, world, precision, fraction, clip, overlap, parallel):
-    """STEPS steps; (steps, owned state, host pieces, sends per step, 16-bit bytes sent, overlap readings)."""
+def run(rank, world, precision, fraction, clip, overlap, parallel, staged=False):
+    """STEPS steps; (steps, owned state, host pieces, sends per step, 16-bit bytes sent, overlap readings).
+    `staged`: the path a GPU takes (every gradient and master through its host buffers), not CPU's in-place one."""
     base = {**BASE, "train": dict(BASE["train"], precision=precision),
             "optim": dict(BASE["optim"], offload_fraction=fraction, clip_grad=clip, offload_overlap=overlap)}
     cfg = make_config(base, **parallel)
     validate(cfg, world)
     trainer = Trainer(cfg, DistEnv(rank, world, 0, torch.device("cpu"), "gloo"))
     opt, sends = trainer.optimizer, []
+    if staged:
+        opt.host.in_place = False
+        for write_back in opt.host.write_backs.values():
+            write_back.in_place = False
     if fraction:
         send = opt.host.send_grad
 
@@ -64,7 +69,7 @@ def run(rank, world, precision, fraction, clip, overlap, parallel):
             [r.get("offload_redos") for r in records])
 
 
-# (id, precision, clip, optim.offload_overlap, parallel): clipping bites on every step (0.01) or never (0: off)
+# (id, precision, clip, optim.offload_overlap, parallel[, staged]): clipping bites on every step (0.01) or never
 CASES = [
     ("ddp-bf16-clip-every-step", "bf16", 0.01, "true", dict(zero_stage=0)),
     ("zero1-bf16-clip-every-step-auto", "bf16", 0.01, "auto", dict(zero_stage=1)),
@@ -73,13 +78,17 @@ CASES = [
     ("zero1-fp32-clip-every-step-auto", "fp32", 0.01, "auto", dict(zero_stage=1)),
     ("ddp-fp32-clip-every-step", "fp32", 0.01, "true", dict(zero_stage=0)),
     ("zero2-fp32-no-clip", "fp32", 0.0, "true", dict(zero_stage=2)),
+    ("zero1-fp32-clip-every-step-auto-staged", "fp32", 0.01, "auto", dict(zero_stage=1), True),
+    ("ddp-bf16-clip-every-step-auto-staged", "bf16", 0.01, "auto", dict(zero_stage=0), True),
 ]
 
 
-@pytest.mark.parametrize("precision,clip,overlap,parallel", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_offload_with_overlap_is_exact_and_copies_each_gradient_once(pool, precision, clip, overlap, parallel):
+@pytest.mark.parametrize("precision,clip,overlap,parallel,staged",
+                         [c[1:] if len(c) == 6 else (*c[1:], False) for c in CASES], ids=[c[0] for c in CASES])
+def test_offload_with_overlap_is_exact_and_copies_each_gradient_once(pool, precision, clip, overlap, parallel,
+                                                                       staged):
     off = pool.run(run, precision, 0.0, clip, overlap, parallel)
-    on = pool.run(run, precision, 1.0, clip, overlap, parallel)
+    on = pool.run(run, precision, 1.0, clip, overlap, parallel, staged)
     for (steps_off, state_off, *_), (steps_on, state_on, pieces, per_step, widths, redos) in zip(off, on):
         assert pieces > 0
         assert steps_on == steps_off
@@ -245,10 +254,12 @@ def test_an_fp32_master_lives_in_its_write_back_buffer_and_its_gradient_crosses_
     torch._foreach_mul_([device], 0.37)  # the device's clip, as the optimizers run it
     landed = host.land(0.37)
     assert torch.equal(landed[1], device) and torch.equal(grads[1] * 0.37, device)  # the device's own untouched
-    masters[1].add_(1.0)  # AdamW writes the master where the write-back reads it
     params = [torch.zeros(6) for _ in grads]
-    host.write_back(params, masters, ["model.layers.0.w", "lm_head.weight"])
-    assert torch.equal(params[1], masters[1]) and not params[0].any()
+    for in_place in (True, False):  # a CPU device's; a GPU's, through the arena
+        host.write_backs[1].in_place = in_place
+        masters[1].add_(1.0)  # AdamW writes the master where the write-back reads it
+        host.write_back(params, masters, ["model.layers.0.w", "lm_head.weight"])
+        assert torch.equal(params[1], masters[1]) and not params[0].any()
     host.send()
     host.settle(overflow=False, clip=False, backward_end=0.0)
     assert torch.equal(host.land(None)[1], grads[1])  # not clipped: the plain copy

@@ -8,7 +8,7 @@ the host each does nothing):
 
 - `begin(lr)` before backward;
 - `send()` before the device unscales gradients in place: the gradients not sent during backward cross now
-  (on a CPU device an fp32 one, which nothing changes before `land`, crosses there, clipped in the same pass);
+  (on a CPU device they cross in `land` instead, read in place: see `send`);
 - `settle(overflow, clip, backward_end)` once the norm decides the step: the speculative steps commit or are
   dropped; returns the pieces already stepped (AdamW passes them by);
 - `land(coef)` the other pieces' fp32 gradients on the host, unscaled and clipped by the device's operations;
@@ -33,6 +33,7 @@ class HostOffload:
         both through pinned views into one exact arena. A master whose parameter is fp32 is replaced in `masters`
         by its write-back's arena view, holding the same values (offload.WriteBack.holds_master)."""
         self.opt, self.cfg, self.device = opt, cfg, device
+        self.in_place = device.type != "cuda"  # the host reads the device's gradients where they are (see send)
         ids = list(pieces)
         self.arena = offload.PinnedArena([offload.HostGrad.request(n, grad, tail) for n, grad, _, tail in
                                           pieces.values()] + [(n, param) for n, _, param, _ in pieces.values()],
@@ -78,10 +79,13 @@ class HostOffload:
         return self.opt.adam_step
 
     def send_grad(self, i: int, coef: float | None = None) -> list:
-        """Issue the copies of piece i's gradient to its host buffers (clipped by `coef` on the way: a crossing
-        deferred to `land`); returns the device tensors read."""
+        """Issue the copies of piece i's gradient to its host buffers (a crossing deferred to `land`: taken in
+        one pass, an fp32 one clipped by `coef` on the way); returns the device tensors read."""
         grad, tail = self.opt.device_grad(i)
-        self.host_grads[i].send(grad, tail, coef)
+        if i in self.deferred:
+            self.host_grads[i].take(grad, tail, coef)
+        else:
+            self.host_grads[i].send(grad, tail)
         return [t for t in (grad, tail) if t is not None]
 
     def speculate(self, i: int, grad: torch.Tensor, lr: float, adam_step: int) -> None:
@@ -103,10 +107,11 @@ class HostOffload:
         if self.speculation is not None:
             self.speculation.fence()
             sent = self.speculation.sent()
-        # on a CPU device the crossing is a copy by the same cores, which overlaps nothing: an fp32 gradient, which
-        # nothing changes in place before land (no loss scale), crosses there, clipped in the same pass
-        self.deferred = {i for i, g in self.host_grads.items() if i not in sent and g.staging is None
-                         and self.device.type != "cuda" and not self.opt.scaler.enabled}
+        # on a CPU device the crossing is a copy by the same cores, which overlaps nothing: it waits for land and
+        # reads the device's gradient there, in one pass (a 16-bit one, which the device only reads, upcast with no
+        # staging copy; an fp32 one, which nothing changes in place before land without a loss scale, clipped)
+        self.deferred = {i for i, g in self.host_grads.items() if i not in sent and self.in_place
+                         and (g.staging is not None or not self.opt.scaler.enabled)}
         self.late = [t for i in self.host_grads if i not in sent | self.deferred for t in self.send_grad(i)]
 
     def settle(self, overflow: bool, clip: bool, backward_end: float) -> set:
@@ -132,7 +137,7 @@ class HostOffload:
     def land(self, coef: float | None) -> dict:
         """Piece → its fp32 gradient on the host, for the pieces not committed: upcast, unscaled and clipped by
         `coef` (None: not clipped) with the device's elementwise operations (those landed by a speculative job
-        are upcast and unscaled already; a deferred one is copied and clipped in one pass)."""
+        are upcast and unscaled already; a deferred fp32 one is copied and clipped in one pass)."""
         offload.wait_for_device(self.late)
         for i in self.deferred - self.done:
             self.send_grad(i, coef)
@@ -141,9 +146,9 @@ class HostOffload:
         fresh = [g for i, g in grads.items() if i not in self.landed]
         if self.opt.scaler.enabled and fresh:
             torch._foreach_div_(fresh, self.opt.scaler.scale)
-        scaled = [g for i, g in grads.items() if i not in self.deferred]
-        if coef is not None and scaled:
-            torch._foreach_mul_(scaled, coef)
+        clipped = {i for i in self.deferred if self.host_grads[i].staging is None}  # on the way, by take
+        if coef is not None and len(grads) > len(clipped):
+            torch._foreach_mul_([g for i, g in grads.items() if i not in clipped], coef)
         return grads
 
     def stepped(self, seconds: float) -> None:

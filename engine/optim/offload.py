@@ -101,12 +101,14 @@ class WriteBack:
     `staging` buffer in the parameter's dtype (round-to-nearest-even, the bits the device's cast gives), then a
     side stream copies it to the device without blocking the host, and records one event that the parameter's
     first use waits on (a stream wait, not a host synchronisation). On CPU the same code runs with the copies
-    synchronous. The next write-back into `staging` first waits for this copy (issued a whole step earlier).
-    When the parameter is fp32 the master itself lives in `staging` (`holds_master`): nothing to round, so the
-    copy to the device reads it where AdamW wrote it; whoever writes the master first calls `settled`."""
+    synchronous, except that a CPU device's parameter, which the host writes where it is (`in_place`), takes the
+    rounded master directly (the staging copy would be a second pass by the same cores). The next write-back into
+    `staging` first waits for this copy (issued a whole step earlier). When the parameter is fp32 the master
+    itself lives in `staging` (`holds_master`): nothing to round, so the copy to the device reads it where AdamW
+    wrote it; whoever writes the master first calls `settled`."""
 
     def __init__(self, staging: torch.Tensor, stream, holds_master: bool = False):
-        self.staging, self.stream, self.holds_master = staging, stream, holds_master
+        self.staging, self.stream, self.holds_master, self.in_place = staging, stream, holds_master, stream is None
         self.event, self.waiting = None, False
 
     def settled(self) -> None:
@@ -115,6 +117,9 @@ class WriteBack:
             self.event.synchronize()
 
     def send(self, device: torch.Tensor, master: torch.Tensor) -> None:
+        if self.in_place:
+            device.view(-1).copy_(master.detach().reshape(-1))
+            return
         if not self.holds_master:
             self.settled()
             self.staging.copy_(master.detach().reshape(-1))
@@ -160,15 +165,10 @@ class HostGrad:
         element count rounded up to even, so that the tail starts 4-byte aligned)."""
         return (numel, dtype) if dtype == torch.float32 else (even(numel) + 2 * (tail.stop - tail.start), dtype)
 
-    def send(self, grad: torch.Tensor, tail32: torch.Tensor | None = None, coef: float | None = None) -> None:
-        """Issue the copies from the device (asynchronous when pinned: wait for the stream before `land`). `coef`:
-        an fp32 gradient the host reads in place (a CPU device) is clipped on the way, in the same pass; the
-        bits of copying, then scaling."""
+    def send(self, grad: torch.Tensor, tail32: torch.Tensor | None = None) -> None:
+        """Issue the copies from the device (asynchronous when pinned: wait for the stream before `land`)."""
         if self.staging is None:
-            if coef is None:
-                self.fp32.view(-1).copy_(grad.reshape(-1), non_blocking=True)
-            else:
-                torch.mul(grad.reshape(-1), coef, out=self.fp32.view(-1))
+            self.fp32.view(-1).copy_(grad.reshape(-1), non_blocking=True)
             return
         self.main.copy_(grad.reshape(-1), non_blocking=True)
         self.has_tail = tail32 is not None
@@ -182,6 +182,20 @@ class HostGrad:
             flat.copy_(self.main)
             if self.has_tail:
                 flat[self.tail].copy_(self.tail32)
+        return self.fp32
+
+    def take(self, grad: torch.Tensor, tail32: torch.Tensor | None = None, coef: float | None = None
+             ) -> torch.Tensor:
+        """`send` and `land` in one pass where the host reads the device's gradient in place (a CPU device): a
+        16-bit one upcast straight into `fp32`, no staging copy; an fp32 one copied and clipped by `coef` on the
+        way (the bits of a copy, then the clip)."""
+        flat = self.fp32.view(-1)
+        if self.staging is None and coef is not None:
+            torch.mul(grad.reshape(-1), coef, out=flat)
+            return self.fp32
+        flat.copy_(grad.reshape(-1))
+        if tail32 is not None:
+            flat[self.tail].copy_(tail32)
         return self.fp32
 
     def tensors(self) -> list:
