@@ -13,7 +13,8 @@ def test_bench_offload_compares_overlap_settings_with_accumulation():
     assert "batch 1 × 3 micro-batches" in out
     for variant in ("0", "1, overlap false", "1, overlap auto"):
         assert re.search(rf"^optimizer step at offload_fraction {variant}: median [\d.]+ ms \(ratio [\d.]+\)", out, re.M)
-    assert re.search(r"^offload_fraction 1, overlap auto: host AdamW [\d.]+ ms/step", out, re.M)
+    # a CPU device computes on the host's cores, so auto does not speculate there: it is overlap false
+    assert re.search(r"^offload_fraction 1, overlap auto: host AdamW", out, re.M) is None
 
 
 def test_bench_offload_times_the_optimizer_step_alone_on_restored_gradients():

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import engine.data_parallel
 from engine.config.schema import validate
 from engine.optim.host_offload import HostOffload
 from engine.optim.offload import HostGrad
@@ -44,7 +45,12 @@ def run(rank, world, precision, fraction, clip, overlap, parallel, staged=False)
             "optim": dict(BASE["optim"], offload_fraction=fraction, clip_grad=clip, offload_overlap=overlap)}
     cfg = make_config(base, **parallel)
     validate(cfg, world)
-    trainer = Trainer(cfg, DistEnv(rank, world, 0, torch.device("cpu"), "gloo"))
+    pays = engine.data_parallel.speculation_pays
+    engine.data_parallel.speculation_pays = lambda *args: True  # auto as where it pays (never on a CPU device)
+    try:
+        trainer = Trainer(cfg, DistEnv(rank, world, 0, torch.device("cpu"), "gloo"))
+    finally:
+        engine.data_parallel.speculation_pays = pays
     opt, sends = trainer.optimizer, []
     if staged:
         opt.host.in_place = False
