@@ -12,8 +12,9 @@ bf16/fp16); stage 3 keeps only the parameter shard. `optim.offload_fraction` mov
 (engine/optim/offload.py: whole parameters at stage 0, whole unit shards at stage ≥ 1, chosen as the engine chooses)
 to the host: 16 bytes per element there (fp32 master, two moments, the fp32 gradient buffer) and, under
 bf16/fp16, the 2-byte staging buffer the gradient crosses in (engine/optim/offload.HostGrad), plus the write-back's
-staging buffer in the parameter's dtype (offload.WriteBack; each crossing buffer rounded up to 4 bytes: they are
-views into one exact arena, offload.PinnedArena, so no allocator rounding applies), none left on the device, and 12
+staging buffer in the parameter's dtype below fp32 (offload.WriteBack; an fp32 master is that buffer itself; each
+crossing buffer rounded up to 4 bytes: they are views into one exact arena, offload.PinnedArena, so no allocator
+rounding applies), none left on the device, and 12
 more per element of a ZeRO unit stepped during backward (optim.offload_overlap: spare master and moments; under
 DDP, of a parameter stepped as its bucket is reduced: see ddp_overlaps). checkpoint.async_save adds a host copy
 of the rank's saved state (fp32 master and moments) while a save is written. The host total of a node is its
@@ -182,7 +183,8 @@ def state_bytes(cfg: Config, units: list, shard_size: int, shard_rank: int | Non
             host = sum(k for k, off in zip(params, on_host) if off)
             spares = sum(k for (name, k), off in zip(named, on_host) if off and ddp_overlaps(cfg, name, shard_size))
             staging = sum(staging_bytes(e, k) for k, off in zip(params, on_host) if off) if e != FP32 else 0
-            staging += sum(write_back_bytes(e, k) for k, off in zip(params, on_host) if off)
+            if e != FP32:  # an fp32 master is its write-back's buffer (offload.WriteBack.holds_master)
+                staging += sum(write_back_bytes(e, k) for k, off in zip(params, on_host) if off)
         state = (n - host) * (8 if e == FP32 else 12) - muon * FP32
         return n * e, n * e, state, 0, host * HOST_STATE + spares * HOST_SPARE + staging
     shards = [-(-max(sum(n for _, n in unit), 1) // shard_size) for unit in units]
@@ -212,7 +214,7 @@ def state_bytes(cfg: Config, units: list, shard_size: int, shard_rank: int | Non
         fp32_held = [a + times * b for a, b in zip(fp32_held, held32)]
         if host and split:
             staging = [a + times * staging_bytes(e, shard, k) for a, k in zip(staging, held32)]
-        if host:
+        if host and split:  # an fp32 master is its write-back's buffer (offload.WriteBack.holds_master)
             staging = [a + times * write_back_bytes(e, shard) for a in staging]
         weights += times * shard * (e if stage == 3 else e * shard_size)
         grads += times * (shard * shard_size * e + fp32_numel * FP32 if stage == 1 else shard * e)

@@ -166,7 +166,9 @@ def test_offloaded_share_is_the_nearest_in_whole_tensors(numels, fraction, expec
 # -- accounting: the estimate's device and host bytes against what the optimizer holds ------------------------
 def held(rank, world, *overrides) -> tuple:
     """(stage, measured (device optimizer, host optimizer), estimated) bytes of this rank after one step."""
-    cfg = load_config(TINY, ["model.num_layers=4", "run.dir=/tmp/trilith-offload-unused", *overrides])
+    # overlap true: its spares counted and allocated (auto is off on a CPU device)
+    cfg = load_config(TINY, ["model.num_layers=4", "run.dir=/tmp/trilith-offload-unused", "optim.offload_overlap=true",
+                             *overrides])
     validate(cfg, world)
     trainer = Trainer(cfg, DistEnv(rank, world))
     trainer.train_step()  # the moments exist from the first step on

@@ -1,9 +1,10 @@
 """Offload's clipped steps and 16-bit transfers (issue 49, items 2, 3 and 6's fp16 case): with clipping on every
-step or on none, bf16 and fp16, DDP and ZeRO, offload with overlap changes no bit against no offload; every
-offloaded gradient crosses to the host exactly once per step (a clipped step scales the host copy it has); a
-16-bit gradient crosses in 16 bits; a speculative job still queued when the step clips is cancelled, not run;
-the offload wrapper (engine/optim/host_offload.py) treats a host gradient as the device does, and does nothing
-without offloaded pieces.
+step or on none, fp32, bf16 and fp16, DDP and ZeRO, offload with overlap changes no bit against no offload; every
+offloaded gradient crosses to the host exactly once per step (a clipped step scales the host copy it has; on CPU
+an fp32 one not sent during backward crosses clipped); a 16-bit gradient crosses in 16 bits; a speculative job
+still queued when the step clips is cancelled, not run; the offload wrapper (engine/optim/host_offload.py) treats
+a host gradient as the device does, keeps an fp32 master in its write-back's buffer, and does nothing without
+offloaded pieces.
 """
 import threading
 import time
@@ -12,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import engine.data_parallel
 from engine.config.schema import validate
 from engine.optim.host_offload import HostOffload
 from engine.optim.offload import HostGrad
@@ -36,19 +38,29 @@ def pool():
         yield made[2]
 
 
-def run(rank, world, precision, fraction, clip, overlap, parallel):
-    """STEPS steps; (steps, owned state, host pieces, sends per step, 16-bit bytes sent, overlap readings)."""
+def run(rank, world, precision, fraction, clip, overlap, parallel, staged=False):
+    """STEPS steps; (steps, owned state, host pieces, sends per step, 16-bit bytes sent, overlap readings).
+    `staged`: the path a GPU takes (every gradient and master through its host buffers), not CPU's in-place one."""
     base = {**BASE, "train": dict(BASE["train"], precision=precision),
             "optim": dict(BASE["optim"], offload_fraction=fraction, clip_grad=clip, offload_overlap=overlap)}
     cfg = make_config(base, **parallel)
     validate(cfg, world)
-    trainer = Trainer(cfg, DistEnv(rank, world, 0, torch.device("cpu"), "gloo"))
+    pays = engine.data_parallel.speculation_pays
+    engine.data_parallel.speculation_pays = lambda *args: True  # auto as where it pays (never on a CPU device)
+    try:
+        trainer = Trainer(cfg, DistEnv(rank, world, 0, torch.device("cpu"), "gloo"))
+    finally:
+        engine.data_parallel.speculation_pays = pays
     opt, sends = trainer.optimizer, []
+    if staged:
+        opt.host.in_place = False
+        for write_back in opt.host.write_backs.values():
+            write_back.in_place = False
     if fraction:
         send = opt.host.send_grad
 
-        def counted(i):
-            sent = send(i)
+        def counted(i, coef=None):
+            sent = send(i, coef)
             sends.append(sum(t.element_size() for t in sent[:1]))  # the bytes per element the gradient crosses in
             return sent
         opt.host.send_grad = counted
@@ -63,25 +75,32 @@ def run(rank, world, precision, fraction, clip, overlap, parallel):
             [r.get("offload_redos") for r in records])
 
 
-# (id, precision, clip, optim.offload_overlap, parallel): clipping bites on every step (0.01) or never (0: off)
+# (id, precision, clip, optim.offload_overlap, parallel[, staged]): clipping bites on every step (0.01) or never
 CASES = [
     ("ddp-bf16-clip-every-step", "bf16", 0.01, "true", dict(zero_stage=0)),
     ("zero1-bf16-clip-every-step-auto", "bf16", 0.01, "auto", dict(zero_stage=1)),
     ("zero2-fp16-no-clip", "fp16", 0.0, "auto", dict(zero_stage=2)),
     ("ddp-fp16-clip-every-step-auto", "fp16", 0.01, "auto", dict(zero_stage=0)),
+    ("zero1-fp32-clip-every-step-auto", "fp32", 0.01, "auto", dict(zero_stage=1)),
+    ("ddp-fp32-clip-every-step", "fp32", 0.01, "true", dict(zero_stage=0)),
+    ("zero2-fp32-no-clip", "fp32", 0.0, "true", dict(zero_stage=2)),
+    ("zero1-fp32-clip-every-step-auto-staged", "fp32", 0.01, "auto", dict(zero_stage=1), True),
+    ("ddp-bf16-clip-every-step-auto-staged", "bf16", 0.01, "auto", dict(zero_stage=0), True),
 ]
 
 
-@pytest.mark.parametrize("precision,clip,overlap,parallel", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_offload_with_overlap_is_exact_and_copies_each_gradient_once(pool, precision, clip, overlap, parallel):
+@pytest.mark.parametrize("precision,clip,overlap,parallel,staged",
+                         [c[1:] if len(c) == 6 else (*c[1:], False) for c in CASES], ids=[c[0] for c in CASES])
+def test_offload_with_overlap_is_exact_and_copies_each_gradient_once(pool, precision, clip, overlap, parallel,
+                                                                       staged):
     off = pool.run(run, precision, 0.0, clip, overlap, parallel)
-    on = pool.run(run, precision, 1.0, clip, overlap, parallel)
+    on = pool.run(run, precision, 1.0, clip, overlap, parallel, staged)
     for (steps_off, state_off, *_), (steps_on, state_on, pieces, per_step, widths, redos) in zip(off, on):
         assert pieces > 0
         assert steps_on == steps_off
         assert_same(state_off, state_on)
         assert per_step == [pieces] * STEPS  # once per step, clipped or not
-        assert widths == {2}  # 16-bit gradients cross in 16 bits
+        assert widths == {4 if precision == "fp32" else 2}  # in its own dtype: 16-bit gradients in 16 bits
         finite = [n for _, n, skipped in steps_off if not skipped]
         if not clip:
             assert redos[-1] == 0
@@ -221,3 +240,32 @@ def test_the_offload_wrapper_lands_a_gradient_as_the_device_treats_it_and_is_ine
     none.write_back(params, masters, ["a", "b"])
     assert 0 not in none and none.settle(False, True, 0.0) == set() and none.land(0.37) == {}
     assert none.readings() == {} and none.speculation is None
+
+
+def test_an_fp32_master_lives_in_its_write_back_buffer_and_its_gradient_crosses_clipped_on_cpu():
+    torch.manual_seed(0)
+    grads = [torch.randn(6) * 1000 for _ in range(2)]
+    masters = [torch.randn(6) for _ in grads]
+    values = [m.clone() for m in masters]
+    opt, cfg, cpu = _Update(grads), SimpleNamespace(offload_overlap="false", offload_threads=1), torch.device("cpu")
+    opt.scaler = LossScaler(False)
+    host = HostOffload(opt, cfg, masters, {1: (6, torch.float32, torch.float32, slice(0, 0))}, cpu)
+    arena = host.arena.block.untyped_storage().data_ptr()
+    assert masters[1].untyped_storage().data_ptr() == arena and torch.equal(masters[1], values[1])
+    assert masters[0] is not values[0] and torch.equal(masters[0], values[0])  # not offloaded: untouched
+    host.send()
+    assert host.deferred == {1}  # crosses in land, clipped on the way
+    host.settle(overflow=False, clip=True, backward_end=0.0)
+    device = grads[1].clone()
+    torch._foreach_mul_([device], 0.37)  # the device's clip, as the optimizers run it
+    landed = host.land(0.37)
+    assert torch.equal(landed[1], device) and torch.equal(grads[1] * 0.37, device)  # the device's own untouched
+    params = [torch.zeros(6) for _ in grads]
+    for in_place in (True, False):  # a CPU device's; a GPU's, through the arena
+        host.write_backs[1].in_place = in_place
+        masters[1].add_(1.0)  # AdamW writes the master where the write-back reads it
+        host.write_back(params, masters, ["model.layers.0.w", "lm_head.weight"])
+        assert torch.equal(params[1], masters[1]) and not params[0].any()
+    host.send()
+    host.settle(overflow=False, clip=False, backward_end=0.0)
+    assert torch.equal(host.land(None)[1], grads[1])  # not clipped: the plain copy

@@ -87,6 +87,8 @@ def test_auto_speculates_only_where_the_model_says_it_pays(tmp_path, monkeypatch
     from parallel.distributed import DistEnv
     from tests.test_memory_estimate import TINY
     tiny = load_config(TINY, [f"run.dir={tmp_path}", "parallel.zero_stage=1", "optim.offload_fraction=1"])
-    assert Trainer(tiny, DistEnv(0, 1)).optimizer.host.speculation is not None
-    monkeypatch.setattr(engine.data_parallel, "speculation_pays", lambda *args: False)
+    # a CPU device computes on the host's cores: speculation hides nothing there, its spare copies only add
+    assert not speculation_pays(tiny, 1, load_profile("cpu_fp32"), 1)
     assert Trainer(tiny, DistEnv(0, 1)).optimizer.host.speculation is None
+    monkeypatch.setattr(engine.data_parallel, "speculation_pays", lambda *args: True)
+    assert Trainer(tiny, DistEnv(0, 1)).optimizer.host.speculation is not None

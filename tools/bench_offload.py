@@ -4,7 +4,10 @@ One process trains the same model at each fraction, steps interleaved (one step 
 background load hits all equally; prints the median and fastest step and optimizer-step times of each and their
 ratios to fraction 0, then the host AdamW time per step and the share of it hidden behind backward
 (optim.offload_overlap; ZeRO by default here: single-rank DDP has no reduction to start host steps from);
---overlap lists the overlap settings to compare at each fraction, --accum K micro-batches per step. On
+--overlap lists the overlap settings to compare at each fraction, --accum K micro-batches per step,
+--step-repeats R then times the optimizer step alone R more times per variant, interleaved, on the last step's
+gradients restored before each (the step after backward, without speculation: what a clipped step pays under
+overlap auto; far less exposed to the other work on a shared machine than whole steps). On
 CPU the "device" is the CPU too, and the host thread competes with backward for the same cores: the ratio is
 the cost of the offload machinery (copies, two state homes, speculation), not of PCIe.
 With --device-memory it also prints the deepest model of this width the estimate (engine/memory_estimate.py)
@@ -12,6 +15,7 @@ fits in one device's memory without and with offload.
 
     python tools/bench_offload.py [--hidden 256 --layers 4 --seq 256 --batch 4 --steps 10 --zero-stage 1 --clip 1]
     python tools/bench_offload.py --accum 8 --fractions 1 --overlap false,auto
+    python tools/bench_offload.py --layers 2 --clip 0.01 --step-repeats 40
     python tools/bench_offload.py --hidden 2048 --layers 16 --heads 16 --kv-heads 8 --ffn 5632 --vocab 32000 \\
         --seq 2048 --batch 1 --precision bf16 --device-memory 141GB
 """
@@ -76,10 +80,51 @@ def timed(trainer, seconds: list) -> None:
     trainer.optimizer.step = timed_step
 
 
+def gradients(trainer) -> list:
+    """(holder, attribute, tensor, copy) of each gradient the optimizer step reads: ZeRO units' reduced shards,
+    or the parameters' .grad."""
+    units = getattr(trainer.data_parallel, "units", None)
+    holders = [(u, a) for u in units for a in ("grad_shard", "grad32")] if units is not None else \
+        [(p, "grad") for _, p in trainer.named_params]
+    return [(h, a, getattr(h, a), getattr(h, a).clone()) for h, a in holders if getattr(h, a) is not None]
+
+
+def steps_alone(trainers: dict, repeats: int, device: torch.device) -> dict:
+    """Variant → the seconds of `repeats` optimizer steps alone, interleaved across variants, each on the
+    gradients of one more training step (restored before each; the state steps on)."""
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    saved = {}
+    for v, trainer in trainers.items():
+        step = trainer.optimizer.step
+
+        def capture(lr, v=v, trainer=trainer, step=step):
+            saved[v] = (step, lr, gradients(trainer))
+            return step(lr)
+
+        trainer.optimizer.step = capture
+        trainer.train_step()
+        trainer.optimizer.step = step
+    seconds: dict = {v: [] for v in trainers}
+    for _ in range(repeats):
+        for v, (step, lr, grads) in saved.items():
+            for holder, attribute, tensor, copy in grads:
+                setattr(holder, attribute, tensor.copy_(copy))
+            sync()
+            start = time.perf_counter()
+            step(lr)
+            sync()
+            seconds[v].append(time.perf_counter() - start)
+    return seconds
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for flag, default in (("hidden", 256), ("layers", 4), ("heads", 8), ("kv-heads", 4), ("ffn", 688),
-                          ("vocab", 8192), ("seq", 256), ("batch", 4), ("steps", 10), ("warmup", 2), ("accum", 1)):
+                          ("vocab", 8192), ("seq", 256), ("batch", 4), ("steps", 10), ("warmup", 2), ("accum", 1),
+                          ("step-repeats", 0)):
         ap.add_argument(f"--{flag}", type=int, default=default)
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=1)
@@ -131,13 +176,18 @@ def time_steps(args) -> None:
                 if step >= args.warmup:
                     times[v].append(time.perf_counter() - start)
                     records[v].append(record)
+        alone = steps_alone(trainers, args.step_repeats, env.device) if args.step_repeats else {}
         for trainer in trainers.values():
             trainer.loader.close()
     print(f"shape: hidden {args.hidden}, layers {args.layers}, seq {args.seq}, batch {args.batch} × {args.accum} "
           f"micro-batches, {args.precision}, {args.device}; {args.steps} steps each: median and fastest (the fastest "
           f"is the least disturbed by load)")
     base = variants[0]
-    for label, series in (("step", times), ("optimizer step", {v: s[args.warmup:] for v, s in optimizer_times.items()})):
+    for label, series in (("step", times), ("optimizer step", {v: s[args.warmup:args.warmup + args.steps]
+                                                                     for v, s in optimizer_times.items()}),
+                          (f"optimizer step alone ({args.step_repeats} repeats)", alone)):
+        if not series:
+            continue
         median0, fastest0 = statistics.median(series[base]), min(series[base])
         for v in variants:
             median, fastest = statistics.median(series[v]), min(series[v])

@@ -7,7 +7,8 @@ spare masters and moments). The optimizer's step makes the same calls with or wi
 the host each does nothing):
 
 - `begin(lr)` before backward;
-- `send()` before the device unscales gradients in place: the gradients not sent during backward cross now;
+- `send()` before the device unscales gradients in place: the gradients not sent during backward cross now
+  (on a CPU device they cross in `land` instead, read in place: see `send`);
 - `settle(overflow, clip, backward_end)` once the norm decides the step: the speculative steps commit or are
   dropped; returns the pieces already stepped (AdamW passes them by);
 - `land(coef)` the other pieces' fp32 gradients on the host, unscaled and clipped by the device's operations;
@@ -29,8 +30,10 @@ class HostOffload:
     def __init__(self, opt, cfg, masters: list, pieces: dict, device: torch.device):
         """`pieces`: piece index → (elements, gradient dtype, parameter dtype, fp32 tail slice) of each offloaded
         master `masters[i]`: its gradient crosses in the gradient dtype, its new value returns in the parameter's,
-        both through pinned views into one exact arena."""
+        both through pinned views into one exact arena. A master whose parameter is fp32 is replaced in `masters`
+        by its write-back's arena view, holding the same values (offload.WriteBack.holds_master)."""
         self.opt, self.cfg, self.device = opt, cfg, device
+        self.in_place = device.type != "cuda"  # the host reads the device's gradients where they are (see send)
         ids = list(pieces)
         self.arena = offload.PinnedArena([offload.HostGrad.request(n, grad, tail) for n, grad, _, tail in
                                           pieces.values()] + [(n, param) for n, _, param, _ in pieces.values()],
@@ -38,9 +41,15 @@ class HostOffload:
         self.host_grads = {i: offload.HostGrad(masters[i], grad, self.arena.views[k], tail)
                            for k, (i, (_, grad, _, tail)) in enumerate(pieces.items())}
         stream = offload.side_stream(device) if ids else None
-        self.write_backs = {i: offload.WriteBack(self.arena.views[len(ids) + k], stream) for k, i in enumerate(ids)}
+        self.write_backs = {}
+        for k, (i, (_, _, param, _)) in enumerate(pieces.items()):
+            staging, holds = self.arena.views[len(ids) + k], param == torch.float32
+            if holds:  # the fp32 master moves into its write-back's buffer: no host copy on the way back
+                m = masters[i]
+                masters[i] = staging.view(m.shape).copy_(m.detach()).requires_grad_(m.requires_grad)
+            self.write_backs[i] = offload.WriteBack(staging, stream, holds)
         self.speculation, self.spares, self.redos, self.first_use = None, {}, 0, False
-        self.late, self.done, self.landed = [], set(), set()
+        self.late, self.deferred, self.done, self.landed = [], set(), set(), set()
 
     def __contains__(self, i: int) -> bool:
         """Whether piece i's master lives on the host."""
@@ -69,10 +78,14 @@ class HostOffload:
     def adam_step(self) -> int:
         return self.opt.adam_step
 
-    def send_grad(self, i: int) -> list:
-        """Issue the copies of piece i's gradient to its host buffers; returns the device tensors read."""
+    def send_grad(self, i: int, coef: float | None = None) -> list:
+        """Issue the copies of piece i's gradient to its host buffers (a crossing deferred to `land`: taken in
+        one pass, an fp32 one clipped by `coef` on the way); returns the device tensors read."""
         grad, tail = self.opt.device_grad(i)
-        self.host_grads[i].send(grad, tail)
+        if i in self.deferred:
+            self.host_grads[i].take(grad, tail, coef)
+        else:
+            self.host_grads[i].send(grad, tail)
         return [t for t in (grad, tail) if t is not None]
 
     def speculate(self, i: int, grad: torch.Tensor, lr: float, adam_step: int) -> None:
@@ -94,28 +107,48 @@ class HostOffload:
         if self.speculation is not None:
             self.speculation.fence()
             sent = self.speculation.sent()
-        self.late = [t for i in self.host_grads if i not in sent for t in self.send_grad(i)]
+        # on a CPU device the crossing is a copy by the same cores, which overlaps nothing: it waits for land and
+        # reads the device's gradient there, in one pass (a 16-bit one, which the device only reads, upcast with no
+        # staging copy; an fp32 one, which nothing changes in place before land without a loss scale, clipped)
+        self.deferred = {i for i, g in self.host_grads.items() if i not in sent and self.in_place
+                         and (g.staging is not None or not self.opt.scaler.enabled)}
+        self.late = [t for i in self.host_grads if i not in sent | self.deferred for t in self.send_grad(i)]
 
     def settle(self, overflow: bool, clip: bool, backward_end: float) -> set:
         """Commit the speculative steps when the step neither overflows nor clips, else drop them (a clipped
         step counts a redo); returns the pieces committed."""
+        self.writable()
         self.done, self.landed = set(), set()
         if self.speculation is not None:
             self.redos += int(clip and bool(self.speculation.jobs))
             self.done, self.landed = self.speculation.settle(not overflow and not clip, backward_end, clip, overflow)
         return self.done
 
+    def writable(self) -> None:
+        """Before the host writes the masters (a commit, AdamW, a checkpoint's load): the copies to the device that
+        read those held in the arena are complete."""
+        for write_back in self.write_backs.values():
+            write_back.settled()
+
+    def holds_master(self, i: int) -> bool:
+        """Whether piece i's master is its write-back's arena buffer (a commit copies into it, not swaps)."""
+        return self.write_backs[i].holds_master
+
     def land(self, coef: float | None) -> dict:
         """Piece → its fp32 gradient on the host, for the pieces not committed: upcast, unscaled and clipped by
         `coef` (None: not clipped) with the device's elementwise operations (those landed by a speculative job
-        are upcast and unscaled already)."""
+        are upcast and unscaled already; a deferred fp32 one is copied and clipped in one pass)."""
         offload.wait_for_device(self.late)
-        grads = {i: g.fp32 if i in self.landed else g.land() for i, g in self.host_grads.items() if i not in self.done}
+        for i in self.deferred - self.done:
+            self.send_grad(i, coef)
+        grads = {i: g.fp32 if i in self.landed | self.deferred else g.land() for i, g in self.host_grads.items()
+                 if i not in self.done}
         fresh = [g for i, g in grads.items() if i not in self.landed]
         if self.opt.scaler.enabled and fresh:
             torch._foreach_div_(fresh, self.opt.scaler.scale)
-        if coef is not None and grads:
-            torch._foreach_mul_(list(grads.values()), coef)
+        clipped = {i for i in self.deferred if self.host_grads[i].staging is None}  # on the way, by take
+        if coef is not None and len(grads) > len(clipped):
+            torch._foreach_mul_([g for i, g in grads.items() if i not in clipped], coef)
         return grads
 
     def stepped(self, seconds: float) -> None:

@@ -101,15 +101,28 @@ class WriteBack:
     `staging` buffer in the parameter's dtype (round-to-nearest-even, the bits the device's cast gives), then a
     side stream copies it to the device without blocking the host, and records one event that the parameter's
     first use waits on (a stream wait, not a host synchronisation). On CPU the same code runs with the copies
-    synchronous. The next write-back into `staging` first waits for this copy (issued a whole step earlier)."""
+    synchronous, except that a CPU device's parameter, which the host writes where it is (`in_place`), takes the
+    rounded master directly (the staging copy would be a second pass by the same cores). The next write-back into
+    `staging` first waits for this copy (issued a whole step earlier). When the parameter is fp32 the master
+    itself lives in `staging` (`holds_master`): nothing to round, so the copy to the device reads it where AdamW
+    wrote it; whoever writes the master first calls `settled`."""
 
-    def __init__(self, staging: torch.Tensor, stream):
-        self.staging, self.stream, self.event, self.waiting = staging, stream, None, False
+    def __init__(self, staging: torch.Tensor, stream, holds_master: bool = False):
+        self.staging, self.stream, self.holds_master, self.in_place = staging, stream, holds_master, stream is None
+        self.event, self.waiting = None, False
 
-    def send(self, device: torch.Tensor, master: torch.Tensor) -> None:
+    def settled(self) -> None:
+        """The host may overwrite `staging`: the last copy from it is complete (issued a step ago; no-op on CPU)."""
         if self.event is not None:
             self.event.synchronize()
-        self.staging.copy_(master.detach().reshape(-1))
+
+    def send(self, device: torch.Tensor, master: torch.Tensor) -> None:
+        if self.in_place:
+            device.view(-1).copy_(master.detach().reshape(-1))
+            return
+        if not self.holds_master:
+            self.settled()
+            self.staging.copy_(master.detach().reshape(-1))
         if self.stream is None:
             device.view(-1).copy_(self.staging)
             return
@@ -169,6 +182,20 @@ class HostGrad:
             flat.copy_(self.main)
             if self.has_tail:
                 flat[self.tail].copy_(self.tail32)
+        return self.fp32
+
+    def take(self, grad: torch.Tensor, tail32: torch.Tensor | None = None, coef: float | None = None
+             ) -> torch.Tensor:
+        """`send` and `land` in one pass where the host reads the device's gradient in place (a CPU device): a
+        16-bit one upcast straight into `fp32`, no staging copy; an fp32 one copied and clipped by `coef` on the
+        way (the bits of a copy, then the clip)."""
+        flat = self.fp32.view(-1)
+        if self.staging is None and coef is not None:
+            torch.mul(grad.reshape(-1), coef, out=flat)
+            return self.fp32
+        flat.copy_(grad.reshape(-1))
+        if tail32 is not None:
+            flat[self.tail].copy_(tail32)
         return self.fp32
 
     def tensors(self) -> list:

@@ -229,6 +229,7 @@ class MixedPrecisionAdamW:
                 "momentum": self.muon.momentum if self.muon is not None else []}
 
     def load_state_dict(self, state: dict) -> None:
+        self.host.writable()
         self.inner.load_state_dict(state["inner"])
         self.scaler.load_state_dict(state["scaler"])
         with torch.no_grad():
@@ -276,6 +277,7 @@ class MixedPrecisionAdamW:
         """Adam's state from flat fp32 ranges, handed to torch's own load_state_dict: it puts each tensor where
         the implementation keeps it (the fused kernel's `step` on the parameter's device, foreach's on the
         host), which a state built here by hand would have to guess."""
+        self.host.writable()
         index = {id(m): i for i, m in enumerate(m for group in self.inner.param_groups for m in group["params"])}
         state = self.inner.state_dict()
         state["state"] = {}

@@ -172,9 +172,14 @@ class ZeroAdamW:
         self.update([i], [grad], lr, adam_step, *([t] for t in spare))
 
     def commit(self, i: int, spare: list) -> None:
-        """Unit i's spares become its state (the old state, the next step's spares)."""
+        """Unit i's spares become its state (the old state, the next step's spares); a master held in its
+        write-back's buffer stays there and takes the spare's values."""
+        keep = self.host.holds_master(i)
+        if keep:
+            self.master[i].copy_(spare[0])
         for k, tensors in enumerate((self.master, self.exp_avg, self.exp_avg_sq)):
-            tensors[i], spare[k] = spare[k], tensors[i]
+            if k or not keep:
+                tensors[i], spare[k] = spare[k], tensors[i]
 
     def offload_readings(self) -> dict:
         """For metrics.jsonl: the step's host AdamW seconds, the part before backward ended, redos so far."""
@@ -200,6 +205,7 @@ class ZeroAdamW:
 
     @torch.no_grad()
     def load_owned_state(self, read) -> None:
+        self.host.writable()
         momentum = {(i, r.name): buf for (i, r), buf in zip(self.muon_ranges, self.muon.momentum if self.muon else [])}
         for i, (unit, master, m, v) in enumerate(zip(self.sdp.units, self.master, self.exp_avg, self.exp_avg_sq)):
             for r in unit.shard_ranges:

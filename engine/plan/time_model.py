@@ -167,9 +167,11 @@ def predict(cfg: Config, world_size: int, profile: DeviceProfile, gpus_per_node:
         elements = volumes.stage_parameters(cfg, stage) / shard * cfg.optim.offload_fraction
         threads = offload_cost.host_threads(cfg.optim.offload_threads, profile.host_cores, ranks)
         units = sum(n for n, _, _ in volumes.stage_chunks(cfg, stage)) + 1
+        # a CPU device computes on the host's own cores: no window there for the host step to hide behind
+        windows = (0.0, 0.0) if profile.shared_cores else (forward, backward)
         pred.offload = offload_cost.offload_time(
             elements, DTYPE_BYTES[cfg.train.precision], profile, threads, cfg.optim.offload_overlap != "false",
-            forward, backward, units).exposed
+            *windows, units).exposed
     muon = volumes.muon_exchange(cfg, stage, world_size, gpus_per_node)
     if muon:
         pred.exposed["muon"] = comm_time(muon, profile)["stage"]
