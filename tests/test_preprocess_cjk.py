@@ -51,6 +51,8 @@ def families(tmp_path_factory, corpus):
     nfkc.save(found["gpt2-nfkc"])
     found["llama2"] = str(root / "llama2.json")
     bench_preprocess.llama2_tokenizer(train + TEXTS, 3000).save(found["llama2"])
+    found["llama2-sp"] = str(root / "llama2-sp.json")
+    bench_preprocess.sp_llama2(train + TEXTS, 2500, str(root / "llama2-sp.train")).save(found["llama2-sp"])
     return found
 
 
@@ -62,7 +64,7 @@ def preprocess(tmp_path, tok_path, texts, *flags, name="out"):
     return IndexedDataset(prefix + "_text_document")
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, "gpt2-nfkc", "llama2"])
+@pytest.mark.parametrize("family", [*FAMILIES, "gpt2-nfkc", "llama2", "llama2-sp"])
 def test_cjk_identical_to_plain_encoding_engine_and_cuts_on_and_off(tmp_path, capsys, corpus, families, family):
     from tokenizers import Tokenizer
     _, held_out = corpus
@@ -70,7 +72,9 @@ def test_cjk_identical_to_plain_encoding_engine_and_cuts_on_and_off(tmp_path, ca
     texts = news[6:] + held_out[::-1] + ["".join(OTHERS)]
     reference = Tokenizer.from_file(families[family])
     expected = [reference.encode(t).ids for t in texts]
-    byte_level = family != "llama2"
+    byte_level = family not in ("llama2", "llama2-sp")
+    if family == "llama2-sp":  # the small alphabet: rare characters fall back to bytes
+        assert any(reference.id_to_token(i).startswith("<0x") for ids in expected for i in ids)
     for flags in ([], ["--no-fast-engine"], ["--context-cuts"], ["--context-cuts", "--no-fast-engine"]):
         ds = preprocess(tmp_path, families[family], texts, *flags, name="-".join(["run", *flags]))
         assert [ds[i].tolist() for i in range(len(ds))] == expected
@@ -231,3 +235,52 @@ def test_flat_output_is_the_documents_ids_joined(corpus, families, family):
         assert flat.dtype == np.int32 and lengths.tolist() == [len(d) for d in docs]
         assert flat.tolist() == [i for d in docs for i in d]
         assert [a.size for a in encoder.encode_flat([], eod)] == [0, 0]
+
+
+NFKC_TEXTS = [
+    "１２月３１日，新华社记者报道：ＷＴＯ谈判取得进展（附图片１张）。",  # full-width forms
+    "全角\u3000空格与半角ｶﾀｶﾅ、①②③、㎏㎞、™ ﬁne ﬀ ½ ² ㈱ ｱｲｳ",  # compatibility characters
+    "cafe\u0301 e\u0301\u0323 a\u0323\u0301 \u1100\u1161\u11a8 Å Å",  # combining marks, Hangul jamo, Ångström
+    "Ａ\u0301 ｅ\u0308 １\u20e3 （\u0338",  # a full-width form, then a mark that composes or not once it is folded
+    "already stable: 中文、English 123", "", "plain ascii\n",
+    "\U00010781 \U0001e030 𝐀𝐁 ℌ",  # Unicode 14 and 15 characters, mathematical letters
+]
+
+
+def test_nfkc_shortcut_is_the_normalizer_exactly():
+    """The batch NFKC (full-width forms folded, stable texts kept) equals `tokenizers`' NFKC text for text."""
+    from tokenizers import normalizers
+    from data.offline.nfkc import nfkc_batch
+    normalize = normalizers.NFKC().normalize_str
+    batch = nfkc_batch(normalize)
+    assert batch is not None
+    assert batch(NFKC_TEXTS) == [normalize(t) for t in NFKC_TEXTS]
+    assert batch(NFKC_TEXTS[4:7])[0] is NFKC_TEXTS[4]  # a stable text is kept as it is
+    assert batch([]) == []
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.text(st.sampled_from("".join(NFKC_TEXTS) + "\u0300\u0327\u0308\u3099\u309a"), max_size=12),
+                max_size=6))
+def test_nfkc_shortcut_on_random_mixes(texts):
+    from tokenizers import normalizers
+    from data.offline.nfkc import nfkc_batch
+    normalize = normalizers.NFKC().normalize_str
+    assert nfkc_batch(normalize)(texts) == [normalize(t) for t in texts]
+
+
+def test_nfkc_shortcut_off_where_the_tokenizers_tables_are_newer():
+    """With a normalizer that knows Unicode 14 (unicodedata's, here), the shortcut is not proven: off."""
+    import unicodedata
+    from data.offline.nfkc import nfkc_batch
+    assert nfkc_batch(lambda text: unicodedata.normalize("NFKC", text)) is None
+
+
+def test_nfkc_vocabulary_through_workers_with_full_width_and_combining_text(tmp_path, families):
+    from tokenizers import Tokenizer
+    encoder = load_encoder(tokenizer_spec(None, families["gpt2-nfkc"]))
+    assert encoder._normalize.__name__ == "batch"  # the shortcut is on for a plain NFKC normalizer
+    texts = NFKC_TEXTS * 3 + ["".join(NFKC_TEXTS)]
+    reference = Tokenizer.from_file(families["gpt2-nfkc"])
+    ds = preprocess(tmp_path, families["gpt2-nfkc"], texts)
+    assert [ds[i].tolist() for i in range(len(ds))] == [e.ids for e in reference.encode_batch(texts) if e.ids]

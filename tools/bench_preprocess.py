@@ -11,6 +11,10 @@ of its own table (docs/benchmarks.md): nfkc-bpe (tools/train_tokenizer.py --nfkc
 (trained on it) and llama3-en (a Llama-3-style vocabulary trained on English and code: the first 300 standard-library
 files).
 
+llama2-sp, for --input (the issue's small-alphabet case): the SentencePiece BPE that tools/train_tokenizer.py
+--type sp-bpe trains with its default character coverage (0.9995: the rarest characters are no pieces and fall
+back to bytes), converted to the Llama 2 / Mistral layout as llama2 is; no BOS template (it has no BOS).
+
 With --families, a tokenizer of each family is trained here on the corpus's first documents (no download):
 GPT-2 (ByteLevel), Llama-3-style (regex Split + ByteLevel, a BOS template), Metaspace ("▁" for spaces, byte
 fallback, a BOS template; trained on words, so no token holds a space run) and Llama 2 / Mistral (a SentencePiece
@@ -51,39 +55,61 @@ import numpy as np  # noqa: E402
 from data.indexed import IndexedDataset  # noqa: E402
 from data.offline.chunk_rules import SPLIT_PATTERNS  # noqa: E402
 
-FAMILIES = ("gpt2", "llama3", "metaspace", "llama2", "nfkc-bpe", "llama3-en")
+FAMILIES = ("gpt2", "llama3", "metaspace", "llama2", "nfkc-bpe", "llama3-en", "llama2-sp")
 EOD = {"gpt2": "<|endoftext|>", "llama3": "<|end_of_text|>", "metaspace": "</s>", "llama2": "</s>",
-       "nfkc-bpe": "<|endoftext|>", "llama3-en": "<|end_of_text|>"}
+       "nfkc-bpe": "<|endoftext|>", "llama3-en": "<|end_of_text|>", "llama2-sp": "<|endoftext|>"}
 BOS = {"llama3": "<|begin_of_text|>", "metaspace": "<s>", "llama2": "<s>", "llama3-en": "<|begin_of_text|>"}
 ENGLISH_FILES = 300  # llama3-en trains on this many standard-library files, as --families does on the stdlib corpus
+SMALL_ALPHABET_COVERAGE = 0.9995  # llama2-sp: train_tokenizer.py's default, so a small alphabet and byte fallback
 
 
 def llama2_tokenizer(texts, vocab_size):
     """A tokenizer laid out as converted Llama 2 and Mistral tokenizer.json files are: a SentencePiece BPE model
     trained with Llama 2's trainer settings (whitespace-only pieces, byte fallback, digits split, no whitespace
-    clean-up), its pieces and merges (transformers' conversion: every split of a piece into two pieces, ranked
-    by the piece's score) in a BPE model with byte fallback and fused unknowns, Metaspace with prepend_scheme
-    "first" and split false, no normalizer."""
-    import io
-
+    clean-up) converted by `llama2_layout`."""
     import sentencepiece as spm
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from data.offline.hf_tokenizer import spm_merges
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter([line for text in texts for line in text.splitlines() if line]), model_writer=model,
         model_type="bpe", vocab_size=vocab_size, hard_vocab_limit=False, byte_fallback=True, split_digits=True,
         allow_whitespace_only_pieces=True, remove_extra_whitespaces=False, normalization_rule_name="identity",
         character_coverage=0.99995, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
-    sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    return llama2_layout(spm.SentencePieceProcessor(model_proto=model.getvalue()), ["<unk>", "<s>", "</s>"])
+
+
+def llama2_layout(sp, specials):
+    """A SentencePiece BPE model as transformers converts Llama 2 and Mistral: its pieces and merges (every
+    split of a piece into two pieces, ranked by the piece's score) in a BPE model with byte fallback and fused
+    unknowns, Metaspace with prepend_scheme "first" and split false, no normalizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from data.offline.hf_tokenizer import spm_merges
     pieces = [(sp.id_to_piece(i), sp.get_score(i)) for i in range(sp.get_piece_size())]
     tok = Tokenizer(models.BPE({piece: i for i, (piece, _) in enumerate(pieces)}, spm_merges(pieces),
                                unk_token="<unk>", fuse_unk=True, byte_fallback=True))
-    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tok.add_special_tokens(specials)
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
     tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
                                      decoders.Strip(" ", 1, 0)])
     return tok
+
+
+def sp_llama2(texts, vocab_size, folder):
+    """The SentencePiece BPE tools/train_tokenizer.py trains with --type sp-bpe and a character coverage below 1
+    (SMALL_ALPHABET_COVERAGE: the rarest characters are not pieces and fall back to bytes), in the Llama 2
+    layout."""
+    import sentencepiece as spm
+    from tools import train_tokenizer
+    os.makedirs(folder, exist_ok=True)
+    corpus = os.path.join(folder, "train.jsonl")
+    with open(corpus, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        train_tokenizer.main(["--input", corpus, "--output-dir", os.path.join(folder, "tok"), "--type", "sp-bpe",
+                              "--vocab-size", str(vocab_size), "--holdout-fraction", "0",
+                              "--character-coverage", str(SMALL_ALPHABET_COVERAGE)])
+    sp = spm.SentencePieceProcessor(model_file=os.path.join(folder, "tok", "tokenizer.model"))
+    specials = [sp.id_to_piece(i) for i in range(sp.get_piece_size()) if sp.is_control(i) or sp.is_unknown(i)]
+    return llama2_layout(sp, specials)
 
 
 def trained_bpe(family, texts, vocab_size):
@@ -146,6 +172,8 @@ def build_family(family, texts, vocab_size, path):
         tok = llama2_tokenizer(texts, vocab_size)
     elif family == "nfkc-bpe":
         tok = nfkc_bpe(texts, vocab_size, path + ".train")
+    elif family == "llama2-sp":
+        tok = sp_llama2(texts, vocab_size, path + ".train")
     elif family == "llama3-en":
         tok = trained_bpe("llama3", english_and_code(ENGLISH_FILES), vocab_size)
     else:
@@ -305,11 +333,11 @@ def cut_shares(tokenizer_path, texts):
         encoder = load_encoder(tokenizer_spec(None, tokenizer_path), use_context_cuts=context)
         if encoder.cutter is None or encoder.cutter.context != context:
             continue
-        normalize, joined = encoder._normalize or str, encoder.rule.joined_text or str
+        joined = encoder.rule.joined_text or str
+        normalized = encoder._normalize(texts) if encoder._normalize else texts
         cut_places = places = occurrences = 0
         seconds, counts = 0.0, collections.Counter()
-        for text in texts:
-            text = joined(normalize(text))
+        for text in map(joined, normalized):
             start = time.process_time()
             cut = encoder.cutter.places(text)
             seconds += time.process_time() - start
@@ -321,7 +349,7 @@ def cut_shares(tokenizer_path, texts):
             occurrences += len(at) - 1
             counts.update(text[a:b] for a, b in zip(at[:-1], at[1:]))
         found[rule] = (cut_places, places, seconds, occurrences, len(counts))
-        chunks = collections.Counter(c for text in texts for c in encoder.rule.split(normalize(text)))
+        chunks = collections.Counter(c for text in normalized for c in encoder.rule.split(text))
         found["chunks"] = (sum(chunks.values()), len(chunks))
     return found
 

@@ -39,6 +39,7 @@ import numpy as np
 from data.eod import eod_id_from_tokenizer
 from data.offline.chunk_rules import OTHER_SPACES, SAFE_SPACES, cut_rule  # noqa: F401 (the spaces: re-exported)
 from data.offline.fast_bpe import byte_chars, tiktoken_engine
+from data.offline.nfkc import nfkc_batch
 from data.offline.pieces import key_texts, letter_cutter, piece_cutter
 
 _OTHER_SPACE_RE = re.compile("[" + re.escape(OTHER_SPACES) + "]")
@@ -140,7 +141,11 @@ class HFEncoder:
             # The tokenizers that encode misses are built at the first miss: the main process never needs them.
             self._plain_config, self._inner = dict(config, normalizer=None, added_tokens=[], post_processor=None), None
             normalizer = self.tokenizer.normalizer
-            self._normalize = normalizer.normalize_str if normalizer is not None else None
+            self._normalize = None
+            if normalizer is not None:
+                # NFKC (Chinese vocabularies' normalizer) a batch at a time, exactly (data/offline/nfkc.py).
+                fast = nfkc_batch(normalizer.normalize_str) if config["normalizer"] == {"type": "NFKC"} else None
+                self._normalize = fast or (lambda texts: list(map(normalizer.normalize_str, texts)))
             added = [t["content"] for t in config.get("added_tokens") or []]
             self._added_re = (re.compile("|".join(re.escape(a) for a in sorted(added, key=len, reverse=True)))
                               if added else None)
@@ -471,8 +476,7 @@ class HFEncoder:
         if self._flat.size + self._piece_flat.size > self.max_cached_tokens:
             self._reset_cache()
         plain, chunked = [], []
-        for i, text in enumerate(texts):
-            norm = self._normalize(text) if self._normalize else text
+        for i, (text, norm) in enumerate(zip(texts, self._normalize(texts) if self._normalize else texts)):
             if (not norm or _OTHER_SPACE_RE.search(norm) or (self._added_re is not None and (
                     self._added_re.search(text) or (norm is not text and self._added_re.search(norm))))):
                 plain.append(i)

@@ -100,19 +100,21 @@ def tiktoken_engine(config, tokenizer, rule_name):
         import tiktoken
     except ImportError:
         return None, "tiktoken is not installed (pip install tiktoken, the fast extra)"
-    from tokenizers import Tokenizer, models
+    from tokenizers import models
     model, vocab = config.get("model") or {}, tokenizer.get_vocab(with_added_tokens=False)
     found = _structure(model, vocab)
     if isinstance(found, str):
         return None, found
     ranks, ids, made = found
     # (c): every merged token encodes to itself by the merges alone (the tokenizer's own model unless it has
-    # ignore_merges, which would find each token whole).
-    merges_only = (Tokenizer(tokenizer.model) if not model.get("ignore_merges") else Tokenizer(models.BPE(
+    # ignore_merges, which would find each token whole). The model's own tokenize, a token at a time: half the
+    # CPU of a batch encode through a Tokenizer (0.08 s against 0.15 s for 31,742 merges).
+    merges_only = (tokenizer.model if not model.get("ignore_merges") else models.BPE(
         vocab, [tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1)) for m in model["merges"]],
-        ignore_merges=False)))
-    for token, enc in zip(made, merges_only.encode_batch_fast(made, add_special_tokens=False)):
-        if enc.ids != [vocab[token]]:
+        ignore_merges=False))
+    for token in made:
+        found = merges_only.tokenize(token)
+        if len(found) != 1 or found[0].id != vocab[token]:
             return None, f"the token {token!r} does not encode to itself by the merges"
     try:
         encoding = tiktoken.Encoding("trilith", pat_str=_pattern(config, rule_name), mergeable_ranks=ranks,
