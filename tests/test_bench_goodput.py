@@ -24,10 +24,10 @@ LOG = f"""2026-12-06 03:00:00,000 {BANNER}
 2026-12-06 03:00:25,500 step      5 | loss 5.1 | lr 1e-3 | grad_norm 1.0
 2026-12-06 03:00:45,000 {BANNER}
 2026-12-06 03:00:45,250 recovery: from the disk checkpoint (checkpoint.memory_interval=0) at step 4: \
-steps lost unknown, 0.25 s
+steps lost unknown, 0.250 s
 2026-12-06 03:00:46,500 step      5 | loss 5.1 | lr 1e-3 | grad_norm 1.0
 2026-12-06 03:00:50,000 {BANNER}
-2026-12-06 03:00:50,100 recovery: from memory (partner copies for rank 1) at step 5: 0 steps lost, 0.05 s + 0.02 s \
+2026-12-06 03:00:50,100 recovery: from memory (partner copies for rank 1) at step 5: 0 steps lost, 0.050 s + 0.020 s \
 snapshot set-up
 """
 
@@ -54,16 +54,16 @@ def test_the_summary_judges_the_goals_from_the_numbers():
                 "redone_equal": True, "curve": {1: (5.0, 1.0)}}
     lines = summary(Args, [result("disk", 3, "disk", 0.4), result("memory", 1, "memory", 0.1, setup=0.1)])
     assert "steps lost per failure with snapshots: at most 1 (goal ≤ memory_interval=2: met)" in lines
-    assert ("restore from memory 0.10 s, from the disk checkpoint 0.40 s (medians of 1 and 1): 4.0× (goal ≥ 3×: met)"
+    assert ("restore from memory 0.100 s, from the disk checkpoint 0.400 s (medians of 1 and 1): 4.0× (goal ≥ 3×: met)"
             in lines)
-    assert "with each start's snapshot set-up counted in: 0.20 s and 0.40 s: 2.0×" in lines
+    assert "with each start's snapshot set-up counted in: 0.200 s and 0.400 s: 2.0×" in lines
     slow_once = [result("memory", 1, "memory", restore) for restore in (0.1, 0.9, 0.1)]
     lines = summary(Args, [result("disk", 3, "disk", 0.4)] + slow_once)  # a mean (0.37 s) would say 1.1×
-    assert ("restore from memory 0.10 s, from the disk checkpoint 0.40 s (medians of 3 and 1): 4.0× (goal ≥ 3×: met)"
+    assert ("restore from memory 0.100 s, from the disk checkpoint 0.400 s (medians of 3 and 1): 4.0× (goal ≥ 3×: met)"
             in lines)
     lines = summary(Args, [result("disk", 3, "disk", 0.2), result("memory", 3, "memory", 0.1)])
     assert "steps lost per failure with snapshots: at most 3 (goal ≤ memory_interval=2: MISSED)" in lines
-    assert ("restore from memory 0.10 s, from the disk checkpoint 0.20 s (medians of 1 and 1): 2.0× "
+    assert ("restore from memory 0.100 s, from the disk checkpoint 0.200 s (medians of 1 and 1): 2.0× "
             "(goal ≥ 3×: MISSED)") in lines
 
 

@@ -254,11 +254,11 @@ def summary(args, results: list[dict]) -> list[str]:
         # medians: one restart whose rank sat without a core for a while would decide a mean
         memory_s, disk_s = statistics.median(by_tier["memory"]), statistics.median(by_tier["disk"])
         ratio = disk_s / max(memory_s, 0.005)
-        lines.append(f"restore from memory {memory_s:.2f} s, from the disk checkpoint {disk_s:.2f} s "
+        lines.append(f"restore from memory {memory_s:.3f} s, from the disk checkpoint {disk_s:.3f} s "
                      f"(medians of {len(by_tier['memory'])} and {len(by_tier['disk'])}): {ratio:.1f}× (goal ≥ 3×: "
                      f"{'met' if ratio >= 3 else 'MISSED'})")
         memory_s, disk_s = statistics.median(with_setup["memory"]), statistics.median(with_setup["disk"])
-        lines.append(f"with each start's snapshot set-up counted in: {memory_s:.2f} s and {disk_s:.2f} s: "
+        lines.append(f"with each start's snapshot set-up counted in: {memory_s:.3f} s and {disk_s:.3f} s: "
                      f"{disk_s / max(memory_s, 0.005):.1f}×")
     rounds = {}
     for r in results:

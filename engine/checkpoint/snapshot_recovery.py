@@ -94,7 +94,7 @@ def recover(checkpointer, memory) -> dict | None:
         meta = checkpointer.resume()
         if meta and checkpointer.rank == 0:  # no progress marks without snapshots: the steps lost are not known here
             log.info(f"recovery: from the disk checkpoint (checkpoint.memory_interval=0) at step {meta['step']}: "
-                     f"steps lost unknown, {time.perf_counter() - start:.2f} s")
+                     f"steps lost unknown, {time.perf_counter() - start:.3f} s")
         return meta
     store, rank = memory.store, memory.rank
     # Snapshots no newer than the disk checkpoint (run.dir is shared: every rank reads the same `latest`) would
@@ -144,5 +144,5 @@ def recover(checkpointer, memory) -> dict | None:
         n = last - resumed
         lost = f"{n} step{'' if n == 1 else 's'} lost" if last >= 0 else "steps lost unknown"
         log.info(f"recovery: from {tier if meta else 'nothing (a fresh start)'} at step {resumed}: {lost}, "
-                 f"{time.perf_counter() - start:.2f} s + {memory.setup_s:.2f} s snapshot set-up")
+                 f"{time.perf_counter() - start:.3f} s + {memory.setup_s:.3f} s snapshot set-up")
     return meta
