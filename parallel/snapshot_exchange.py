@@ -5,8 +5,9 @@ the rank with local index i on node (n + 1) mod N, and holds the snapshot of loc
 ranks packed by node (torchrun, SLURM's block distribution), R ranks per node: rank r -> (r + R) mod world. One
 node, or nodes of different rank counts: no partner (the node's shared memory is the only copy).
 
-Everything here runs on a gloo group of its own over CPU byte tensors, so that the partner copy can go on in a
-background thread while training uses the world's groups (NCCL on GPUs).
+Everything here moves CPU byte tensors on gloo groups: the partner copy on a group of its own, so that it can go
+on in a background thread while training uses the world's groups (NCCL on GPUs); the recovery's gather and
+deliveries, before training starts, on the checkpointer's host group.
 """
 from __future__ import annotations
 
@@ -40,15 +41,21 @@ def as_tensor(payload) -> torch.Tensor:
 
 
 class SnapshotExchange:
-    """Built on every rank at once (it makes a process group); `nodes` is every rank's node name."""
+    """Built on every rank at once (on several nodes it makes a process group); `nodes` is every rank's node name,
+    `group` a host group over every rank for the recovery's gather and deliveries, used only by the training
+    thread."""
 
-    def __init__(self, rank: int, nodes: list[str]):
+    def __init__(self, rank: int, nodes: list[str], group=None):
         self.rank, self.world = rank, len(nodes)
         self.partner_of = partners(nodes)
         self.partner = self.partner_of[rank]
         sources = [r for r, p in enumerate(self.partner_of) if p == rank]
         self.source = sources[0] if sources else None  # whose snapshot this rank holds
-        self.group = dist.new_group(backend=host_backend()) if self.world > 1 else None
+        self.coordination = group if self.world > 1 else None
+        # The partner copies run in a background thread beside the checkpointer's own use of `group`, hence a
+        # group of their own; without partners (partners() gives every rank one or none) none is made, saving its
+        # connection set-up, which waits for every rank
+        self.group = dist.new_group(backend=host_backend()) if self.partner is not None else None
         comm.register_group(self.group, "snapshot")
 
     def swap(self, head: bytes, body, receive, between=lambda: None):
@@ -72,10 +79,10 @@ class SnapshotExchange:
 
     def gather(self, obj) -> list:
         """Every rank's `obj` (what snapshots it holds), in rank order."""
-        if self.group is None:
+        if self.coordination is None:
             return [obj]
         out = [None] * self.world
-        comm.all_gather_object(out, obj, self.group)
+        comm.all_gather_object(out, obj, self.coordination)
         return out
 
     def deliver(self, moves: list[tuple[int, int]], payload_of) -> dict[int, memoryview]:
@@ -85,12 +92,12 @@ class SnapshotExchange:
         for holder, owner in moves:
             if self.rank == holder:
                 data = payload_of(owner)
-                comm.host_send_recv(torch.tensor([len(data)], dtype=torch.int64), owner, None, -1, self.group)
-                comm.host_send_recv(as_tensor(data), owner, None, -1, self.group)
+                comm.host_send_recv(torch.tensor([len(data)], dtype=torch.int64), owner, None, -1, self.coordination)
+                comm.host_send_recv(as_tensor(data), owner, None, -1, self.coordination)
             elif self.rank == owner:
                 size = torch.zeros(1, dtype=torch.int64)
-                comm.host_send_recv(None, -1, size, holder, self.group)
+                comm.host_send_recv(None, -1, size, holder, self.coordination)
                 data_in = torch.empty(int(size.item()), dtype=torch.uint8)
-                comm.host_send_recv(None, -1, data_in, holder, self.group)
+                comm.host_send_recv(None, -1, data_in, holder, self.coordination)
                 received[owner] = memoryview(data_in.numpy())
         return received

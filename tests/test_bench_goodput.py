@@ -24,10 +24,11 @@ LOG = f"""2026-12-06 03:00:00,000 {BANNER}
 2026-12-06 03:00:25,500 step      5 | loss 5.1 | lr 1e-3 | grad_norm 1.0
 2026-12-06 03:00:45,000 {BANNER}
 2026-12-06 03:00:45,250 recovery: from the disk checkpoint (checkpoint.memory_interval=0) at step 4: \
-steps lost unknown, 0.25 s
+steps lost unknown, 0.250 s
 2026-12-06 03:00:46,500 step      5 | loss 5.1 | lr 1e-3 | grad_norm 1.0
 2026-12-06 03:00:50,000 {BANNER}
-2026-12-06 03:00:50,100 recovery: from memory (partner copies for rank 1) at step 5: 0 steps lost, 0.05 s
+2026-12-06 03:00:50,100 recovery: from memory (partner copies for rank 1) at step 5: 0 steps lost, 0.050 s + 0.020 s \
+snapshot set-up
 """
 
 
@@ -36,6 +37,7 @@ def test_each_restart_is_read_with_its_tier_steps_lost_and_times():
     assert [(f["failed_after"], f["resumed_at"], f["lost"], f["tier"], f["stated_lost"]) for f in got] == [
         (3, 0, 3, "fresh start", None), (5, 4, 1, "disk", None), (5, 5, 0, "memory", 0)]
     assert [f["restore_s"] for f in got] == [0.0, 0.25, 0.05]
+    assert [f["setup_s"] for f in got] == [0.0, 0.0, 0.02]  # the snapshots' set-up the line states beside it
     assert [round(f["restart_s"], 3) for f in got] == [18.5, 19.75, 3.6]  # last step → recovery line (or first step)
 
 
@@ -44,23 +46,24 @@ def test_the_summary_judges_the_goals_from_the_numbers():
         shape, nproc, steps, rank, fail_every, checkpoint_interval, memory_interval = "tiny", 2, 10, 1, 3, 4, 2
         disk_cache = "cold"
 
-    def result(mode, lost, tier, restore):
-        fails = [{"lost": lost, "tier": tier, "restore_s": restore, "restart_s": 20.0}]
+    def result(mode, lost, tier, restore, setup=0.0):
+        fails = [{"lost": lost, "tier": tier, "restore_s": restore, "setup_s": setup, "restart_s": 20.0}]
         return {"mode": mode, "round": 1, "memory_interval": 2 if mode == "memory" else 0, "wall_s": 50.0,
                 "cpu_s": 60.0, "load": [1.0, 2.0], "steps": 10,
                 "goodput_steps_per_s": 0.2, "useful_share": 0.2, "step_s": 1.0, "failures": fails,
                 "redone_equal": True, "curve": {1: (5.0, 1.0)}}
-    lines = summary(Args, [result("disk", 3, "disk", 0.4), result("memory", 1, "memory", 0.1)])
+    lines = summary(Args, [result("disk", 3, "disk", 0.4), result("memory", 1, "memory", 0.1, setup=0.1)])
     assert "steps lost per failure with snapshots: at most 1 (goal ≤ memory_interval=2: met)" in lines
-    assert ("restore from memory 0.10 s, from the disk checkpoint 0.40 s (medians of 1 and 1): 4.0× (goal ≥ 3×: met)"
+    assert ("restore from memory 0.100 s, from the disk checkpoint 0.400 s (medians of 1 and 1): 4.0× (goal ≥ 3×: met)"
             in lines)
+    assert "with each start's snapshot set-up counted in: 0.200 s and 0.400 s: 2.0×" in lines
     slow_once = [result("memory", 1, "memory", restore) for restore in (0.1, 0.9, 0.1)]
     lines = summary(Args, [result("disk", 3, "disk", 0.4)] + slow_once)  # a mean (0.37 s) would say 1.1×
-    assert ("restore from memory 0.10 s, from the disk checkpoint 0.40 s (medians of 3 and 1): 4.0× (goal ≥ 3×: met)"
+    assert ("restore from memory 0.100 s, from the disk checkpoint 0.400 s (medians of 3 and 1): 4.0× (goal ≥ 3×: met)"
             in lines)
     lines = summary(Args, [result("disk", 3, "disk", 0.2), result("memory", 3, "memory", 0.1)])
     assert "steps lost per failure with snapshots: at most 3 (goal ≤ memory_interval=2: MISSED)" in lines
-    assert ("restore from memory 0.10 s, from the disk checkpoint 0.20 s (medians of 1 and 1): 2.0× "
+    assert ("restore from memory 0.100 s, from the disk checkpoint 0.200 s (medians of 1 and 1): 2.0× "
             "(goal ≥ 3×: MISSED)") in lines
 
 

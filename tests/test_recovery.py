@@ -183,6 +183,27 @@ def test_shared_memory_too_small_is_one_line_with_the_size(tmp_path, monkeypatch
                      f"checkpoint.memory_dir={tmp_path / 'shm'}")
 
 
+def test_every_rank_stops_with_the_first_rank_short_of_shared_memory():
+    """The set-up gathers one record per rank (node, shard size, free space) and every rank checks them all, so
+    all ranks stop with the same line: here rank 2's, the first short of space (rank 3's unusable directory
+    comes after it)."""
+    from types import SimpleNamespace
+    from engine.checkpoint.snapshot_writer import MemorySnapshots
+    from parallel.snapshot_exchange import partners
+    nodes = ["a", "a", "b", "b"]
+    memory = MemorySnapshots.__new__(MemorySnapshots)
+    memory.nodes, memory.exchange = nodes, SimpleNamespace(partner_of=partners(nodes))
+    unusable = "checkpoint.memory_dir=/shm is unusable on b: Permission denied"
+    gathered = [{"node": n, "shard": 1 << 20, "free": free}
+                for n, free in zip(nodes, [1 << 30, 1 << 30, 4 << 20, unusable])]
+    with pytest.raises(CheckpointError, match=r"^checkpoint.memory_dir=/shm on b has 4.0 MiB free but memory snapshots "
+                                              r"need 12.0 MiB \(2 ranks × 3 \(2 generations and the one being "
+                                              r"written\) × own \+ partner shard of 1.0 MiB\); enlarge it"):
+        memory.check_space(Path("/shm"), gathered)
+    with pytest.raises(CheckpointError, match=f"^{unusable}$"):
+        memory.check_space(Path("/shm"), gathered[:2] + [{**gathered[2], "free": 1 << 30}, gathered[3]])
+
+
 def test_a_malformed_fault_is_a_configuration_error(tmp_path):
     done = subprocess.run(command(tmp_path / "run", [], "run.inject_fault=explode@step=1"), cwd=ROOT, env=LAUNCH_ENV,
                           capture_output=True, text=True, timeout=120)

@@ -9,7 +9,8 @@ the disk checkpoint, the holders send the missing shards to their owners (parall
 every rank restores its state from its own shard: optimizer state (and with it the weights), Adam step, loss
 scaler, RNG, data position. Otherwise the disk checkpoint is loaded, as without snapshots. Rank 0 logs one line:
 the tier, the step, the steps lost, the seconds (also without snapshots, after loading a disk checkpoint: the
-steps lost then unknown).
+steps lost then unknown) and, with snapshots, the seconds of their set-up just before (MemorySnapshots: a cost
+that only a run with snapshots pays, at every start).
 """
 from __future__ import annotations
 
@@ -93,7 +94,7 @@ def recover(checkpointer, memory) -> dict | None:
         meta = checkpointer.resume()
         if meta and checkpointer.rank == 0:  # no progress marks without snapshots: the steps lost are not known here
             log.info(f"recovery: from the disk checkpoint (checkpoint.memory_interval=0) at step {meta['step']}: "
-                     f"steps lost unknown, {time.perf_counter() - start:.2f} s")
+                     f"steps lost unknown, {time.perf_counter() - start:.3f} s")
         return meta
     store, rank = memory.store, memory.rank
     # Snapshots no newer than the disk checkpoint (run.dir is shared: every rank reads the same `latest`) would
@@ -143,5 +144,5 @@ def recover(checkpointer, memory) -> dict | None:
         n = last - resumed
         lost = f"{n} step{'' if n == 1 else 's'} lost" if last >= 0 else "steps lost unknown"
         log.info(f"recovery: from {tier if meta else 'nothing (a fresh start)'} at step {resumed}: {lost}, "
-                 f"{time.perf_counter() - start:.2f} s")
+                 f"{time.perf_counter() - start:.3f} s + {memory.setup_s:.3f} s snapshot set-up")
     return meta

@@ -12,6 +12,8 @@ import json
 import logging
 import secrets
 import shutil
+import time
+from dataclasses import replace
 from pathlib import Path
 
 from engine.checkpoint.background import BackgroundWrite
@@ -19,7 +21,6 @@ from engine.checkpoint.checkpointer import rng_snapshot
 from engine.checkpoint.files import CheckpointError
 from engine.checkpoint.memory_snapshot import STATE, Identity, SnapshotStore, StateFile, config_hash, layout
 from engine.memory_estimate import gib
-from parallel import comm
 from parallel.distributed import snapshot_node
 from parallel.snapshot_exchange import SnapshotExchange
 
@@ -40,55 +41,62 @@ def space_needed(shard_bytes: int, partner: bool) -> int:
 
 
 class MemorySnapshots:
-    """Built on every rank at once (it gathers the node names and makes the exchange's process group)."""
+    """Built on every rank at once (one gather of each rank's node, space and rank 0's token; on several nodes
+    the exchange's process group)."""
 
     def __init__(self, checkpointer, faults=None):
+        start = time.perf_counter()
         self.ck, self.faults = checkpointer, faults
         cfg = checkpointer.cfg
         self.interval, self.rank, self.world = cfg.checkpoint.memory_interval, checkpointer.rank, checkpointer.world
-        nodes = [snapshot_node()] * self.world
-        if checkpointer.group is not None:
-            comm.all_gather_object(nodes, snapshot_node(), checkpointer.group)
-        self.nodes = nodes
-        self.exchange = SnapshotExchange(self.rank, nodes)
-        self.identity = Identity(str(Path(cfg.run.dir).resolve()), self.world, config_hash(cfg), self._token())
-        self.store = SnapshotStore(cfg.checkpoint.memory_dir, nodes[self.rank], self.identity)
+        node, root = snapshot_node(), Path(cfg.checkpoint.memory_dir)
+        self.store = SnapshotStore(root, node, Identity(str(Path(cfg.run.dir).resolve()), self.world, config_hash(cfg)))
+        # One gather of a small record instead of three (nodes, token, space): every rank then checks every
+        # rank's space from the same list, so all of them raise the same error or none
+        gathered = self.ck._gather({"node": node, "token": self._token(), "shard": state_bytes(self.ck.optimizer),
+                                    "free": self._free(root, node)})
+        self.nodes = [r["node"] for r in gathered]
+        self.exchange = SnapshotExchange(self.rank, self.nodes, checkpointer.group)
+        self.store.identity = replace(self.store.identity, token=gathered[0]["token"])
         self.background = BackgroundWrite("memory-snapshot", daemon=True)
-        self.check_space()
+        self.check_space(root, gathered)
+        self.setup_s = time.perf_counter() - start  # stated in the recovery line: a cost of the memory tier
 
     def _token(self) -> str:
-        """This run.dir's token, made by rank 0 at its first start with snapshots."""
-        token = ""
-        if self.rank == 0:
-            path = self.ck.root / TOKEN
-            if not path.is_file():
-                path.write_text(secrets.token_hex(8))
-            token = path.read_text().strip()
-        return self.ck._gather(token)[0]
+        """This run.dir's token (rank 0's, made at its first start with snapshots; "" on the other ranks)."""
+        if self.rank != 0:
+            return ""
+        path = self.ck.root / TOKEN
+        if not path.is_file():
+            path.write_text(secrets.token_hex(8))
+        return path.read_text().strip()
 
-    def check_space(self) -> None:
-        """/dev/shm too small for the snapshots (own + partner's): one line naming the size needed, agreed
-        by every rank (each node's ranks share one file system)."""
-        need = space_needed(state_bytes(self.ck.optimizer), self.exchange.partner is not None)
-        root = Path(self.ck.cfg.checkpoint.memory_dir)
-        problem = ""
+    def _free(self, root: Path, node: str) -> int | str:
+        """Bytes this rank's snapshots may take under `root` (free, and what this run's hold already), or why
+        `root` is unusable."""
         try:
             root.mkdir(parents=True, exist_ok=True)
-            on_node = sum(n == self.nodes[self.rank] for n in self.nodes)
-            free = shutil.disk_usage(root).free + self.store.bytes_held()
-            if need * on_node > free:
-                problem = (f"checkpoint.memory_dir={root} on {self.nodes[self.rank]} has {gib(free)} free but "
-                           f"memory snapshots need {gib(need * on_node)} ({on_node} ranks × 3 (2 generations and "
-                           f"the one being written) × "
-                           f"{'own + partner' if self.exchange.partner is not None else 'own'} shard of "
-                           f"{gib(need / (6 if self.exchange.partner is not None else 3))}); enlarge it "
-                           f"(mount -o remount,size=... /dev/shm), set checkpoint.memory_dir elsewhere, or "
-                           f"checkpoint.memory_interval=0")
+            return shutil.disk_usage(root).free + self.store.bytes_held()
         except OSError as exc:
-            problem = f"checkpoint.memory_dir={root} is unusable on {self.nodes[self.rank]}: {exc.strerror or exc}"
-        problems = [p for p in self.ck._gather(problem) if p]
-        if problems:
-            raise CheckpointError(problems[0])
+            return f"checkpoint.memory_dir={root} is unusable on {node}: {exc.strerror or exc}"
+
+    def check_space(self, root: Path, gathered: list[dict]) -> None:
+        """/dev/shm too small for the snapshots (own + partner's): one line naming the size needed, the first
+        rank's problem (each node's ranks share one file system)."""
+        for rank, report in enumerate(gathered):
+            node, free = report["node"], report["free"]
+            if isinstance(free, str):
+                raise CheckpointError(free)
+            partner = self.exchange.partner_of[rank] is not None
+            need = space_needed(report["shard"], partner)
+            on_node = self.nodes.count(node)
+            if need * on_node > free:
+                raise CheckpointError(
+                    f"checkpoint.memory_dir={root} on {node} has {gib(free)} free but memory snapshots need "
+                    f"{gib(need * on_node)} ({on_node} ranks × 3 (2 generations and the one being written) × "
+                    f"{'own + partner' if partner else 'own'} shard of {gib(need / (6 if partner else 3))}); "
+                    f"enlarge it (mount -o remount,size=... /dev/shm), set checkpoint.memory_dir elsewhere, or "
+                    f"checkpoint.memory_interval=0")
 
     def due(self, step: int) -> bool:
         return self.interval > 0 and step % self.interval == 0
