@@ -344,7 +344,8 @@ class SnapshotStore:
         return manifest, decode(path / STATE, want["bytes"], want["crc32"], view)
 
     def packed(self, owner: int, step: int) -> bytearray:
-        """A snapshot as `pack()` makes it, for sending: the state file read straight into the buffer."""
+        """A snapshot framed as `unpack()` reads it (its manifest, then the state file), for sending: the state
+        file read straight into the buffer."""
         manifest, path = self.manifest(owner, step), self._path(owner, step) / STATE
         out, offset = frame(manifest, manifest["files"][STATE]["bytes"])
         with open(path, "rb", buffering=0) as f:

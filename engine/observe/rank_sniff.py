@@ -86,16 +86,15 @@ def _verdict(name: str, seconds: list[float], hosts: list[str], ratio: float, wh
                   f"{hosts[slowest]} {seconds[slowest] / median:.2f}×{limit}")
 
 
-def _crowded_host(device: torch.device, hosts: list[str], group) -> str | None:
-    """A host whose CPU ranks outnumber its cores, as 'NAME (R ranks on C cores)'; None on GPUs or when none is."""
+def _crowded_host(device: torch.device, hosts: list[tuple[str, int]]) -> str | None:
+    """A host whose CPU ranks outnumber its cores, as 'NAME (R ranks on C cores)', from every rank's (host,
+    cores); None on GPUs or when none is."""
     if device.type == "cuda":
         return None
-    cores = [None] * len(hosts)
-    comm.all_gather_object(cores, os.cpu_count() or 1, group)
-    for host in dict.fromkeys(hosts):
-        ranks, its_cores = hosts.count(host), cores[hosts.index(host)]
-        if ranks > its_cores:
-            return f"{host} ({ranks} ranks on {its_cores} cores)"
+    names = [name for name, _ in hosts]
+    for name, cores in dict(hosts).items():
+        if names.count(name) > cores:
+            return f"{name} ({names.count(name)} ranks on {cores} cores)"
     return None
 
 
@@ -105,8 +104,9 @@ def sniff(device: torch.device) -> list[tuple[bool, str]]:
     if group is None:
         return []
     hosts = [None] * comm.group_size(group)
-    comm.all_gather_object(hosts, node_name(), group)
-    crowded = _crowded_host(device, hosts, group)
+    comm.all_gather_object(hosts, (node_name(), os.cpu_count() or 1), group)
+    crowded = _crowded_host(device, hosts)
+    hosts = [name for name, _ in hosts]
     mine = torch.tensor([[matmul_seconds(device), all_reduce_seconds(device, crowded is not None)]],
                         dtype=torch.float64, device=device)
     table = comm.all_gather(mine, group).cpu().tolist()
